@@ -1,0 +1,174 @@
+"""Prepare once: source → tokenizer → prompt/answer ids → packed, memory-mapped token shards.
+
+The result lives in a content-addressed directory `<cache_dir>/<version>/`, where `version` hashes the
+source data, tokenizer, template, seq len, packing and split settings; it is the dataset version
+recorded for a run. It is built in a temporary directory and renamed into place atomically, under a
+file lock, so concurrent ranks (or nodes sharing a filesystem) prepare it once and never see a
+half-written directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from shardline.data.generate import Example
+from shardline.data.packing import Document, PackedRows, pack
+from shardline.data.sources import SPLITS, SourceData, load_source
+from shardline.data.template import TEMPLATE_VERSION, encode_answer, encode_prompt
+from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
+from shardline.errors import DataError
+from shardline.spec import JobSpec
+
+PREPARE_VERSION = "1"
+PACKED_SPLITS = ("train", "validation")
+ARRAYS = ("tokens", "loss_mask", "position_ids", "n_real")
+Progress = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    root: Path
+
+    @property
+    def version(self) -> str:
+        return self.root.name
+
+    @cached_property
+    def meta(self) -> dict:
+        return json.loads((self.root / "meta.json").read_text())
+
+    @cached_property
+    def stats(self) -> dict:
+        return json.loads((self.root / "stats.json").read_text())
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(str(self.root / "tokenizer"))
+
+    def rows(self, split: str) -> PackedRows:
+        """Memory-mapped packed rows of `train` or `validation`."""
+        arrays = {a: np.load(self.root / f"{split}.{a}.npy", mmap_mode="r") for a in ARRAYS}
+        return PackedRows(**arrays)
+
+    def examples(self, split: str) -> list[Example]:
+        with (self.root / f"{split}.jsonl").open() as f:
+            return [Example(**json.loads(line)) for line in f]
+
+
+def default_cache_dir(spec: JobSpec) -> Path:
+    return Path(spec.data.cache_dir or Path(spec.run.dir) / "prepared").expanduser()
+
+
+def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
+    """Return the prepared data for `spec`, building it first if no committed copy exists."""
+    cache = default_cache_dir(spec)
+    cache.mkdir(parents=True, exist_ok=True)
+    source = load_source(spec.data)
+    version = dataset_version(spec, source)
+    final = cache / version
+    if (final / "stats.json").exists():
+        return PreparedData(final)
+    with _locked(cache / f".{version}.lock"):
+        if (final / "stats.json").exists():  # another process finished it while we waited
+            return PreparedData(final)
+        tmp = cache / f".tmp-{version}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _build(spec, source, tmp, version, progress)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedData(final)
+
+
+def dataset_version(spec: JobSpec, source: SourceData) -> str:
+    d, m = spec.data, spec.model
+    tokenizer_src = m.tokenizer or m.path
+    tokenizer_id = tokenizer_fingerprint(tokenizer_src) if tokenizer_src else f"bpe:{m.arch.vocab_size}"
+    parts = [PREPARE_VERSION, source.fingerprint, tokenizer_id, TEMPLATE_VERSION, d.prompt_format,
+             str(spec.train.seq_len), str(d.packing)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def _locked(path: Path):
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tokenizer_for(spec: JobSpec, source: SourceData) -> PreTrainedTokenizerBase:
+    src = spec.model.tokenizer or spec.model.path
+    if src:
+        return load_tokenizer(src)
+    texts = (t for ex in source.splits["train"] for t in (ex.context, ex.question, ex.answer))
+    return train_bpe(texts, spec.model.arch.vocab_size)
+
+
+def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
+            dropped: Counter, progress: Progress | None, split: str) -> list[Document]:
+    docs = []
+    seq_len = spec.train.seq_len
+    batch = 512
+    for start in range(0, len(examples), batch):
+        chunk = examples[start : start + batch]
+        for ex in chunk:
+            prompt = encode_prompt(tok, ex.question, ex.context, spec.data.prompt_format)
+            answer = encode_answer(tok, ex.answer)
+            if len(prompt) + len(answer) > seq_len:
+                dropped[f"{split}:too_long"] += 1
+                continue
+            docs.append(Document(ids=np.asarray(prompt + answer, dtype=np.int32), n_prompt=len(prompt)))
+        if progress:
+            progress(split, len(chunk))
+    return docs
+
+
+def _build(spec: JobSpec, source: SourceData, out: Path, version: str, progress: Progress | None) -> None:
+    out.mkdir(parents=True)
+    tok = _tokenizer_for(spec, source)
+    tok.save_pretrained(out / "tokenizer")
+    pad = pad_id(tok)
+    dropped = Counter(source.dropped)
+    stats: dict = {"rows_read": source.rows_read, "splits": {}}
+    for split in SPLITS:
+        examples = source.splits[split]
+        docs = _encode(tok, examples, spec, dropped, progress, split)
+        split_stats = {"examples": len(examples), "kept": len(docs)}
+        if split in PACKED_SPLITS:
+            if not docs:
+                raise DataError(
+                    spec.data.path or "generated data", f"no {split} example fits train.seq_len="
+                    f"{spec.train.seq_len}", "raise train.seq_len",
+                )
+            rows = pack(docs, spec.train.seq_len, pad, spec.data.packing)
+            for name in ARRAYS:
+                np.save(out / f"{split}.{name}.npy", getattr(rows, name))
+            real = int(rows.n_real.sum())
+            split_stats |= {"rows": len(rows.n_real), "tokens": real, "loss_tokens": int(rows.loss_mask.sum()),
+                            "pad_tokens": rows.pad_tokens, "fill": round(real / rows.tokens.size, 4)}
+        with (out / f"{split}.jsonl").open("w") as f:
+            for ex in examples:
+                f.write(json.dumps(ex.to_dict()) + "\n")
+        stats["splits"][split] = split_stats
+    stats["dropped"] = dict(sorted(dropped.items()))
+    meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad, "eos_id": tok.eos_token_id,
+            "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    # stats.json is written last: its presence marks a complete directory.
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))

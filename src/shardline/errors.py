@@ -1,0 +1,29 @@
+"""Errors meant for people: each names what is wrong (field or file), the bad value and the fix.
+
+The CLI prints these without a traceback and exits with code 2 (DESIGN.md §5); anything else is a bug.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75
+
+
+class ShardlineError(Exception):
+    """Base class for errors caused by user input (spec, data, paths)."""
+
+    def __init__(self, where: str, problem: str, fix: str) -> None:
+        self.where = where
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{where}: {problem} — {fix}")
+
+
+class SpecError(ShardlineError):
+    """The job spec is invalid; `where` is the dotted field path."""
+
+
+class DataError(ShardlineError):
+    """A data source or prepared-data directory is unusable; `where` is the file or column."""

@@ -1,0 +1,21 @@
+"""LoRA adapters via peft: only adapter weights stay trainable."""
+
+from __future__ import annotations
+
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from shardline.errors import SpecError
+from shardline.spec import LoraSpec
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in spec.target_modules if m not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise SpecError("model.lora.target_modules", f"{missing} are not modules of this model",
+                        f"choose from {linear}")
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                        target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

@@ -1,0 +1,116 @@
+"""Spec resolution: preset or YAML file → `--set` overrides → derived defaults → validated `JobSpec`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from shardline.errors import SpecError
+from shardline.spec import JobSpec
+
+DEFAULT_PRESET = "tiny"
+
+
+def preset_names() -> list[str]:
+    files = resources.files("shardline.presets").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def _read_source(source: str) -> dict[str, Any]:
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise SpecError(source, "spec file not found", f"give a YAML path or a preset: {preset_names()}")
+        text = path.read_text()
+    elif source in preset_names():
+        text = resources.files("shardline.presets").joinpath(f"{source}.yaml").read_text()
+    else:
+        raise SpecError(source, "neither a spec file nor a preset", f"presets: {', '.join(preset_names())}")
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise SpecError(source, f"invalid YAML ({e})", "fix the YAML syntax") from e
+    if not isinstance(data, dict):
+        raise SpecError(source, "the spec must be a mapping of sections", "start with e.g. 'train:'")
+    return data
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one Helm-style `a.b.c=value` override in place; the value is parsed as a YAML scalar."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise SpecError(f"--set {assignment}", "expected KEY=VALUE", "write e.g. --set train.lr=2e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {assignment}", f"value is not valid YAML ({e})", "quote the value") from e
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SpecError(key, f"'{part}' is a value, not a section", "override a leaf field")
+        node = child
+    node[parts[-1]] = value
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _validation_to_spec_error(err: ValidationError, data: dict[str, Any]) -> SpecError:
+    first = err.errors()[0]
+    path = ".".join(str(p) for p in first["loc"])
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        section = ".".join(str(p) for p in first["loc"][:-1])
+        fields = _known_fields(section)
+        return SpecError(path, "unknown field", f"remove it; fields of '{section or 'spec'}': {fields}")
+    value = first.get("input")
+    if isinstance(value, dict):
+        value = "{...}"
+    if kind == "value_error" and isinstance(first.get("ctx", {}).get("error"), SpecError):
+        return first["ctx"]["error"]
+    return SpecError(path, f"invalid value {value!r}: {first['msg']}", "see `shardline config show` for types")
+
+
+def _known_fields(section: str) -> str:
+    model: Any = JobSpec
+    for part in filter(None, section.split(".")):
+        model = model.model_fields[part].annotation
+    return ", ".join(model.model_fields)
+
+
+def load_spec(source: str | None = None, overrides: list[str] | None = None) -> JobSpec:
+    """Resolve a spec from a preset name or YAML path plus `--set` overrides; raises `SpecError`."""
+    data = _read_source(source or DEFAULT_PRESET)
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    parallel = data.setdefault("parallel", {})
+    if isinstance(parallel, dict) and parallel.get("nproc_per_node") is None:
+        parallel["nproc_per_node"] = _default_nproc()
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise _validation_to_spec_error(e, data) from None
+    except SpecError:
+        raise
+
+
+def spec_to_yaml(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """sha256 of the canonical JSON of the resolved spec, without the run identity."""
+    data = spec.model_dump(mode="json")
+    data["run"].pop("id", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

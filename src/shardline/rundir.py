@@ -1,0 +1,94 @@
+"""The run directory (DESIGN.md §2): `runs/<run_id>/` with spec.yaml, manifest.json, metrics, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from shardline import __version__
+from shardline.errors import SpecError
+from shardline.resolve import spec_hash, spec_to_yaml
+from shardline.spec import JobSpec
+
+
+def run_path(spec: JobSpec) -> Path:
+    if spec.run.id is None:
+        raise SpecError("run.id", "not assigned", "create the run with `shardline train`")
+    return Path(spec.run.dir) / spec.run.id
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+
+
+def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
+    """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json."""
+    if spec.run.id is None:
+        spec = spec.model_copy(deep=True)
+        spec.run.id = new_run_id(spec.run.name)
+    path = run_path(spec)
+    spec_file = path / "spec.yaml"
+    if spec_file.exists():
+        previous = read_spec(spec_file)
+        if spec_hash(previous) != spec_hash(spec):
+            raise SpecError("run.id", f"run {spec.run.id} exists with a different spec",
+                            "start a new run (leave run.id unset) or resume with the same spec")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "logs").mkdir(exist_ok=True)
+    spec_file.write_text(spec_to_yaml(spec))
+    manifest = read_manifest(path)
+    manifest.update({
+        "run_id": spec.run.id, "start_time": manifest.get("start_time", _now()), "spec_hash": spec_hash(spec),
+        "git_commit": _git_commit(), "shardline_version": __version__, "versions": _versions(),
+        "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting",
+        "image_digest": os.environ.get("SHARDLINE_IMAGE_DIGEST"),
+    })
+    write_manifest(path, manifest)
+    return spec, path
+
+
+def read_spec(path: Path) -> JobSpec:
+    return JobSpec.model_validate(yaml.safe_load(path.read_text()))
+
+
+def read_manifest(run_dir: Path) -> dict:
+    f = run_dir / "manifest.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    tmp = run_dir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    os.replace(tmp, run_dir / "manifest.json")
+
+
+def update_manifest(run_dir: Path, **fields) -> None:
+    write_manifest(run_dir, read_manifest(run_dir) | fields)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform()}

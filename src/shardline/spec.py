@@ -1,0 +1,156 @@
+"""The job spec: one typed tree that every part of shardline reads (DESIGN.md §1).
+
+Every field here is read by some part of the code; unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Precision = Literal["bf16", "fp32"]
+AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
+PromptFormat = Literal["plain", "chat"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSpec(Section):
+    name: str = Field("tiny", pattern=r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
+    """Run name: lowercase letters, digits and '-', so it can name Kubernetes objects too."""
+    dir: str = "runs"
+    """Parent directory of run directories (`<dir>/<id>/`)."""
+    id: str | None = None
+    """Assigned at launch (`<name>-<UTC yyyymmdd-hhmmss>`); set it to reuse an existing run directory."""
+
+
+class ArchSpec(Section):
+    """Llama-architecture shape, used when the model is built from a config rather than loaded."""
+
+    vocab_size: int = Field(2048, ge=256)
+    hidden_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(688, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(2048, ge=16)
+    rope_theta: float = Field(10000.0, gt=0)
+    tie_embeddings: bool = False
+
+
+class LoraSpec(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class ModelSpec(Section):
+    path: str | None = None
+    """Local HF checkpoint directory (config.json + safetensors) or hub name; None builds `arch`."""
+    arch: ArchSpec = ArchSpec()
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to `path`. With neither, a byte-level BPE is trained on the data."""
+    attn_implementation: AttentionImpl = "sdpa"
+    init_seed: int = 0
+    """Seed of the random initialisation when the model is built from `arch`."""
+    lora: LoraSpec = LoraSpec()
+
+
+class ColumnsSpec(Section):
+    """Source column names for the three fields every example needs."""
+
+    question: str = "question"
+    context: str = "context"
+    answer: str = "answer"
+
+
+class DataSpec(Section):
+    path: str | None = None
+    """Local .jsonl/.parquet file or a hub dataset name; None uses the generated text-to-SQL set."""
+    columns: ColumnsSpec = ColumnsSpec()
+    seed: int = 1234
+    """Seeds the generated set and the split of a user dataset into train/validation/test."""
+    train_size: int | None = Field(4000, ge=1)
+    """Training examples (generated), or the cap on training rows taken from `path` (None: all)."""
+    validation_size: int = Field(200, ge=1)
+    test_size: int = Field(200, ge=0)
+    prompt_format: PromptFormat = "plain"
+    """`plain`: a fixed text template; `chat`: the tokenizer's chat template (real instruct models)."""
+    packing: bool = True
+    """Pack whole examples into `train.seq_len` rows; False pads one example per row."""
+    cache_dir: str | None = None
+    """Where prepared data is cached, content-addressed; default `<run.dir>/prepared`."""
+
+
+class TrainSpec(Section):
+    max_steps: int = Field(300, ge=1)
+    seed: int = 0
+    """Seeds the sampler (data order) and dropout."""
+    micro_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    seq_len: int = Field(256, ge=16)
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    precision: Precision = "bf16"
+    peak_tflops: float | None = Field(None, gt=0)
+    """Per-device peak for MFU; None: the device table on GPU, a matmul probe on CPU."""
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(100, ge=1)
+    eval_examples: int = Field(200, ge=0)
+    """Test examples to generate SQL for at the end (0 skips the execution-accuracy eval)."""
+    eval_max_new_tokens: int = Field(96, ge=1)
+
+
+class ParallelSpec(Section):
+    nproc_per_node: int | None = Field(None, ge=1)
+    """Processes per node; None: one per GPU, or 2 on CPU."""
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile each decoder block before sharding."""
+
+
+class CheckpointSpec(Section):
+    every_steps: int | None = Field(None, ge=1)
+    """Save a checkpoint every N steps (always also at the end)."""
+
+
+class LaunchSpec(Section):
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
+    max_restarts: int = Field(0, ge=0)
+    """torchrun --max-restarts: restarts of the worker group after a failure."""
+
+
+class JobSpec(Section):
+    run: RunSpec = RunSpec()
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    train: TrainSpec = TrainSpec()
+    parallel: ParallelSpec = ParallelSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    launch: LaunchSpec = LaunchSpec()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> JobSpec:
+        from shardline.spec_checks import check_combinations
+
+        check_combinations(self)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nnodes * (self.parallel.nproc_per_node or 1)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        t = self.train
+        return t.global_batch_size // (self.world_size * t.micro_batch_size)

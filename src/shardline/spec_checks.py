@@ -1,0 +1,66 @@
+"""Cross-field rules of the job spec: combinations that cannot run, caught before any process starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from shardline.errors import SpecError
+
+if TYPE_CHECKING:
+    from shardline.spec import JobSpec
+
+
+def check_combinations(spec: JobSpec) -> None:
+    t, a = spec.train, spec.model.arch
+    world = spec.world_size
+    per_step = world * t.micro_batch_size
+    if t.global_batch_size % per_step:
+        lower = max(per_step, t.global_batch_size // per_step * per_step)
+        raise SpecError(
+            "train.global_batch_size",
+            f"{t.global_batch_size} is not divisible by world size × micro-batch = "
+            f"{world} × {t.micro_batch_size} = {per_step}",
+            f"use a multiple of {per_step} (e.g. --set train.global_batch_size={lower}) "
+            "or change train.micro_batch_size / parallel.nproc_per_node",
+        )
+    if spec.model.path is None:
+        if a.hidden_size % a.num_heads:
+            raise SpecError(
+                "model.arch.hidden_size",
+                f"{a.hidden_size} is not divisible by model.arch.num_heads={a.num_heads}",
+                "pick a hidden size that is a multiple of the head count",
+            )
+        if a.num_heads % a.num_kv_heads:
+            raise SpecError(
+                "model.arch.num_kv_heads",
+                f"{a.num_kv_heads} does not divide model.arch.num_heads={a.num_heads}",
+                "grouped-query attention needs num_heads to be a multiple of num_kv_heads",
+            )
+        if t.seq_len > a.max_position_embeddings:
+            raise SpecError(
+                "train.seq_len",
+                f"{t.seq_len} exceeds model.arch.max_position_embeddings={a.max_position_embeddings}",
+                "lower train.seq_len or raise model.arch.max_position_embeddings",
+            )
+    if t.warmup_steps >= t.max_steps:
+        raise SpecError(
+            "train.warmup_steps",
+            f"{t.warmup_steps} is not below train.max_steps={t.max_steps}",
+            "use fewer warmup steps than total steps",
+        )
+    if spec.data.prompt_format == "chat" and spec.model.path is None and spec.model.tokenizer is None:
+        raise SpecError(
+            "data.prompt_format",
+            "'chat' needs a tokenizer with a chat template, but no model.path or model.tokenizer is set",
+            "use data.prompt_format=plain with the trained tokenizer, or point model.tokenizer at one",
+        )
+    if (
+        spec.model.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        raise SpecError(
+            "model.attn_implementation",
+            "'flash_attention_2' is selected but the flash-attn package is not installed",
+            "pip install flash-attn on a CUDA machine, or use 'sdpa'",
+        )

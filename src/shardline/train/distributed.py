@@ -1,0 +1,51 @@
+"""Process-group setup from torchrun's environment: cuda → NCCL, cpu → gloo."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@contextmanager
+def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
+    """Join the process group torchrun (or a single-process run) describes; tear it down on exit."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"  # gloo carries the small CPU-side collectives (objects, flags)
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+        yield DistContext(dist.get_rank(), local_rank, world, device, mesh)
+    finally:
+        dist.destroy_process_group()

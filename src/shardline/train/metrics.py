@@ -1,0 +1,59 @@
+"""Step records (DESIGN.md §3): one JSON object per line in metrics.jsonl, and the rank-0 step line."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+
+@dataclass
+class TrainRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # loss-bearing tokens in the global batch
+    tokens_total: int  # non-padding tokens in the global batch
+    step_time_s: float
+    data_wait_s: float
+    tokens_per_s_per_device: float  # non-padding tokens
+    loss_tokens_per_s_per_device: float
+    tflops_per_device: float
+    mfu: float
+    mem_peak_bytes: int
+    epoch: float
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl and prints the human view; only rank 0 makes one."""
+
+    def __init__(self, path: Path, console: Console) -> None:
+        self.path = path
+        self.console = console
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **record}) + "\n")
+
+    def train(self, r: TrainRecord, max_steps: int) -> None:
+        self.write("train", asdict(r))
+        self.console.print(
+            f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
+            f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
+            f"MFU {100 * r.mfu:5.1f}%  step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
+            f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB",
+            highlight=False,
+        )

@@ -1,0 +1,250 @@
+"""The training loop: one readable class that owns model, optimizer, data cursor, metrics and checkpoints.
+
+Loss normalisation: a step's gradient is the sum of per-token losses over every micro-batch of every
+rank divided by the global count of loss-bearing tokens (all-reduced before the first backward). FSDP
+averages gradients over ranks, so each rank scales its loss by the world size to undo that mean.
+Gradients are reduce-scattered after every micro-batch: keeping unsharded gradients across
+accumulation would cost a full fp32 model copy per device, which large models cannot afford.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from shardline.data.loader import StepSampler, eval_batches
+from shardline.data.prepare import PreparedData
+from shardline.model.build import build_model
+from shardline.model.flops import FORMULA, count_params, flops_per_token, probe_matmul_tflops, table_peak_tflops
+from shardline.model.lora import apply_lora
+from shardline.spec import JobSpec
+from shardline.train import checkpoint
+from shardline.train.distributed import DistContext
+from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
+from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
+from shardline.train.optim import build_optimizer, build_scheduler
+from shardline.train.parallelize import parallelize
+
+log = logging.getLogger("shardline")
+WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
+                 console: Console) -> None:
+        self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
+        self.console = console
+        self.tokenizer = data.tokenizer()
+        meta = data.meta
+        special = {"bos_token_id": self.tokenizer.bos_token_id, "eos_token_id": self.tokenizer.eos_token_id,
+                   "pad_token_id": meta["pad_id"]}
+        torch.manual_seed(spec.train.seed + ctx.rank)
+        model = build_model(spec.model, meta["vocab_size"], special)
+        if spec.model.lora.enabled:
+            model = apply_lora(model, spec.model.lora)
+        self.params = count_params(model)
+        cfg = model.config
+        self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, cfg.hidden_size,
+                                               spec.train.seq_len)
+        self.model = parallelize(model, ctx.mesh, spec.parallel, spec.train.precision)
+        self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
+        self.scheduler = build_scheduler(self.optimizer, spec.train)
+        self.rows = data.rows("train")
+        t = spec.train
+        self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
+                                   ctx.world)
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
+        self.ckpt_root = run_dir / "checkpoints"
+        self.step = 0
+        self.peak_tflops, self.peak_source = self._peak_tflops()
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def _peak_tflops(self) -> tuple[float, str]:
+        t, device = self.spec.train, self.ctx.device
+        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        if t.peak_tflops is not None:
+            return t.peak_tflops, "train.peak_tflops"
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            peak = table_peak_tflops(name, dtype)
+            if peak is not None:
+                return peak, f"table: {name} dense {t.precision}"
+        # No table entry (CPU, unknown GPU): measure, all ranks at once as they will run.
+        dist.barrier()
+        measured = torch.tensor([probe_matmul_tflops(dtype, device)], dtype=torch.float64, device=device)
+        dist.all_reduce(measured)
+        threads = torch.get_num_threads()
+        return float(measured) / self.ctx.world, f"probe: {t.precision} matmul, {threads} thread(s) per rank"
+
+    def _event(self, **fields) -> None:
+        if self.metrics:
+            self.metrics.write("event", fields)
+
+    def _say(self, message: str) -> None:
+        log.info(message)
+        if self.ctx.is_main:
+            self.console.print(message, highlight=False)
+
+    def describe(self) -> None:
+        p, t = self.params, self.spec.train
+        self._say(
+            f"model: {p.total / 1e6:.2f}M params ({p.trainable / 1e6:.3f}M trainable matmul, "
+            f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
+            f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
+        )
+        self._say(f"FLOPs/token = {FORMULA} = {self.flops_per_token / 1e6:.2f} MFLOP")
+        self._say(f"MFU peak = {self.peak_tflops:.3f} TFLOP/s per device ({self.peak_source})")
+        stats = self.data.stats["splits"]["train"]
+        self._say(f"data {self.data.version}: {stats['rows']} rows of {t.seq_len} tokens, "
+                  f"{stats['kept']} examples, fill {100 * stats['fill']:.1f}%")
+        self._event(event="setup", flops_per_token=self.flops_per_token, formula=FORMULA,
+                    peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
+                    world=self.ctx.world, dataset_version=self.data.version)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict()}
+
+    def save_checkpoint(self) -> None:
+        seconds = checkpoint.save(self.ckpt_root, self.step, self.model, self.optimizer, self._extra_state())
+        self._event(event="checkpoint", step=self.step, save_s=round(seconds, 3))
+        self._say(f"checkpoint step {self.step} saved in {seconds:.2f}s")
+
+    def maybe_resume(self) -> None:
+        path = checkpoint.latest_committed(self.ckpt_root)
+        if path is None:
+            return
+        extra = checkpoint.load(path, self.model, self.optimizer, self._extra_state())
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = int(extra["step"])
+        self._event(event="resume", step=self.step, path=str(path))
+        self._say(f"resumed from {path} at step {self.step}")
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train_step(self) -> TrainRecord:
+        ctx, start = self.ctx, time.perf_counter()
+        batches = [b.to(ctx.device) for b in self.sampler.step_batches(self.rows, self.step, ctx.rank)]
+        data_wait = time.perf_counter() - start
+        counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches)],
+                              dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(counts)
+        loss_tokens = counts[0].clamp(min=1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for batch in batches:
+            micro_loss = token_loss_sum(self.model, batch)
+            (micro_loss * (ctx.world / loss_tokens)).backward()
+            loss_sum += micro_loss.detach().double()
+        max_norm = self.spec.train.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], max_norm, foreach=True
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        loss = float(loss_sum / loss_tokens)  # synchronises: the step is complete
+        step_time = time.perf_counter() - start
+        self.step += 1
+        tokens_total = int(counts[1])
+        per_device = tokens_total / step_time / ctx.world
+        tflops = self.flops_per_token * per_device / 1e12
+        return TrainRecord(
+            step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=int(counts[0]),
+            tokens_total=tokens_total, step_time_s=step_time, data_wait_s=data_wait,
+            tokens_per_s_per_device=per_device, loss_tokens_per_s_per_device=int(counts[0]) / step_time / ctx.world,
+            tflops_per_device=tflops, mfu=tflops / self.peak_tflops, mem_peak_bytes=peak_memory_bytes(ctx.device),
+            epoch=self.sampler.epoch_of(self.step),
+        )
+
+    def validate(self) -> float:
+        rows = self.data.rows("validation")
+        batches = eval_batches(rows, self.spec.train.micro_batch_size, self.ctx.rank, self.ctx.world)
+        loss = validation_loss(self.model, batches, self.ctx.device)
+        if self.metrics:
+            self.metrics.write("eval", {"step": self.step, "val_loss": loss})
+        self._say(f"step {self.step}: validation loss {loss:.4f}")
+        return loss
+
+    def fit(self) -> dict:
+        t, ck = self.spec.train, self.spec.checkpoint
+        self.describe()
+        self.maybe_resume()
+        records: list[TrainRecord] = []
+        wall = time.perf_counter()
+        while self.step < t.max_steps:
+            record = self.train_step()
+            records.append(record)
+            if self.metrics:
+                if record.step % t.log_every == 0 or record.step in (1, t.max_steps):
+                    self.metrics.train(record, t.max_steps)
+                else:
+                    self.metrics.write("train", vars(record))
+            if record.step % t.eval_every == 0 and record.step < t.max_steps:
+                self.validate()
+            if ck.every_steps and record.step % ck.every_steps == 0 and record.step < t.max_steps:
+                self.save_checkpoint()
+        wall = time.perf_counter() - wall
+        val_loss = self.validate()
+        if not records or records[-1].step != checkpoint_step(self.ckpt_root):
+            self.save_checkpoint()
+        summary = self.summarize(records, wall, val_loss)
+        summary |= self.evaluate_sql()
+        if self.ctx.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def summarize(self, records: list[TrainRecord], wall: float, val_loss: float) -> dict:
+        steady = records[WARMUP_STEPS_EXCLUDED:] or records
+        summary = {
+            "steps": self.step, "wall_time_s": round(wall, 2), "val_loss": val_loss,
+            "first_loss": records[0].loss if records else None, "final_loss": records[-1].loss if records else None,
+            "mean_tokens_per_s_per_device": statistics.fmean(r.tokens_per_s_per_device for r in steady) if steady else 0,
+            "mean_tflops_per_device": statistics.fmean(r.tflops_per_device for r in steady) if steady else 0,
+            "mean_mfu": statistics.fmean(r.mfu for r in steady) if steady else 0,
+            "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
+            "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
+            "dataset_version": self.data.version,
+        }
+        if records:
+            drop = 1 - records[-1].loss / records[0].loss
+            self._say(
+                f"done: {len(records)} steps in {wall:.1f}s · loss {records[0].loss:.3f} → {records[-1].loss:.3f} "
+                f"({100 * drop:.0f}% lower) · val {val_loss:.3f} · "
+                f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
+                f"MFU {100 * summary['mean_mfu']:.1f}% (steps > {WARMUP_STEPS_EXCLUDED})"
+            )
+        return summary
+
+    def evaluate_sql(self) -> dict:
+        n = min(self.spec.train.eval_examples, len(self.data.examples("test")))
+        if n == 0:
+            return {}
+        examples = self.data.examples("test")[:n]
+        start = time.perf_counter()
+        result = sql_execution_eval(self.model, self.tokenizer, examples, self.spec, self.data.meta["pad_id"],
+                                    self.ctx.device)
+        if not self.ctx.is_main:
+            return {}
+        seconds = time.perf_counter() - start
+        (self.run_dir / "eval.json").write_text(json.dumps(vars(result), indent=2))
+        self.metrics.write("eval", {"step": self.step, "sql_execution_accuracy": result.accuracy, "n": result.n})
+        for s in result.samples[:3]:
+            mark = "[green]✓[/]" if s["match"] else "[red]✗[/]"
+            self.console.print(f"{mark} {s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
+        self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% of {result.n} test questions "
+                  f"({seconds:.0f}s)")
+        return {"sql_execution_accuracy": result.accuracy, "sql_eval_n": result.n}
+
+
+def checkpoint_step(root: Path) -> int | None:
+    path = checkpoint.latest_committed(root)
+    return int(path.name.removeprefix("step-")) if path else None

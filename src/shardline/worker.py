@@ -1,0 +1,83 @@
+"""The one worker entry point every launcher starts (DESIGN.md §4):
+
+    torchrun <rendezvous flags> -m shardline.worker --spec <resolved spec.yaml> [--task train|eval]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from rich.console import Console
+
+from shardline.data.prepare import PreparedData, prepare
+from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, ShardlineError, SpecError
+from shardline.rundir import read_spec, run_path, update_manifest
+from shardline.spec import JobSpec
+from shardline.train import checkpoint
+from shardline.train.distributed import DistContext, distributed
+from shardline.train.trainer import Trainer
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
+    root = logging.getLogger("shardline")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+
+def prepare_once_per_node(spec: JobSpec, ctx: DistContext) -> PreparedData:
+    """Local rank 0 of each node prepares (a file lock dedupes nodes sharing a filesystem); others wait."""
+    if ctx.local_rank == 0:
+        prepare(spec)
+    dist.barrier()
+    return prepare(spec)
+
+
+def run(spec: JobSpec, task: str, console: Console) -> int:
+    run_dir = run_path(spec)
+    with distributed() as ctx:
+        if ctx.world != spec.world_size:
+            raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
+                            f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
+        _setup_logging(run_dir, ctx.rank)
+        data = prepare_once_per_node(spec, ctx)
+        trainer = Trainer(spec, ctx, data, run_dir, console)
+        if task == "train":
+            if ctx.is_main:
+                update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world)
+            trainer.fit()
+            if ctx.is_main:
+                update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
+        else:
+            path = checkpoint.latest_committed(trainer.ckpt_root)
+            if path is None:
+                raise ShardlineError(str(run_dir), "has no committed checkpoint", "train the run first")
+            checkpoint.load(path, trainer.model, None, {})
+            trainer.step = int(path.name.removeprefix("step-"))
+            trainer.validate()
+            trainer.evaluate_sql()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardline.worker")
+    parser.add_argument("--spec", required=True, type=Path, help="resolved spec.yaml of the run")
+    parser.add_argument("--task", choices=["train", "eval"], default="train")
+    args = parser.parse_args(argv)
+    console = Console(soft_wrap=True)
+    try:
+        return run(read_spec(args.spec), args.task, console)
+    except ShardlineError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # the guard also keeps async checkpoint processes from re-running this
+    sys.exit(main())
