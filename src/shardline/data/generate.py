@@ -89,8 +89,7 @@ def query_family(sql: str) -> str:
     checks = (("join", r"\bJOIN\b"), ("having", r"\bHAVING\b"), ("group_by", r"\bGROUP BY\b"),
               ("distinct", r"\bDISTINCT\b"), ("order_limit", r"\bORDER BY\b"),
               ("aggregate", r"\b(COUNT|SUM|AVG|MIN|MAX)\("), ("where_and", r"\bAND\b"),
-              ("where_or", r"\bOR\b"),
-              ("where_eq", r"\bWHERE \w+ = "), ("where_cmp", r"\bWHERE\b"))
+              ("where_or", r"\bOR\b"), ("where_eq", r"\bWHERE \w+ = "), ("where_cmp", r"\bWHERE\b"))
     return next((name for name, pattern in checks if re.search(pattern, sql, re.IGNORECASE)), "select")
 
 
@@ -131,8 +130,8 @@ def generate_splits(seed: int, n_train: int, n_validation: int, n_test: int) -> 
             seen.add(question)
             context = "\n".join(create for table, create in creates.items() if table in tables)
             examples.append(Example(question, context, sql, db_id))
-    return {"test": examples[:n_test], "validation": examples[n_test:n_test + n_validation],
-            "train": examples[n_test + n_validation:]}
+    return {"train": examples[n_test + n_validation:], "validation": examples[n_test:n_test + n_validation],
+            "test": examples[:n_test]}
 
 
 def write_jsonl(examples: list[Example], path: Path) -> None:

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small spec and its prepared data, built once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardline.data.prepare import PreparedData, prepare
+from shardline.resolve import load_spec
+from shardline.spec import JobSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small_overrides(run_dir: Path) -> list[str]:
+    """A model and dataset small enough for a multi-process run in seconds on 2 cores."""
+    return [
+        f"run.dir={run_dir}",
+        f"data.cache_dir={run_dir.parent / 'prepared-cache'}",
+        "model.arch.vocab_size=512", "model.arch.hidden_size=64", "model.arch.intermediate_size=172",
+        "model.arch.num_layers=2", "model.arch.num_heads=4", "model.arch.num_kv_heads=2",
+        "model.arch.max_position_embeddings=256",
+        "data.train_size=600", "data.validation_size=40", "data.test_size=16",
+        "train.seq_len=192", "train.micro_batch_size=4", "train.global_batch_size=8",
+        "train.max_steps=6", "train.warmup_steps=2", "train.eval_every=100", "train.log_every=1",
+        "train.eval_examples=0", "train.lr=3e-3",
+    ]
+
+
+def small_spec(tmp: Path, *extra: str) -> JobSpec:
+    return load_spec("tiny", [*small_overrides(tmp / "runs"), "parallel.nproc_per_node=1", *extra])
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shardline")
+
+
+@pytest.fixture(scope="session")
+def prepared(session_dir) -> PreparedData:
+    return prepare(small_spec(session_dir))
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "shardline.cli", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def only_run(runs: Path) -> Path:
+    found = [p for p in runs.iterdir() if (p / "spec.yaml").exists()]
+    assert len(found) == 1, found
+    return found[0]

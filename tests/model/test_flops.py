@@ -1,0 +1,73 @@
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardline.model.build import build_model
+from shardline.model.flops import count_params, flops_per_token, table_peak_tflops
+from shardline.model.lora import apply_lora
+from shardline.resolve import load_spec
+
+SEQ = 64
+
+
+def _tiny(*overrides):
+    spec = load_spec("tiny", ["model.arch.vocab_size=512", "model.arch.hidden_size=64",
+                              "model.arch.intermediate_size=160", "model.arch.num_layers=2",
+                              "model.arch.num_heads=4", "model.arch.num_kv_heads=2",
+                              "model.attn_implementation=eager", *overrides])  # counted matmuls
+    model = build_model(spec.model, 512, {})
+    if spec.model.lora.enabled:
+        model = apply_lora(model, spec.model.lora)
+    return model, spec.model.arch
+
+
+def test_param_count_matches_a_hand_count():
+    model, a = _tiny()
+    d, f, v, L = a.hidden_size, a.intermediate_size, a.vocab_size, a.num_layers
+    kv = d // a.num_heads * a.num_kv_heads
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d  # q, k+v, o, gate/up/down, two norms
+    counts = count_params(model)
+    assert counts.embedding == v * d
+    assert counts.trainable == L * per_layer + d + v * d  # + final norm + lm_head
+    assert counts.frozen == 0
+    expected = 6 * counts.trainable + 12 * L * d * SEQ
+    assert flops_per_token(counts, L, d, SEQ) == expected
+
+
+def _measured_flops_per_token(model, batch=2):
+    ids = torch.randint(0, 512, (batch, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids).logits.float().sum().backward()
+    return counter.get_total_flops() / (batch * SEQ)
+
+
+def test_formula_matches_counted_matmul_flops_of_forward_and_backward():
+    model, a = _tiny()
+    formula = flops_per_token(count_params(model), a.num_layers, a.hidden_size, SEQ)
+    assert _measured_flops_per_token(model) == pytest.approx(formula, rel=0.02)
+
+
+def test_lora_counts_frozen_weights_at_four_flops_per_parameter():
+    model, a = _tiny("model.lora.enabled=true", "model.lora.r=4")
+    counts = count_params(model)
+    kv = 64 // 4 * 2
+    per_layer = 4 * ((64 + 64) + (64 + kv) + (64 + kv) + (64 + 64))  # r·(in+out) for q, k, v, o
+    assert counts.trainable == a.num_layers * per_layer
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    formula = flops_per_token(counts, a.num_layers, a.hidden_size, SEQ)
+    # The counter sees the real backward: no weight gradients for frozen matrices.
+    assert _measured_flops_per_token(model) == pytest.approx(formula, rel=0.05)
+    assert formula < 0.8 * flops_per_token(type(counts)(counts.total - counts.embedding, 0, counts.embedding),
+                                           a.num_layers, a.hidden_size, SEQ)
+
+
+@pytest.mark.parametrize(("name", "dtype", "peak"), [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+    ("NVIDIA H200", torch.bfloat16, 989.0),
+    ("NVIDIA B200", torch.bfloat16, 2250.0),
+    ("NVIDIA A100-SXM4-80GB", torch.float32, 156.0),
+    ("Some Future GPU", torch.bfloat16, None),
+])
+def test_peak_table(name, dtype, peak):
+    assert table_peak_tflops(name, dtype) == peak

@@ -1,0 +1,91 @@
+import pytest
+
+from shardline.errors import SpecError
+from shardline.resolve import apply_override, load_spec, preset_names, spec_hash, spec_to_yaml
+from tests.conftest import run_cli
+
+
+def test_presets_resolve_and_mirror_the_reference_job():
+    assert {"tiny", "llama-3.1-8b-lora", "llama-3.1-70b-fsdp"} <= set(preset_names())
+    big = load_spec("llama-3.1-70b-fsdp")
+    assert (big.launch.nnodes, big.parallel.nproc_per_node, big.train.micro_batch_size) == (2, 8, 8)
+    assert big.world_size == 16 and big.grad_accum_steps == 8
+    assert load_spec("llama-3.1-8b-lora").model.lora.enabled
+
+
+def test_set_overrides_parse_yaml_scalars():
+    spec = load_spec("tiny", ["train.lr=2e-5", "parallel.compile=true", "train.max_grad_norm=null"])
+    assert spec.train.lr == 2e-5 and spec.parallel.compile is True and spec.train.max_grad_norm is None
+
+
+def test_unknown_field_names_the_path_and_the_known_fields():
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["train.learning_rate=1e-4"])
+    assert e.value.where == "train.learning_rate" and "lr" in e.value.fix
+
+
+def test_wrong_type_names_field_and_value():
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["train.max_steps=many"])
+    assert e.value.where == "train.max_steps" and "'many'" in e.value.problem
+
+
+def test_global_batch_must_divide_by_world_times_micro_batch():
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["train.global_batch_size=24", "parallel.nproc_per_node=2", "train.micro_batch_size=8"])
+    assert e.value.where == "train.global_batch_size"
+    assert "2 × 8 = 16" in e.value.problem and "global_batch_size=16" in e.value.fix
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("model.arch.num_kv_heads=3", "model.arch.num_kv_heads"),
+    ("train.seq_len=4096", "train.seq_len"),
+    ("train.warmup_steps=1000", "train.warmup_steps"),
+    ("data.prompt_format=chat", "data.prompt_format"),
+    ("model.attn_implementation=flash_attention_2", "model.attn_implementation"),
+])
+def test_impossible_combinations_are_rejected(override, field):
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", [override])
+    assert e.value.where == field
+
+
+def test_spec_file_and_missing_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  max_steps: 70\n")
+    assert load_spec(str(path)).train.max_steps == 70
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(str(tmp_path / "nope.yaml"))
+    with pytest.raises(SpecError, match="neither a spec file nor a preset"):
+        load_spec("no-such-preset")
+
+
+def test_override_into_a_value_is_an_error():
+    with pytest.raises(SpecError):
+        apply_override({"train": 3}, "train.lr=1")
+
+
+def test_spec_hash_ignores_run_id_but_not_settings():
+    a = load_spec("tiny")
+    b = load_spec("tiny", ["run.id=tiny-x"])
+    c = load_spec("tiny", ["train.lr=1e-4"])
+    assert spec_hash(a) == spec_hash(b) != spec_hash(c)
+    assert load_spec("tiny").model_dump() == type(a).model_validate(__import__("yaml").safe_load(spec_to_yaml(a))).model_dump()
+
+
+def test_cli_bad_spec_exits_2_with_field_and_fix():
+    out = run_cli("config", "show", "--set", "train.global_batch_size=17", "--nproc", "2")
+    assert out.returncode == 2
+    assert "train.global_batch_size" in out.stdout and "fix:" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_cli_config_show_prints_resolved_spec():
+    out = run_cli("config", "show", "llama-3.1-8b-lora", "--set", "train.lr=1e-5")
+    assert out.returncode == 0, out.stderr
+    assert "lr: 1.0e-05" in out.stdout and "nproc_per_node: 8" in out.stdout
+
+
+def test_local_train_refuses_multi_node_spec_before_starting(tmp_path):
+    out = run_cli("train", "llama-3.1-70b-fsdp", "--set", f"run.dir={tmp_path}")
+    assert out.returncode == 2 and "launch.nnodes" in out.stdout
+    assert not any(tmp_path.iterdir())
