@@ -16,7 +16,7 @@ def _docs_of(rows, r):
     """Split packed row r into its documents using the position-id restarts."""
     pos = rows.position_ids[r][: rows.n_real[r]]
     starts = [i for i, p in enumerate(pos) if p == 0] + [int(rows.n_real[r])]
-    return [(a, b) for a, b in zip(starts, starts[1:])]
+    return [(a, b) for a, b in zip(starts, starts[1:], strict=False)]
 
 
 def test_loss_mask_covers_exactly_answer_and_eos(prepared):

@@ -7,6 +7,7 @@ stepping until all are done.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from dataclasses import dataclass
 
@@ -59,10 +60,8 @@ def _databases(spec: JobSpec) -> dict[str, sqlite3.Connection]:
 def _schema_only_db(context: str) -> sqlite3.Connection:
     """For user data without a database: empty tables from the CREATE statements."""
     conn = sqlite3.connect(":memory:")
-    try:
+    with contextlib.suppress(sqlite3.Error):
         conn.executescript(context)
-    except sqlite3.Error:
-        pass
     return conn
 
 
@@ -97,7 +96,7 @@ def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples:
                    for i in todo]
         outputs = _generate(model, tok, prompts, pad, spec.train.eval_max_new_tokens, device, world > 1)
         if index:
-            predictions += [(i, tok.decode(o, skip_special_tokens=True).strip()) for i, o in zip(index, outputs)]
+            predictions += [(i, tok.decode(o, skip_special_tokens=True).strip()) for i, o in zip(index, outputs, strict=False)]
     model.train()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, predictions)

@@ -22,7 +22,13 @@ from rich.console import Console
 from shardline.data.loader import StepSampler, eval_batches
 from shardline.data.prepare import PreparedData
 from shardline.model.build import build_model
-from shardline.model.flops import FORMULA, count_params, flops_per_token, probe_matmul_tflops, table_peak_tflops
+from shardline.model.flops import (
+    FORMULA,
+    count_params,
+    flops_per_token,
+    probe_matmul_tflops,
+    table_peak_tflops,
+)
 from shardline.model.lora import apply_lora
 from shardline.spec import JobSpec
 from shardline.train import checkpoint
