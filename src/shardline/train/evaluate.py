@@ -96,7 +96,8 @@ def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples:
                    for i in todo]
         outputs = _generate(model, tok, prompts, pad, spec.train.eval_max_new_tokens, device, world > 1)
         if index:
-            predictions += [(i, tok.decode(o, skip_special_tokens=True).strip()) for i, o in zip(index, outputs, strict=False)]
+            texts = [tok.decode(o, skip_special_tokens=True).strip() for o in outputs]
+            predictions += list(zip(index, texts, strict=True))
     model.train()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, predictions)

@@ -213,9 +213,9 @@ class Trainer:
         summary = {
             "steps": self.step, "wall_time_s": round(wall, 2), "val_loss": val_loss,
             "first_loss": records[0].loss if records else None, "final_loss": records[-1].loss if records else None,
-            "mean_tokens_per_s_per_device": statistics.fmean(r.tokens_per_s_per_device for r in steady) if steady else 0,
-            "mean_tflops_per_device": statistics.fmean(r.tflops_per_device for r in steady) if steady else 0,
-            "mean_mfu": statistics.fmean(r.mfu for r in steady) if steady else 0,
+            "mean_tokens_per_s_per_device": _mean(r.tokens_per_s_per_device for r in steady),
+            "mean_tflops_per_device": _mean(r.tflops_per_device for r in steady),
+            "mean_mfu": _mean(r.mfu for r in steady),
             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
             "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
             "dataset_version": self.data.version,
@@ -249,6 +249,11 @@ class Trainer:
         self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% of {result.n} test questions "
                   f"({seconds:.0f}s)")
         return {"sql_execution_accuracy": result.accuracy, "sql_eval_n": result.n}
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
 
 
 def checkpoint_step(root: Path) -> int | None:
