@@ -76,3 +76,22 @@ def test_lora_run_trains_only_adapters(tmp_path):
     keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all("lora_" in k for k in model_keys)
+
+
+def test_train_on_a_run_directory_resumes_from_the_last_committed_checkpoint(tmp_path):
+    run, _ = _train(tmp_path, "resume", "train.max_steps=6", "checkpoint.every_steps=3", "train.precision=fp32",
+                    nproc=2)
+    full = read_metrics(run, "train")
+    # Simulate a kill during the final save: step 6 never committed, its records are gone.
+    (run / "checkpoints" / "step-00000006" / "COMMITTED").unlink()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(ln for ln in lines if '"step": 4' not in ln and
+                                                 '"step": 5' not in ln and '"step": 6' not in ln) + "\n")
+    out = run_cli("train", str(run), "--nproc", "1")  # resumes on one rank: DCP reshards 2 → 1
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "step 3" in out.stdout
+    resumed = read_metrics(run, "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full[3:], resumed[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-9)

@@ -46,10 +46,13 @@ class ParamCounts:
     trainable: int
     frozen: int
     embedding: int
+    tied: bool = False
+    """The output projection is the embedding matrix (counted in trainable/frozen and in embedding)."""
 
     @property
     def total(self) -> int:
-        return self.trainable + self.frozen + self.embedding
+        """Distinct parameters."""
+        return self.trainable + self.frozen + self.embedding - (self.embedding if self.tied else 0)
 
 
 def count_params(model: nn.Module) -> ParamCounts:
@@ -70,7 +73,7 @@ def count_params(model: nn.Module) -> ParamCounts:
             trainable += embed.numel()
         else:
             frozen += embed.numel()
-    return ParamCounts(trainable=trainable, frozen=frozen, embedding=embed.numel())
+    return ParamCounts(trainable=trainable, frozen=frozen, embedding=embed.numel(), tied=tied)
 
 
 def flops_per_token(counts: ParamCounts, num_layers: int, hidden: int, seq_len: int) -> float:

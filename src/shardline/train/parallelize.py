@@ -23,7 +23,7 @@ def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
     if spec.activation_checkpointing:
         # HF's own per-block checkpointing keeps parameter names unchanged (checkpoints, export).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     layers = decoder_layers(model)
     if spec.compile:
         for layer in layers:

@@ -1,0 +1,178 @@
+"""Every spec knob changes something observable (no dead knobs), on one in-process gloo rank."""
+
+import socket
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+import torch
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+
+from shardline.data.loader import StepSampler
+from shardline.spec import JobSpec
+from shardline.train.distributed import distributed
+from shardline.train.optim import lr_factor
+from shardline.train.trainer import Trainer
+from tests.conftest import small_spec
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "shardline"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(_free_port())}.items():
+        mp.setenv(k, v)
+    with distributed() as c:
+        yield c
+    mp.undo()
+
+
+def _trainer(ctx, session_dir, prepared, *overrides) -> Trainer:
+    spec = small_spec(session_dir, "train.precision=fp32", "train.peak_tflops=1", *overrides)
+    return Trainer(spec, ctx, prepared, session_dir / "runs" / "knobs", Console(quiet=True))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.full_tensor().flatten() if isinstance(p, DTensor) else p.flatten()
+                      for p in model.parameters()]).detach().clone()
+
+
+def test_every_spec_field_is_read_somewhere():
+    code = "\n".join(p.read_text() for p in SRC.rglob("*.py") if p.name != "spec.py")
+
+    def fields(model, prefix=""):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from fields(ann, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", name
+    unread = [path for path, name in fields(JobSpec) if f".{name}" not in code and f"\"{name}\"" not in code]
+    assert unread == []
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_ratio():
+    spec = small_spec(Path("/tmp"), "train.max_steps=100", "train.warmup_steps=10", "train.min_lr_ratio=0.2").train
+    assert lr_factor(0, spec) == pytest.approx(0.1) and lr_factor(9, spec) == pytest.approx(1.0)
+    assert lr_factor(55, spec) == pytest.approx(0.6) and lr_factor(100, spec) == pytest.approx(0.2)
+
+
+def test_train_seed_changes_data_order_and_init_seed_changes_weights(ctx, session_dir, prepared):
+    a, b = StepSampler(100, 0, 8, 4, 1), StepSampler(100, 1, 8, 4, 1)
+    assert (a.micro_indices(0, 0, 0) != b.micro_indices(0, 0, 0)).any()
+    w0 = _flat(_trainer(ctx, session_dir, prepared).model)
+    w1 = _flat(_trainer(ctx, session_dir, prepared, "model.init_seed=1").model)
+    assert not torch.equal(w0, w1)
+
+
+def _grad_norm_seen_by_optimizer(t: Trainer) -> float:
+    seen = []
+
+    def hook(opt, args, kwargs):
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+    t.optimizer.register_step_pre_hook(hook)
+    t.record = t.train_step()
+    return seen[0]
+
+
+def test_grad_clipping_is_applied_and_the_pre_clip_norm_logged(ctx, session_dir, prepared):
+    free = _trainer(ctx, session_dir, prepared, "train.max_grad_norm=null")
+    clipped = _trainer(ctx, session_dir, prepared, "train.max_grad_norm=0.01")
+    assert _grad_norm_seen_by_optimizer(free) == pytest.approx(free.record.grad_norm, rel=1e-4)
+    assert _grad_norm_seen_by_optimizer(clipped) == pytest.approx(0.01, rel=1e-3)
+    assert clipped.record.grad_norm == pytest.approx(free.record.grad_norm, rel=1e-5) and free.record.grad_norm > 0.1
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(ctx, session_dir, prepared):
+    plain = _trainer(ctx, session_dir, prepared)
+    ac = _trainer(ctx, session_dir, prepared, "parallel.activation_checkpointing=true")
+    assert ac.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
+    r0, r1 = plain.train_step(), ac.train_step()
+    assert r0.loss == pytest.approx(r1.loss, rel=1e-6) and r0.grad_norm == pytest.approx(r1.grad_norm, rel=1e-5)
+
+
+def test_reshard_after_forward_controls_whether_block_params_stay_gathered(ctx, session_dir, prepared):
+    for reshard, sharded in (("true", True), ("false", False)):
+        t = _trainer(ctx, session_dir, prepared, f"parallel.reshard_after_forward={reshard}")
+        batch = t.sampler.step_batches(t.rows, 0, 0)[0]
+        t.model(input_ids=batch.input_ids, position_ids=batch.position_ids)
+        layer = t.model.model.layers[0]
+        assert isinstance(next(layer.parameters()), DTensor) == sharded
+
+
+def test_peak_override_and_bf16_precision(ctx, session_dir, prepared):
+    t = _trainer(ctx, session_dir, prepared, "train.precision=bf16", "train.peak_tflops=2.5")
+    assert (t.peak_tflops, t.peak_source) == (2.5, "train.peak_tflops")
+    seen = []
+    hook = t.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    t.train_step()
+    hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_compile_wraps_each_block(ctx, session_dir, prepared):
+    t = _trainer(ctx, session_dir, prepared, "parallel.compile=true")
+    assert all(layer._compiled_call_impl is not None for layer in t.model.model.layers)
+    assert t.train_step().loss > 0
+
+
+def test_lora_settings_reach_peft(ctx, session_dir, prepared):
+    t = _trainer(ctx, session_dir, prepared, "model.lora.enabled=true", "model.lora.r=2", "model.lora.alpha=8",
+                 "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]")
+    cfg = t.model.peft_config["default"]
+    assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, set(cfg.target_modules)) == (2, 8, 0.1, {"q_proj"})
+    trainable = [n for n, p in t.model.named_parameters() if p.requires_grad]
+    assert trainable and all("q_proj.lora_" in n for n in trainable)
+
+
+def test_unknown_lora_target_is_a_spec_error(ctx, session_dir, prepared):
+    from shardline.errors import SpecError
+
+    with pytest.raises(SpecError, match="model.lora.target_modules"):
+        _trainer(ctx, session_dir, prepared, "model.lora.enabled=true", "model.lora.target_modules=[qkv]")
+
+
+def test_tied_embeddings_share_one_matrix(ctx, session_dir, prepared):
+    t = _trainer(ctx, session_dir, prepared, "model.arch.tie_embeddings=true")
+    untied = _trainer(ctx, session_dir, prepared)
+    base = t.model.model
+    assert t.model.lm_head.weight is base.embed_tokens.weight and t.params.tied and not untied.params.tied
+    assert t.params.total == untied.params.total - t.params.embedding
+    assert t.flops_per_token == untied.flops_per_token  # the tied projection is still a matmul
+
+
+def test_launch_settings_reach_torchrun():
+    from shardline.launch.local import torchrun_command
+
+    spec = small_spec(Path("/tmp"), "launch.max_restarts=3", "parallel.nproc_per_node=2",
+                      "train.global_batch_size=8")
+    cmd = torchrun_command(spec, Path("s.yaml"))
+    assert "--max-restarts=3" in cmd and "--nproc-per-node=2" in cmd and cmd[-4:] == ["--spec", "s.yaml",
+                                                                                          "--task", "train"]
+
+
+def test_worker_refuses_a_spec_for_a_different_world_size(tmp_path):
+    import subprocess
+    import sys
+
+    from shardline.resolve import spec_to_yaml
+
+    spec = small_spec(tmp_path, "parallel.nproc_per_node=2", "run.id=mismatch")
+    path = tmp_path / "spec.yaml"
+    path.write_text(spec_to_yaml(spec))
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["MASTER_PORT"] = str(_free_port())
+    out = subprocess.run([sys.executable, "-m", "shardline.worker", "--spec", str(path)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "world size 2" in out.stdout
