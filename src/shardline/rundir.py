@@ -17,7 +17,6 @@ from shardline.errors import SpecError
 from shardline.resolve import spec_hash, spec_to_yaml
 from shardline.spec import JobSpec
 
-
 # Fields a resumed run may change: DCP reshards checkpoints to the new world size and the data order
 # depends only on the step and the global batch.
 RESHARDABLE = ("parallel.nproc_per_node", "launch.nnodes", "launch.max_restarts")

@@ -4,8 +4,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
 import torch
+from pydantic import BaseModel
 from rich.console import Console
 from torch.distributed.tensor import DTensor
 
