@@ -15,17 +15,8 @@ import yaml
 from shardline import __version__
 from shardline.errors import SpecError
 from shardline.resolve import spec_hash, spec_to_yaml
+from shardline.resume_policy import check_resume
 from shardline.spec import JobSpec
-
-# Fields a resumed run may change: DCP reshards checkpoints to the new world size and the data order
-# depends only on the step and the global batch.
-RESHARDABLE = ("parallel.nproc_per_node", "launch.nnodes", "launch.max_restarts")
-
-
-def _resume_key(spec: JobSpec) -> str:
-    changed = spec.model_copy(deep=True)
-    changed.parallel.nproc_per_node = changed.launch.nnodes = changed.launch.max_restarts = 1
-    return spec_hash(changed)
 
 
 def run_path(spec: JobSpec) -> Path:
@@ -46,11 +37,7 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     path = run_path(spec)
     spec_file = path / "spec.yaml"
     if spec_file.exists():
-        previous = read_spec(spec_file)
-        if _resume_key(previous) != _resume_key(spec):
-            raise SpecError("run.id", f"run {spec.run.id} exists with a different spec",
-                            "start a new run (leave run.id unset) or resume with the same spec "
-                            f"(only {', '.join(RESHARDABLE)} may change: checkpoints reshard)")
+        check_resume(read_spec(spec_file), spec)
     path.mkdir(parents=True, exist_ok=True)
     (path / "logs").mkdir(exist_ok=True)
     spec_file.write_text(spec_to_yaml(spec))

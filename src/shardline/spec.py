@@ -121,6 +121,19 @@ class ParallelSpec(Section):
 class CheckpointSpec(Section):
     every_steps: int | None = Field(None, ge=1)
     """Save a checkpoint every N steps (always also at the end)."""
+    every_minutes: float | None = Field(None, gt=0)
+    """Also save when this much wall time passed since the last save (agreed across ranks)."""
+    dir: str | None = None
+    """Where checkpoints go: a path (local, NFS, GCS FUSE) or an fsspec URL (s3://, gs://);
+    default `<run dir>/checkpoints`."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues (never two in flight)."""
+    keep_last: int = Field(3, ge=1)
+    """Committed checkpoints kept; older ones are deleted only after a newer one committed."""
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of this."""
+    allow_spec_change: bool = False
+    """Resume although settings changed that a checkpoint survives (lr, max_steps, eval/log cadence…)."""
 
 
 class LaunchSpec(Section):
@@ -128,6 +141,9 @@ class LaunchSpec(Section):
     """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
     max_restarts: int = Field(0, ge=0)
     """torchrun --max-restarts: restarts of the worker group after a failure."""
+    grace_seconds: int = Field(60, ge=1)
+    """After a stop signal, how long workers may take to checkpoint before SIGKILL
+    (torchrun --shutdown-timeout; Kubernetes terminationGracePeriodSeconds; Slurm --signal lead time)."""
 
 
 class JobSpec(Section):

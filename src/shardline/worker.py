@@ -15,11 +15,11 @@ import torch.distributed as dist
 from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
-from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, ShardlineError, SpecError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.rundir import read_spec, run_path, update_manifest
 from shardline.spec import JobSpec
-from shardline.train import checkpoint
 from shardline.train.distributed import DistContext, distributed
+from shardline.train.signals import Preempted, StopRequest
 from shardline.train.trainer import Trainer
 
 
@@ -42,27 +42,34 @@ def prepare_once_per_node(spec: JobSpec, ctx: DistContext) -> PreparedData:
 
 def run(spec: JobSpec, task: str, console: Console) -> int:
     run_dir = run_path(spec)
+    stop = StopRequest().install()  # before the process group: a signal during setup is not lost
     with distributed() as ctx:
         if ctx.world != spec.world_size:
             raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
                             f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
         _setup_logging(run_dir, ctx.rank)
         data = prepare_once_per_node(spec, ctx)
-        trainer = Trainer(spec, ctx, data, run_dir, console)
-        if task == "train":
-            if ctx.is_main:
-                update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world)
-            trainer.fit()
-            if ctx.is_main:
-                update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
-        else:
-            path = checkpoint.latest_committed(trainer.ckpt_root)
-            if path is None:
-                raise ShardlineError(str(run_dir), "has no committed checkpoint", "train the run first")
-            checkpoint.load(path, trainer.model, None, {})
-            trainer.step = int(path.name.removeprefix("step-"))
+        trainer = Trainer(spec, ctx, data, run_dir, console, stop)
+        if task == "eval":
+            step = trainer.checkpointer.store.latest()
+            if step is None:
+                raise ShardlineError(trainer.checkpointer.store.location, "has no committed checkpoint",
+                                     "train the run first")
+            trainer.load_checkpoint(step, with_optimizer=False)
             trainer.validate()
             trainer.evaluate_sql()
+            return EXIT_OK
+        if ctx.is_main:
+            update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world,
+                            checkpoint_location=trainer.checkpointer.store.location)
+        try:
+            trainer.fit()
+        except Preempted:
+            if ctx.is_main:
+                update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
+            return EXIT_PREEMPTED
+        if ctx.is_main:
+            update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
     return EXIT_OK
 
 

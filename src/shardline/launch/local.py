@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from shardline.errors import SpecError
+from shardline.errors import EXIT_OK, EXIT_PREEMPTED, SpecError
+from shardline.rundir import read_manifest
 from shardline.spec import JobSpec
 
 
@@ -21,12 +23,38 @@ def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> lis
         raise SpecError("launch.nnodes", f"{spec.launch.nnodes} nodes cannot run on this machine alone",
                         "use 1 for local runs, or a cluster launcher for multi-node jobs")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={spec.parallel.nproc_per_node}", f"--max-restarts={spec.launch.max_restarts}",
+            f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]
 
 
+def torchrun_policy_flags(spec: JobSpec) -> list[str]:
+    """Restart and stop behaviour, the same on every engine."""
+    return [f"--max-restarts={spec.launch.max_restarts}", f"--signals-to-handle={FORWARDED_SIGNALS}",
+            f"--shutdown-timeout={spec.launch.grace_seconds}"]
+
+
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def run_local(spec: JobSpec, spec_path: Path, task: str = "train") -> int:
-    """Run the worker group to completion; returns torchrun's exit code (the workers', DESIGN.md §5)."""
+    """Run the worker group to completion and return the exit code (DESIGN.md §5).
+
+    SIGTERM/SIGUSR1 sent to this process are passed to torchrun, which forwards them to the workers
+    and gives them `launch.grace_seconds` to checkpoint; a run that stopped that way exits 75.
+    """
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return subprocess.run(torchrun_command(spec, spec_path, task), env=env).returncode
+    proc = subprocess.Popen(torchrun_command(spec, spec_path, task), env=env)
+
+    def forward(signum, frame):
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code != EXIT_OK and read_manifest(spec_path.parent).get("status") == "preempted":
+        return EXIT_PREEMPTED
+    return code

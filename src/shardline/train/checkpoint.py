@@ -1,74 +1,193 @@
-"""Sharded DCP checkpoints with a commit marker written last (DESIGN.md §2).
+"""Sharded DCP checkpoints: async or sync, committed atomically, retained, on a path or an fsspec URL.
 
-A checkpoint directory counts only once `COMMITTED` exists; it is written by rank 0 after every rank
-finished its shard, so a run killed mid-save never resumes from a torn checkpoint. With LoRA only the
-trainable (adapter) weights are saved; the base is rebuilt from the spec.
+A checkpoint `step-XXXXXXXX/` counts only once `COMMITTED` exists. Rank 0 writes it after its save
+finished; DCP's coordinator (rank 0) writes `.metadata` only after every rank reported its shard
+written, so rank 0 finishing means every rank finished. A run killed mid-save (or a full disk) leaves
+a directory without the marker, which is never loaded and never causes an older one to be deleted.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import pickle
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from fsspec.core import url_to_fs
 
+from shardline.spec import CheckpointSpec
+
+log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"
+STEP_PREFIX = "step-"
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
 
 
-def latest_committed(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if (p / COMMITTED).exists())
-    return done[-1] if done else None
+class CheckpointStore:
+    """Checkpoint directories under a local path or an fsspec URL (s3://, gs://, …)."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location.rstrip("/")
+        self.fs, self.root = url_to_fs(self.location)
+        self.remote = "://" in location and not location.startswith("file://")
+
+    def path(self, step: int) -> str:
+        return f"{self.location}/{step_name(step)}"
+
+    def _fs_path(self, step: int) -> str:
+        return f"{self.root}/{step_name(step)}"
+
+    def writer(self, step: int) -> dcp.StorageWriter:
+        if self.remote:
+            from torch.distributed.checkpoint import FsspecWriter
+
+            return FsspecWriter(self.path(step), sync_files=False)
+        Path(self.path(step)).mkdir(parents=True, exist_ok=True)
+        return dcp.FileSystemWriter(self.path(step), sync_files=True)
+
+    def reader(self, step: int) -> dcp.StorageReader:
+        if self.remote:
+            from torch.distributed.checkpoint import FsspecReader
+
+            return FsspecReader(self.path(step))
+        return dcp.FileSystemReader(self.path(step))
+
+    def steps(self) -> list[int]:
+        """All step directories, committed or not."""
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(int(n.removeprefix(STEP_PREFIX)) for n in names
+                      if n.startswith(STEP_PREFIX) and n.removeprefix(STEP_PREFIX).isdigit())
+
+    def is_committed(self, step: int) -> bool:
+        return self.fs.exists(f"{self._fs_path(step)}/{COMMITTED}")
+
+    def committed(self) -> list[int]:
+        return [s for s in self.steps() if self.is_committed(s)]
+
+    def latest(self) -> int | None:
+        done = self.committed()
+        return done[-1] if done else None
+
+    def write_text(self, step: int, name: str, text: str) -> None:
+        path = f"{self._fs_path(step)}/{name}"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(path, "w") as f:
+            f.write(text)
+
+    def read_text(self, step: int, name: str) -> str:
+        with self.fs.open(f"{self._fs_path(step)}/{name}", "r") as f:
+            return f.read()
+
+    def delete(self, step: int) -> None:
+        # The marker goes first, so a half-deleted directory never looks committed.
+        marker = f"{self._fs_path(step)}/{COMMITTED}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        self.fs.rm(self._fs_path(step), recursive=True)
 
 
-def _options(model: nn.Module) -> StateDictOptions:
-    lora = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=lora)
+def retained(committed: list[int], keep_last: int, keep_every: int | None) -> set[int]:
+    keep = set(committed[-keep_last:])
+    if keep_every:
+        keep |= {s for s in committed if s % keep_every == 0}
+    return keep
 
 
-def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict[str, Any]) -> float:
-    """Save synchronously on all ranks; returns the seconds it took."""
-    start = time.perf_counter()
-    path = step_dir(root, step)
-    msd, osd = get_state_dict(model, optimizer, options=_options(model))
-    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / COMMITTED).write_text(json.dumps({"step": step, "time": time.time()}))
-    dist.barrier()
-    return time.perf_counter() - start
+@dataclass
+class _Pending:
+    step: int
+    future: Future
+    started: float
+    files: dict[str, str]
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-         extra: dict[str, Any]) -> dict[str, Any]:
-    """Load into an already parallelized model (and optimizer); fills and returns `extra`."""
-    opts = _options(model)
-    if optimizer is None:
-        msd = get_state_dict(model, [], options=opts)[0]
-        state = {"model": msd, "extra": extra}
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"], options=opts)
-    else:
-        msd, osd = get_state_dict(model, optimizer, options=opts)
-        state = {"model": msd, "optim": osd, "extra": extra}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=opts)
-    return state["extra"]
+class Checkpointer:
+    """Saves and loads the trainer's state; at most one async save in flight."""
+
+    def __init__(self, spec: CheckpointSpec, default_location: Path) -> None:
+        self.spec = spec
+        self.store = CheckpointStore(spec.dir or str(default_location))
+        self.rank = dist.get_rank()
+        # Background saves run their collectives on a separate gloo group, never the training one.
+        self.group = dist.new_group(backend="gloo") if spec.async_save else None
+        self.pending: _Pending | None = None
+        self.events: list[dict] = []
+
+    # ---- saving --------------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any], files: dict[str, str], blocking: bool = False) -> float:
+        """Start (async) or do (sync) a save; returns the seconds training was stalled."""
+        start = time.perf_counter()
+        self.wait()
+        if self.spec.async_save and not blocking:
+            future = dcp.async_save(state, storage_writer=self.store.writer(step), process_group=self.group)
+            self.pending = _Pending(step, future, start, files)
+        else:
+            dcp.save(state, storage_writer=self.store.writer(step))
+            self._commit(step, start, files)
+        return time.perf_counter() - start
+
+    def poll(self) -> None:
+        """Commit a finished background save (cheap; call at step boundaries)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) finished, then commit it."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.future.result()
+        self._commit(pending.step, pending.started, pending.files)
+
+    def _commit(self, step: int, started: float, files: dict[str, str]) -> None:
+        seconds = time.perf_counter() - started
+        if self.rank == 0:
+            for name, text in files.items():
+                self.store.write_text(step, name, text)
+            self.store.write_text(step, COMMITTED, json.dumps({"step": step, "time": time.time()}))
+            self._apply_retention(step)
+        self.events.append({"event": "checkpoint_committed", "step": step, "save_s": round(seconds, 3),
+                            "location": self.store.path(step)})
+
+    def _apply_retention(self, newest: int) -> None:
+        committed = self.store.committed()
+        keep = retained(committed, self.spec.keep_last, self.spec.keep_every)
+        for step in self.store.steps():
+            torn = step not in committed
+            if step < newest and (torn or step not in keep):
+                self.store.delete(step)
+                log.info("deleted %s checkpoint %s", "torn" if torn else "old", step_name(step))
+
+    # ---- loading -------------------------------------------------------------------------------
+    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Load `state` in place from a committed step; keys missing from the checkpoint are dropped
+        only for the per-rank RNG entries (world size may have changed)."""
+        reader = self.store.reader(step)
+        present = {k.split(".", 1)[0] for k in reader.read_metadata().state_dict_metadata}
+        state = {k: v for k, v in state.items() if k in present or not k.startswith("rng_rank")}
+        dcp.load(state, storage_reader=reader)
+        return state
+
+
+def pack_object(obj: Any) -> io.BytesIO:
+    """Opaque per-rank objects (RNG states) travel through DCP as bytes."""
+    return io.BytesIO(pickle.dumps(obj))
+
+
+def unpack_object(buf: io.BytesIO) -> Any:
+    buf.seek(0)
+    return pickle.loads(buf.read())  # noqa: S301 - written by this run's own ranks
+

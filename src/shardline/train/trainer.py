@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from rich.console import Console
 
 from shardline.data.loader import StepSampler, eval_batches
@@ -30,13 +31,17 @@ from shardline.model.flops import (
     table_peak_tflops,
 )
 from shardline.model.lora import apply_lora
+from shardline.resolve import spec_to_yaml
+from shardline.resume_policy import check_resume
 from shardline.spec import JobSpec
-from shardline.train import checkpoint
+from shardline.train.checkpoint import Checkpointer
 from shardline.train.distributed import DistContext
 from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
 from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.train.optim import build_optimizer, build_scheduler
 from shardline.train.parallelize import parallelize
+from shardline.train.signals import Preempted, StopRequest
+from shardline.train.state import apply_training_state, training_state
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
@@ -44,7 +49,7 @@ WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of th
 
 class Trainer:
     def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
-                 console: Console) -> None:
+                 console: Console, stop: StopRequest | None = None) -> None:
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
         self.console = console
         self.tokenizer = data.tokenizer()
@@ -67,8 +72,10 @@ class Trainer:
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
                                    ctx.world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
-        self.ckpt_root = run_dir / "checkpoints"
+        self.checkpointer = Checkpointer(spec.checkpoint, run_dir / "checkpoints")
+        self.stop = stop or StopRequest()
         self.step = 0
+        self.consumed_tokens = 0
         self.peak_tflops, self.peak_source = self._peak_tflops()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -115,23 +122,54 @@ class Trainer:
                     world=self.ctx.world, dataset_version=self.data.version)
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def _extra_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict()}
+    def _counters(self) -> dict:
+        return {"step": self.step, "consumed_rows": self.step * self.spec.train.global_batch_size,
+                "consumed_tokens": self.consumed_tokens, "scheduler": self.scheduler.state_dict()}
 
-    def save_checkpoint(self) -> None:
-        seconds = checkpoint.save(self.ckpt_root, self.step, self.model, self.optimizer, self._extra_state())
-        self._event(event="checkpoint", step=self.step, save_s=round(seconds, 3))
-        self._say(f"checkpoint step {self.step} saved in {seconds:.2f}s")
+    def _checkpoint_files(self) -> dict[str, str]:
+        meta = {"step": self.step, "world": self.ctx.world, "dataset_version": self.data.version,
+                "consumed_rows": self.step * self.spec.train.global_batch_size,
+                "base_model": self.spec.model.path or f"model.arch, model.init_seed={self.spec.model.init_seed}"}
+        files = {"spec.yaml": spec_to_yaml(self.spec), "meta.json": json.dumps(meta, indent=2)}
+        tok_dir = self.data.root / "tokenizer"
+        files |= {f"tokenizer/{p.name}": p.read_text() for p in tok_dir.iterdir() if p.is_file()}
+        return files
+
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        state = training_state(self.model, self.optimizer, self._counters(), self.ctx.rank)
+        stall = self.checkpointer.save(self.step, state, self._checkpoint_files(), blocking=blocking)
+        self._event(event="checkpoint", step=self.step, stall_s=round(stall, 4), blocking=blocking,
+                    location=self.checkpointer.store.path(self.step))
+        self._say(f"checkpoint step {self.step}: training stalled {stall:.2f}s "
+                  f"({'written' if blocking or not self.spec.checkpoint.async_save else 'writing in background'})")
+        self._flush_checkpoint_events()
+
+    def _flush_checkpoint_events(self) -> None:
+        for event in self.checkpointer.events:
+            self._event(**event)
+        self.checkpointer.events.clear()
+
+    def load_checkpoint(self, step: int, with_optimizer: bool = True) -> None:
+        store = self.checkpointer.store
+        check_resume(JobSpec.model_validate(yaml.safe_load(store.read_text(step, "spec.yaml"))), self.spec)
+        optimizer = self.optimizer if with_optimizer else None
+        state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
+        state = self.checkpointer.load(step, state)
+        rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
+        if with_optimizer:
+            counters = state["train"]
+            self.scheduler.load_state_dict(counters["scheduler"])
+            self.step, self.consumed_tokens = int(counters["step"]), int(counters["consumed_tokens"])
+        else:
+            self.step = step
+        self._event(event="resume", step=step, location=store.path(step), rng_restored=rng, world=self.ctx.world)
+        self._say(f"resumed from {store.path(step)} at step {step}"
+                  + ("" if rng or not with_optimizer else " (new world size: fresh RNG streams)"))
 
     def maybe_resume(self) -> None:
-        path = checkpoint.latest_committed(self.ckpt_root)
-        if path is None:
-            return
-        extra = checkpoint.load(path, self.model, self.optimizer, self._extra_state())
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.step = int(extra["step"])
-        self._event(event="resume", step=self.step, path=str(path))
-        self._say(f"resumed from {path} at step {self.step}")
+        step = self.checkpointer.store.latest()
+        if step is not None:
+            self.load_checkpoint(step)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train_step(self) -> TrainRecord:
@@ -161,6 +199,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         self.step += 1
         tokens_total = int(counts[1])
+        self.consumed_tokens += tokens_total
         per_device = tokens_total / step_time / ctx.world
         tflops = self.flops_per_token * per_device / 1e12
         return TrainRecord(
@@ -170,6 +209,24 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops, mem_peak_bytes=peak_memory_bytes(ctx.device),
             epoch=self.sampler.epoch_of(self.step),
         )
+
+    def _agree(self, last_save: float) -> tuple[bool, bool]:
+        """All ranks decide together whether to stop (a signal reached any rank) or to save on time."""
+        minutes = self.spec.checkpoint.every_minutes
+        due = minutes is not None and time.monotonic() - last_save >= 60 * minutes
+        flags = torch.tensor([float(self.stop.requested), float(due)], device=self.ctx.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def _preempt(self) -> None:
+        """Checkpoint the current step synchronously, record the grace used, and stop."""
+        self.save_checkpoint(blocking=True)
+        grace = time.monotonic() - self.stop.received_at if self.stop.received_at else None
+        self._event(event="preempted", step=self.step, signal=self.stop.name or "peer rank",
+                    grace_used_s=round(grace, 3) if grace is not None else None)
+        self._say(f"preempted by {self.stop.name or 'a signal on another rank'}: checkpoint of step {self.step} "
+                  f"committed" + (f", {grace:.1f}s after the signal" if grace is not None else ""))
+        raise Preempted(self.step)
 
     def validate(self) -> float:
         rows = self.data.rows("validation")
@@ -186,6 +243,7 @@ class Trainer:
         self.maybe_resume()
         records: list[TrainRecord] = []
         wall = time.perf_counter()
+        last_save = time.monotonic()
         while self.step < t.max_steps:
             record = self.train_step()
             records.append(record)
@@ -194,14 +252,24 @@ class Trainer:
                     self.metrics.train(record, t.max_steps)
                 else:
                     self.metrics.write("train", vars(record))
+            self.checkpointer.poll()
+            self._flush_checkpoint_events()
+            stop, time_due = self._agree(last_save)
+            if stop:
+                self._preempt()
             if record.step % t.eval_every == 0 and record.step < t.max_steps:
                 self.validate()
-            if ck.every_steps and record.step % ck.every_steps == 0 and record.step < t.max_steps:
+            step_due = ck.every_steps and record.step % ck.every_steps == 0
+            if (step_due or time_due) and record.step < t.max_steps:
                 self.save_checkpoint()
+                last_save = time.monotonic()
         wall = time.perf_counter() - wall
         val_loss = self.validate()
-        if not records or records[-1].step != checkpoint_step(self.ckpt_root):
-            self.save_checkpoint()
+        if self.checkpointer.store.latest() != self.step or self.checkpointer.pending:
+            self.checkpointer.wait()
+            if self.checkpointer.store.latest() != self.step:
+                self.save_checkpoint(blocking=True)
+        self._flush_checkpoint_events()
         summary = self.summarize(records, wall, val_loss)
         summary |= self.evaluate_sql()
         if self.ctx.is_main:
@@ -256,6 +324,3 @@ def _mean(values) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-def checkpoint_step(root: Path) -> int | None:
-    path = checkpoint.latest_committed(root)
-    return int(path.name.removeprefix("step-")) if path else None

@@ -1,0 +1,184 @@
+"""Export a run's committed checkpoint as a consolidated Hugging Face directory (`shardline export`).
+
+Runs in one process without a process group: the model is rebuilt exactly as the Trainer builds it
+(plain, no FSDP) and the DCP shards of any world size are read into it with `no_dist=True`. Full
+fine-tunes give `save_pretrained` safetensors + tokenizer + generation config; LoRA runs give a peft
+adapter directory (the base is rebuilt from the spec, noted in `shardline_base.json`), or with
+`merge_lora` the merged full model. The result is built in a temporary sibling directory and renamed
+into place, so `out` is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from shardline.data.prepare import prepare
+from shardline.data.tokenizer import load_tokenizer, pad_id
+from shardline.errors import ShardlineError
+from shardline.model.build import build_model
+from shardline.model.lora import apply_lora
+from shardline.resolve import spec_hash
+from shardline.rundir import read_manifest, read_spec
+from shardline.spec import JobSpec
+from shardline.train.checkpoint import CheckpointStore, step_name
+
+EXPORT_INFO = "shardline_export.json"
+BASE_INFO = "shardline_base.json"
+
+
+def checkpoint_store(spec: JobSpec, run_dir: Path) -> CheckpointStore:
+    """Where the Trainer of this run put its checkpoints."""
+    return CheckpointStore(spec.checkpoint.dir or str(run_dir / "checkpoints"))
+
+
+def resolve_step(store: CheckpointStore, step: int | None) -> int:
+    """`step` if it is committed (default: the latest committed); a ShardlineError otherwise."""
+    committed = store.committed()
+    if step is None:
+        if not committed:
+            raise ShardlineError(store.location, "has no committed checkpoint",
+                                 "train the run first (`shardline train RUN_DIR` resumes it)")
+        return committed[-1]
+    if step not in committed:
+        state = "is not committed (its save did not finish)" if step in store.steps() else "does not exist"
+        choices = ", ".join(map(str, committed)) or "none"
+        raise ShardlineError(store.path(step), f"checkpoint of step {step} {state}",
+                             f"use --step with a committed step ({choices}) or omit --step for the latest")
+    return step
+
+
+def special_ids(tok: PreTrainedTokenizerBase, pad: int) -> dict[str, int]:
+    """The ids the Trainer builds the model with."""
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad}
+
+
+def build_plain(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> nn.Module:
+    """The model as the Trainer builds it before parallelizing (base from model.path or model.init_seed)."""
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(spec.model, vocab_size, ids)
+        if spec.model.lora.enabled:
+            model = apply_lora(model, spec.model.lora)
+    return model
+
+
+def load_model_entry(model: nn.Module, store: CheckpointStore, step: int, lora: bool) -> None:
+    """Read the checkpoint's "model" entry into a plain model, in this process only (no process group)."""
+    opts = StateDictOptions(ignore_frozen_params=lora)
+    msd = get_model_state_dict(model, options=opts)
+    meta = store.reader(step).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model.") for k in meta if k.startswith("model.")}
+    if saved != set(msd):
+        missing, unexpected = sorted(set(msd) - saved), sorted(saved - set(msd))
+        raise ShardlineError(store.path(step), f"checkpoint does not fit the model built from its spec (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})",
+                             "export with the run's own spec and model.path, unchanged since training")
+    state = {"model": msd}
+    with warnings.catch_warnings():  # dcp warns on every no_dist load, even when asked for one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=store.reader(step), no_dist=True)
+    # With LoRA the base weights are absent on purpose (rebuilt from the spec): not strict.
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=lora, strict=not lora))
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bool = False) -> Path:
+    """Write a consolidated Hugging Face directory for a run's committed checkpoint (latest, or `step`)."""
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "spec.yaml").is_file():
+        raise ShardlineError(str(run_dir), "is not a run directory (no spec.yaml)",
+                             "give a directory created by `shardline train`, e.g. runs/<run_id>")
+    store = checkpoint_store(read_spec(run_dir / "spec.yaml"), run_dir)
+    step = resolve_step(store, step)
+    spec = _checkpoint_spec(store, step) or read_spec(run_dir / "spec.yaml")
+    lora = spec.model.lora.enabled
+    if merge_lora and not lora:
+        raise ShardlineError("--merge-lora", "the run was trained without LoRA (model.lora.enabled=false)",
+                             "drop --merge-lora: the export is already a full model")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ShardlineError(str(out), "exists and is not empty", "choose a new --out directory or remove this one")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok, dataset_version = _tokenizer(store, step, spec, run_dir, tmp / "_tokenizer")
+        ids = special_ids(tok, pad_id(tok))
+        model = build_plain(spec, len(tok), ids)
+        load_model_entry(model, store, step, lora)
+        shutil.rmtree(tmp / "_tokenizer", ignore_errors=True)
+        full = not lora or merge_lora
+        if full:
+            _save_full(model.merge_and_unload() if lora else model, ids, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+            (tmp / BASE_INFO).write_text(json.dumps(_base_info(spec, len(tok), ids), indent=2) + "\n")
+        tok.save_pretrained(tmp)
+        info = {"run_id": spec.run.id, "step": step, "checkpoint": store.path(step), "spec_hash": spec_hash(spec),
+                "dataset_version": dataset_version, "lora": lora, "merged": lora and merge_lora,
+                "format": "full" if full else "peft_adapter"}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _checkpoint_spec(store: CheckpointStore, step: int) -> JobSpec | None:
+    """The spec saved with the checkpoint (the weights belong to it), if this checkpoint has one."""
+    try:
+        return JobSpec.model_validate(yaml.safe_load(store.read_text(step, "spec.yaml")))
+    except FileNotFoundError:
+        return None
+
+
+def _tokenizer(store: CheckpointStore, step: int, spec: JobSpec, run_dir: Path,
+               scratch: Path) -> tuple[PreTrainedTokenizerBase, str | None]:
+    """The training tokenizer and dataset version: saved with the checkpoint, else the prepared data."""
+    folder = f"{store.root}/{step_name(step)}/tokenizer"
+    meta_version = read_manifest(run_dir).get("dataset_version")
+    try:
+        meta_version = json.loads(store.read_text(step, "meta.json")).get("dataset_version", meta_version)
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(folder, detail=False)]
+    except FileNotFoundError:
+        names = []
+    if names:
+        scratch.mkdir(parents=True)
+        for name in names:
+            (scratch / name).write_text(store.read_text(step, f"tokenizer/{name}"))
+        return load_tokenizer(str(scratch)), meta_version
+    data = prepare(spec)
+    if meta_version not in (None, data.version):
+        raise ShardlineError(str(run_dir), f"the run trained on dataset {meta_version}, but its spec prepares "
+                             f"{data.version} here (the tokenizer may differ)",
+                             "export from the directory the run was started in, with the same data and cache")
+    return data.tokenizer(), data.version
+
+
+def _save_full(model: nn.Module, ids: dict[str, int], out: Path) -> None:
+    model.config.use_cache = True  # training turns the KV cache off; inference wants it
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(out, safe_serialization=True)
+    if not (out / "generation_config.json").exists():
+        model.generation_config.save_pretrained(out)
+
+
+def _base_info(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> dict:
+    m = spec.model
+    if m.path is not None:
+        how = f"AutoModelForCausalLM.from_pretrained({m.path!r}, dtype=torch.float32)"
+    else:
+        how = (f"random init from spec arch with init_seed {m.init_seed}: shardline.model.build.build_model("
+               "ModelSpec(**model_spec), vocab_size, special_ids) with the values in this file")
+    return {"model_path": m.path, "init_seed": None if m.path else m.init_seed, "how": how,
+            "vocab_size": vocab_size, "special_ids": ids, "model_spec": m.model_dump(mode="json")}

@@ -1,0 +1,42 @@
+"""Preemption: SIGTERM / SIGUSR1 set a flag; ranks agree at the next step boundary and checkpoint.
+
+torchrun forwards these signals to every worker (`--signals-to-handle`) and waits
+`launch.grace_seconds` before SIGKILL; Kubernetes sends SIGTERM on pod deletion or node drain, Slurm
+sends SIGUSR1 `--signal=B:USR1@<grace>` before the time limit or a preemption.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Records the first stop signal; handlers only set fields (async-signal safe)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.received_at: float | None = None
+
+    def install(self) -> StopRequest:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint committed; the worker exits with EXIT_PREEMPTED."""

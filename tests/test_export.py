@@ -1,0 +1,188 @@
+"""`shardline export`: a run's DCP checkpoint becomes a Hugging Face directory with the trained model's logits."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+from rich.console import Console
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardline.data.prepare import prepare
+from shardline.errors import ShardlineError
+from shardline.export import export_run, special_ids
+from shardline.model.build import build_model
+from shardline.rundir import create_run, read_manifest
+from shardline.train.distributed import distributed
+from shardline.train.trainer import Trainer
+from tests.conftest import REPO, small_spec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(_free_port())}.items():
+        mp.setenv(k, v)
+    with distributed() as c:
+        yield c
+    mp.undo()
+
+
+def _trained(ctx, root, run_id: str, *overrides: str) -> Trainer:
+    """Two fp32 steps on one in-process rank, then a committed checkpoint at step 2."""
+    spec = small_spec(root, "train.precision=fp32", "train.peak_tflops=1", "checkpoint.async_save=false",
+                      f"run.id={run_id}", *overrides)
+    spec, run_dir = create_run(spec)
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    assert trainer.checkpointer.store.committed() == [2]
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def full_run(ctx, session_dir) -> Trainer:
+    return _trained(ctx, session_dir, "export-full")
+
+
+@pytest.fixture(scope="module")
+def lora_run(ctx, session_dir) -> Trainer:
+    return _trained(ctx, session_dir, "export-lora", "model.lora.enabled=true", "model.lora.r=4")
+
+
+@pytest.fixture(scope="module")
+def full_export(full_run, tmp_path_factory):
+    """Exported in a fresh process, as the CLI does: no process group exists there."""
+    out = tmp_path_factory.mktemp("export") / "hf"
+    out.mkdir()  # an existing empty directory is fine
+    code = f"from shardline.export import export_run; export_run({str(full_run.run_dir)!r}, {str(out)!r})"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _ids(t: Trainer) -> torch.Tensor:
+    return torch.tensor(t.data.rows("validation").tokens[:2, :48], dtype=torch.long)
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.float()
+
+
+def _base(t: Trainer):
+    torch.manual_seed(12345)  # build_model reseeds with model.init_seed: the base must not depend on this
+    ids = special_ids(t.tokenizer, t.data.meta["pad_id"])
+    return build_model(t.spec.model, t.data.meta["vocab_size"], ids).eval()
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def test_exported_model_reproduces_logits(full_run, full_export):
+    t, out, ids = full_run, full_export, _ids(full_run)
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "shardline_export.json"} <= {p.name for p in out.iterdir()}
+    assert not list(out.parent.glob(".hf.tmp-*"))
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    expected, got = _logits(t.model, ids), _logits(exported, ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert _max_diff(got, _logits(_base(t), ids)) > 1e-3  # the trained weights, not a fresh init
+    print(f"full export: max |logit diff| = {_max_diff(got, expected):.3e}")
+
+    text = "SELECT name FROM users WHERE age > 30;"
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.encode(text) == t.tokenizer.encode(text) and tok.eos_token_id == t.tokenizer.eos_token_id
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == t.tokenizer.eos_token_id and gen["pad_token_id"] == t.data.meta["pad_id"]
+    assert gen["bos_token_id"] == t.tokenizer.bos_token_id
+    info = json.loads((out / "shardline_export.json").read_text())
+    assert info["run_id"] == "export-full" and info["step"] == 2
+    assert info["spec_hash"] == read_manifest(t.run_dir)["spec_hash"]
+    assert info["dataset_version"] == t.data.version and (info["lora"], info["merged"]) == (False, False)
+
+
+def test_checkpoint_without_tokenizer_falls_back_to_prepared_data(full_run, full_export, tmp_path):
+    run_dir = tmp_path / "old-run"
+    shutil.copytree(full_run.run_dir, run_dir)
+    ckpt = run_dir / "checkpoints" / "step-00000002"
+    shutil.rmtree(ckpt / "tokenizer", ignore_errors=True)
+    for name in ("spec.yaml", "meta.json"):
+        (ckpt / name).unlink(missing_ok=True)
+    out = export_run(run_dir, tmp_path / "hf")
+    assert (out / "tokenizer.json").read_text() == (full_export / "tokenizer.json").read_text()
+    a, b = load_file(out / "model.safetensors"), load_file(full_export / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_adapter_loads_with_peft(lora_run, tmp_path):
+    t, ids = lora_run, _ids(lora_run)
+    expected = _logits(t.model, ids)
+    out = export_run(t.run_dir, tmp_path / "adapter")
+    names = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "shardline_base.json", "tokenizer.json"} <= names
+    assert "model.safetensors" not in names
+    base_info = json.loads((out / "shardline_base.json").read_text())
+    assert base_info["model_path"] is None and base_info["init_seed"] == t.spec.model.init_seed
+
+    base = _base(t)
+    base_logits = _logits(base, ids)
+    got = _logits(PeftModel.from_pretrained(base, out).eval(), ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert _max_diff(got, base_logits) > 1e-4  # the adapter changes the model
+    print(f"lora adapter: max |logit diff| = {_max_diff(got, expected):.3e}")
+
+    merged_out = export_run(t.run_dir, tmp_path / "merged", merge_lora=True)
+    assert "adapter_config.json" not in {p.name for p in merged_out.iterdir()}
+    got = _logits(AutoModelForCausalLM.from_pretrained(merged_out, dtype=torch.float32).eval(), ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    print(f"lora merged: max |logit diff| = {_max_diff(got, expected):.3e}")
+    info = json.loads((merged_out / "shardline_export.json").read_text())
+    assert (info["lora"], info["merged"], info["format"]) == (True, True, "full")
+
+
+def test_export_refuses_uncommitted_step(full_run, tmp_path):
+    torn = full_run.checkpointer.store.path(5)
+    os.makedirs(torn, exist_ok=True)  # no COMMITTED: a save that did not finish
+    for step, state in ((5, "not committed"), (7, "does not exist")):
+        with pytest.raises(ShardlineError, match=state) as e:
+            export_run(full_run.run_dir, tmp_path / "out", step=step)
+        assert f"step-0000000{step}" in e.value.where and "(2)" in e.value.fix
+    os.rmdir(torn)
+    assert not (tmp_path / "out").exists()
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    with pytest.raises(ShardlineError, match="not a run directory"):
+        export_run(empty, tmp_path / "out")
+    shutil.copy(full_run.run_dir / "spec.yaml", empty / "spec.yaml")
+    with pytest.raises(ShardlineError, match="has no committed checkpoint"):
+        export_run(empty, tmp_path / "out")
+    with pytest.raises(ShardlineError, match="without LoRA"):
+        export_run(full_run.run_dir, tmp_path / "out", merge_lora=True)
+
+
+def test_export_refuses_nonempty_out(full_run, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ShardlineError, match="not empty") as e:
+        export_run(full_run.run_dir, out)
+    assert "--out" in e.value.fix
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and not list(tmp_path.glob(".out.tmp-*"))
