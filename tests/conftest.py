@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,25 @@ def small_overrides(run_dir: Path) -> list[str]:
 
 def small_spec(tmp: Path, *extra: str) -> JobSpec:
     return load_spec("tiny", [*small_overrides(tmp / "runs"), "parallel.nproc_per_node=1", *extra])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ctx():
+    """One in-process gloo rank (world 1) for tests that drive the Trainer directly."""
+    from shardline.train.distributed import distributed
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}.items():
+        mp.setenv(k, v)
+    with distributed() as c:
+        yield c
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

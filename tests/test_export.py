@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -19,25 +18,8 @@ from shardline.errors import ShardlineError
 from shardline.export import export_run, special_ids
 from shardline.model.build import build_model
 from shardline.rundir import create_run, read_manifest
-from shardline.train.distributed import distributed
 from shardline.train.trainer import Trainer
 from tests.conftest import REPO, small_spec
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(_free_port())}.items():
-        mp.setenv(k, v)
-    with distributed() as c:
-        yield c
-    mp.undo()
 
 
 def _trained(ctx, root, run_id: str, *overrides: str) -> Trainer:

@@ -99,6 +99,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_local(spec, eval_spec, "eval")
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardline.export import export_run
+
+    out = export_run(Path(args.run_dir), Path(args.out), step=args.step, merge_lora=args.merge_lora)
+    console.print(f"exported to {out}", highlight=False)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description="Train LLMs with FSDP2 from one job spec.")
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -112,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--nproc", type=int)
     p.set_defaults(func=cmd_eval)
+    p = verbs.add_parser("export", help="write a Hugging Face model (or LoRA adapter) directory from a checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
+    p.add_argument("--step", type=int, help="committed step to export (default: the latest)")
+    p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
+    p.set_defaults(func=cmd_export)
     config = verbs.add_parser("config", help="inspect specs").add_subparsers(dest="config_verb", required=True)
     p = config.add_parser("show", help="print the resolved spec")
     _add_spec_args(p)

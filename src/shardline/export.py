@@ -10,6 +10,7 @@ into place, so `out` is either complete or absent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,9 +99,10 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     if not (run_dir / "spec.yaml").is_file():
         raise ShardlineError(str(run_dir), "is not a run directory (no spec.yaml)",
                              "give a directory created by `shardline train`, e.g. runs/<run_id>")
-    store = checkpoint_store(read_spec(run_dir / "spec.yaml"), run_dir)
+    run_spec = read_spec(run_dir / "spec.yaml")
+    store = checkpoint_store(run_spec, run_dir)
     step = resolve_step(store, step)
-    spec = _checkpoint_spec(store, step) or read_spec(run_dir / "spec.yaml")
+    spec = _checkpoint_spec(store, step) or run_spec
     lora = spec.model.lora.enabled
     if merge_lora and not lora:
         raise ShardlineError("--merge-lora", "the run was trained without LoRA (model.lora.enabled=false)",
@@ -147,8 +149,9 @@ def _tokenizer(store: CheckpointStore, step: int, spec: JobSpec, run_dir: Path,
     """The training tokenizer and dataset version: saved with the checkpoint, else the prepared data."""
     folder = f"{store.root}/{step_name(step)}/tokenizer"
     meta_version = read_manifest(run_dir).get("dataset_version")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         meta_version = json.loads(store.read_text(step, "meta.json")).get("dataset_version", meta_version)
+    try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(folder, detail=False)]
     except FileNotFoundError:
         names = []

@@ -1,9 +1,9 @@
 """Which spec changes a resumed run survives.
 
-- always: world shape (DCP reshards; the data order depends only on step and global batch) and launch
-  settings;
-- with `checkpoint.allow_spec_change=true`: optimisation schedule, cadence, evaluation, checkpoint and
-  parallelism settings — the checkpoint still fits the model, but the run is no longer the same run;
+- always: what does not change the training trajectory — world shape (DCP reshards; the data order
+  depends only on step and global batch), parallelism, launch, checkpoint, logging and evaluation;
+- with `checkpoint.allow_spec_change=true`: the optimisation schedule and micro-batching — the checkpoint
+  still fits the model, but the run is no longer the same run;
 - never: the model, the data (dataset version), seq len, global batch, data-order seed, precision.
 """
 
@@ -12,11 +12,10 @@ from __future__ import annotations
 from shardline.errors import SpecError
 from shardline.spec import JobSpec
 
-ALWAYS = ("run.id", "parallel.nproc_per_node", "launch.")
+ALWAYS = ("run.id", "parallel.", "launch.", "checkpoint.", "train.peak_tflops", "train.log_every",
+          "train.eval_every", "train.eval_examples", "train.eval_max_new_tokens")
 WITH_FLAG = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.weight_decay",
-             "train.max_grad_norm", "train.peak_tflops", "train.log_every", "train.eval_every",
-             "train.eval_examples", "train.eval_max_new_tokens", "train.micro_batch_size", "checkpoint.",
-             "parallel.")
+             "train.max_grad_norm", "train.micro_batch_size")
 
 
 def _flatten(data: dict, prefix: str = "") -> dict[str, object]:

@@ -1,6 +1,5 @@
 """Every spec knob changes something observable (no dead knobs), on one in-process gloo rank."""
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -11,28 +10,11 @@ from torch.distributed.tensor import DTensor
 
 from shardline.data.loader import StepSampler
 from shardline.spec import JobSpec
-from shardline.train.distributed import distributed
 from shardline.train.optim import lr_factor
 from shardline.train.trainer import Trainer
-from tests.conftest import small_spec
+from tests.conftest import free_port, small_spec
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardline"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(_free_port())}.items():
-        mp.setenv(k, v)
-    with distributed() as c:
-        yield c
-    mp.undo()
 
 
 def _trainer(ctx, session_dir, prepared, *overrides) -> Trainer:
@@ -172,7 +154,7 @@ def test_worker_refuses_a_spec_for_a_different_world_size(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(spec_to_yaml(spec))
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["MASTER_PORT"] = str(_free_port())
+    env["MASTER_PORT"] = str(free_port())
     out = subprocess.run([sys.executable, "-m", "shardline.worker", "--spec", str(path)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 2 and "world size 2" in out.stdout

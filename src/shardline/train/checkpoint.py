@@ -49,7 +49,7 @@ class CheckpointStore:
 
     def writer(self, step: int) -> dcp.StorageWriter:
         if self.remote:
-            from torch.distributed.checkpoint import FsspecWriter
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(self.path(step), sync_files=False)
         Path(self.path(step)).mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,7 @@ class CheckpointStore:
 
     def reader(self, step: int) -> dcp.StorageReader:
         if self.remote:
-            from torch.distributed.checkpoint import FsspecReader
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             return FsspecReader(self.path(step))
         return dcp.FileSystemReader(self.path(step))

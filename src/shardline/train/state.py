@@ -34,8 +34,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def state_dict_options(model: nn.Module) -> StateDictOptions:
-    """With LoRA only trainable (adapter) weights are saved; the base is rebuilt from the spec."""
-    return StateDictOptions(ignore_frozen_params=any(not p.requires_grad for p in model.parameters()))
+    """With LoRA only trainable (adapter) weights are saved; the base is rebuilt from the spec, so loading
+    must not insist on the frozen keys."""
+    lora = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, counters: dict[str, Any],

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import yaml
 from rich.console import Console
 
-from shardline.data.loader import StepSampler, eval_batches
+from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
 from shardline.model.build import build_model
 from shardline.model.flops import (
@@ -76,6 +76,8 @@ class Trainer:
         self.stop = stop or StopRequest()
         self.step = 0
         self.consumed_tokens = 0
+        self.sample_trace = run_dir / "logs" / f"samples-rank-{ctx.rank}.jsonl"
+        self.sample_trace.parent.mkdir(parents=True, exist_ok=True)
         self.peak_tflops, self.peak_source = self._peak_tflops()
 
     # ---- setup ---------------------------------------------------------------------------------
@@ -174,7 +176,9 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def train_step(self) -> TrainRecord:
         ctx, start = self.ctx, time.perf_counter()
-        batches = [b.to(ctx.device) for b in self.sampler.step_batches(self.rows, self.step, ctx.rank)]
+        indices = [self.sampler.micro_indices(self.step, k, ctx.rank) for k in range(self.sampler.accum)]
+        batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
+        self._trace_samples(indices)
         data_wait = time.perf_counter() - start
         counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches)],
                               dtype=torch.float64, device=ctx.device)
@@ -209,6 +213,12 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops, mem_peak_bytes=peak_memory_bytes(ctx.device),
             epoch=self.sampler.epoch_of(self.step),
         )
+
+    def _trace_samples(self, indices: list) -> None:
+        """Which rows each rank trained on at each step: an audit trail for exact resume."""
+        rows = [int(i) for index in indices for i in index]
+        with self.sample_trace.open("a") as f:
+            f.write(json.dumps({"step": self.step + 1, "rows": rows}) + "\n")
 
     def _agree(self, last_save: float) -> tuple[bool, bool]:
         """All ranks decide together whether to stop (a signal reached any rank) or to save on time."""

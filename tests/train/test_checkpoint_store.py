@@ -1,0 +1,146 @@
+"""Checkpoint storage: commit markers, retention, resume policy, and an s3:// round trip on moto."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+
+from shardline.errors import SpecError
+from shardline.resume_policy import check_resume
+from shardline.train.checkpoint import COMMITTED, CheckpointStore, retained, step_name
+from shardline.train.trainer import Trainer
+from tests.conftest import free_port, small_spec
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).flatten() for p in model.parameters()])
+
+
+def _trainer(ctx, tmp, prepared, *overrides) -> Trainer:
+    spec = small_spec(tmp, "train.precision=fp32", "train.peak_tflops=1", *overrides)
+    return Trainer(spec, ctx, prepared, tmp / "run", Console(quiet=True))
+
+
+def test_retention_keeps_last_k_and_every_mth():
+    assert retained([2, 4, 6, 8, 10], keep_last=2, keep_every=4) == {4, 8, 10}
+    assert retained([2, 4, 6], keep_last=5, keep_every=None) == {2, 4, 6}
+
+
+def test_saves_commit_and_retention_deletes_only_after_a_newer_commit(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.keep_last=2", "checkpoint.async_save=true")
+    store = t.checkpointer.store
+    for _ in range(3):
+        t.train_step()
+        t.save_checkpoint()
+        assert t.checkpointer.pending is not None  # async: training goes on while it writes
+    t.checkpointer.wait()
+    assert store.committed() == [2, 3]
+    # a torn save (killed mid-write, disk full) newer than the last good one: never loaded, never a reason
+    # to delete the good one
+    torn = tmp_path / "run" / "checkpoints" / step_name(9)
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    assert store.latest() == 3 and store.steps() == [2, 3, 9]
+    fresh = _trainer(ctx, tmp_path, prepared)
+    fresh.maybe_resume()
+    assert fresh.step == 3 and torch.equal(_weights(fresh.model), _weights(t.model))
+    assert (tmp_path / "run" / "checkpoints" / step_name(3) / "spec.yaml").exists()
+    assert (tmp_path / "run" / "checkpoints" / step_name(3) / "tokenizer" / "tokenizer.json").exists()
+
+
+def test_torn_checkpoints_older_than_a_commit_are_cleaned(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
+    (tmp_path / "run" / "checkpoints" / step_name(0)).mkdir(parents=True)
+    t.train_step()
+    t.save_checkpoint()
+    assert t.checkpointer.store.steps() == [1]
+
+
+def test_sync_save_blocks_until_committed(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
+    t.train_step()
+    t.save_checkpoint()
+    assert t.checkpointer.pending is None and (tmp_path / "run" / "checkpoints" / step_name(1) / COMMITTED).exists()
+
+
+def test_resume_policy_separates_safe_flaggable_and_breaking_changes(tmp_path):
+    base = small_spec(tmp_path)
+    assert check_resume(base, small_spec(tmp_path, "parallel.nproc_per_node=2")) == []
+    with pytest.raises(SpecError, match="allow_spec_change=true") as e:
+        check_resume(base, small_spec(tmp_path, "train.lr=1e-4"))
+    assert e.value.where == "train.lr"
+    assert check_resume(base, small_spec(tmp_path, "train.lr=1e-4", "checkpoint.allow_spec_change=true"))
+    with pytest.raises(SpecError, match="start a new run") as e:
+        check_resume(base, small_spec(tmp_path, "train.seq_len=128", "checkpoint.allow_spec_change=true"))
+    assert e.value.where == "train.seq_len"
+    with pytest.raises(SpecError):
+        check_resume(base, small_spec(tmp_path, "model.arch.hidden_size=128"))
+
+
+def test_checkpoint_refuses_a_changed_model_on_resume(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
+    t.train_step()
+    t.save_checkpoint()
+    other = _trainer(ctx, tmp_path, prepared, "train.seed=7")
+    with pytest.raises(SpecError, match="train.seed"):
+        other.maybe_resume()
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    if moto is None:
+        pytest.fail("moto_server is missing: run ./scripts/setup (it installs the test extras)")
+    port = free_port()
+    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(k, v)
+    import boto3
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ckpt")
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_s3_round_trip_on_a_real_s3_server(ctx, tmp_path, prepared, s3_server):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs/a", "checkpoint.keep_last=1")
+    for _ in range(2):
+        t.train_step()
+        t.save_checkpoint()
+    t.checkpointer.wait()
+    store = CheckpointStore("s3://ckpt/runs/a")
+    assert store.remote and store.committed() == [2] and store.steps() == [2]
+    fresh = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs/a")
+    fresh.maybe_resume()
+    assert fresh.step == 2 and torch.equal(_weights(fresh.model), _weights(t.model))
+    assert fresh.train_step().loss == pytest.approx(t.train_step().loss, rel=1e-6)
+
+
+def test_lora_checkpoint_holds_adapters_only_and_resumes(ctx, tmp_path, prepared):
+    lora = ("model.lora.enabled=true", "model.lora.r=4", "checkpoint.async_save=false")
+    t = _trainer(ctx, tmp_path, prepared, *lora)
+    t.train_step()
+    t.save_checkpoint()
+    fresh = _trainer(ctx, tmp_path, prepared, *lora)
+    fresh.maybe_resume()
+    assert fresh.step == 1 and torch.equal(_weights(fresh.model), _weights(t.model))
+    assert fresh.train_step().loss == pytest.approx(t.train_step().loss, rel=1e-6)
