@@ -26,6 +26,20 @@ class DistContext:
         return self.rank == 0
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The rendezvous store, namespaced by torchrun's restart count.
+
+    torchrun keeps one TCPStore across `--max-restarts` attempts; without a per-attempt prefix a
+    restarted rank can read a dead peer's gloo address from the previous attempt and fail to connect.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_store and int(os.environ["RANK"]) == 0, timeout=timeout,
+    )
+    return dist.PrefixStore(f"shardline/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 @contextmanager
 def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
     """Join the process group torchrun (or a single-process run) describes; tear it down on exit."""
@@ -42,7 +56,9 @@ def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
