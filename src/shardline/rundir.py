@@ -46,7 +46,9 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
         "run_id": spec.run.id, "start_time": manifest.get("start_time", _now()), "spec_hash": spec_hash(spec),
         "git_commit": _git_commit(), "shardline_version": __version__, "versions": _versions(),
         "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting",
-        "image_digest": os.environ.get("SHARDLINE_IMAGE_DIGEST"),
+        "image": os.environ.get("SHARDLINE_IMAGE"), "image_digest": os.environ.get("SHARDLINE_IMAGE_DIGEST"),
+        "spec": spec.model_dump(mode="json"),
+        "checkpoint_location": spec.checkpoint.dir or str(path / "checkpoints"),
     })
     write_manifest(path, manifest)
     return spec, path
@@ -85,8 +87,9 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str]:
+    import peft
     import torch
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform()}
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "shardline": __version__, "platform": platform.platform()}

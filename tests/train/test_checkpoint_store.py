@@ -144,3 +144,11 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes(ctx, tmp_path, prepared
     fresh.maybe_resume()
     assert fresh.step == 1 and torch.equal(_weights(fresh.model), _weights(t.model))
     assert fresh.train_step().loss == pytest.approx(t.train_step().loss, rel=1e-6)
+
+
+def test_every_minutes_makes_all_ranks_agree_to_save(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.every_minutes=0.0001")
+    assert t._agree(last_save=time.monotonic() - 1.0) == (False, True)
+    assert _trainer(ctx, tmp_path, prepared)._agree(last_save=time.monotonic() - 1.0) == (False, False)
+    t.stop.signum = 10  # as if SIGUSR1 had arrived
+    assert t._agree(last_save=time.monotonic()) == (True, False)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides
 
@@ -40,7 +41,14 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     assert manifest["status"] == "finished" and manifest["world_size"] == 2
     assert (run / "logs" / "rank-1.log").read_text().count("[rank 1]") > 0
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 30 and summary["mean_mfu"] > 0
+    assert summary["steps"] == 30 and summary["mean_mfu"] > 0 and summary["grace_needed_s"] > 0
+    assert manifest["versions"]["peft"] and manifest["spec"]["train"]["max_steps"] == 30
+    assert manifest["dataset_version"] == summary["dataset_version"]
+
+    # `shardline export` writes a Hugging Face directory that loads with from_pretrained.
+    out = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.num_hidden_layers == 2
 
     # `shardline eval` reruns validation and SQL accuracy from the last checkpoint.
     out = run_cli("eval", str(run), "--nproc", "1")

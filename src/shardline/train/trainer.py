@@ -76,6 +76,8 @@ class Trainer:
         self.stop = stop or StopRequest()
         self.step = 0
         self.consumed_tokens = 0
+        self.checkpoint_stalls: list[float] = []
+        self.last_blocking_save_s = 0.0
         self.sample_trace = run_dir / "logs" / f"samples-rank-{ctx.rank}.jsonl"
         self.sample_trace.parent.mkdir(parents=True, exist_ok=True)
         self.peak_tflops, self.peak_source = self._peak_tflops()
@@ -140,6 +142,9 @@ class Trainer:
     def save_checkpoint(self, blocking: bool = False) -> None:
         state = training_state(self.model, self.optimizer, self._counters(), self.ctx.rank)
         stall = self.checkpointer.save(self.step, state, self._checkpoint_files(), blocking=blocking)
+        self.checkpoint_stalls.append(stall)
+        if blocking:
+            self.last_blocking_save_s = stall
         self._event(event="checkpoint", step=self.step, stall_s=round(stall, 4), blocking=blocking,
                     location=self.checkpointer.store.path(self.step))
         self._say(f"checkpoint step {self.step}: training stalled {stall:.2f}s "
@@ -297,6 +302,9 @@ class Trainer:
             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
             "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
             "dataset_version": self.data.version,
+            "checkpoint_stall_s_total": round(sum(self.checkpoint_stalls), 3),
+            # A stop signal waits for the current step to end, then for one blocking save.
+            "grace_needed_s": round(max((r.step_time_s for r in records), default=0) + self.last_blocking_save_s, 2),
         }
         if records:
             drop = 1 - records[-1].loss / records[0].loss
@@ -306,6 +314,9 @@ class Trainer:
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
                 f"MFU {100 * summary['mean_mfu']:.1f}% (steps > {WARMUP_STEPS_EXCLUDED})"
             )
+            self._say(f"checkpoints stalled training {summary['checkpoint_stall_s_total']:.2f}s in total; "
+                      f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step + blocking save; "
+                      f"launch.grace_seconds={self.spec.launch.grace_seconds})")
         return summary
 
     def evaluate_sql(self) -> dict:
