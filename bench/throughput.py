@@ -59,6 +59,7 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int) -> dict:
 
     from shardline.data.prepare import PreparedData
     from shardline.data.template import encode_answer, encode_prompt
+    from shardline.data.tokenizer import special_ids
     from shardline.model.build import build_model
     from shardline.resolve import load_spec
 
@@ -71,7 +72,7 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int) -> dict:
         prompt, answer = encode_prompt(tok, ex.question, ex.context, "plain"), encode_answer(tok, ex.answer)
         if len(prompt) + len(answer) <= seq:
             features.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
-    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad}
+    special = special_ids(tok, pad)
     model = build_model(spec.model, data.meta["vocab_size"], special)
     mean_len = statistics.fmean(len(f["input_ids"]) for f in features)
     if mode == "padded":

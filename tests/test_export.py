@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardline.data.prepare import prepare
+from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError
-from shardline.export import export_run, special_ids
+from shardline.export import export_run
 from shardline.model.build import build_model
 from shardline.rundir import create_run, read_manifest
 from shardline.train.trainer import Trainer

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from shardline.data.prepare import prepare
-from shardline.data.tokenizer import load_tokenizer, pad_id
+from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
@@ -58,11 +58,6 @@ def resolve_step(store: CheckpointStore, step: int | None) -> int:
         raise ShardlineError(store.path(step), f"checkpoint of step {step} {state}",
                              f"use --step with a committed step ({choices}) or omit --step for the latest")
     return step
-
-
-def special_ids(tok: PreTrainedTokenizerBase, pad: int) -> dict[str, int]:
-    """The ids the Trainer builds the model with."""
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad}
 
 
 def build_plain(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> nn.Module:

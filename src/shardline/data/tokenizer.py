@@ -58,6 +58,11 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
     return digest.hexdigest()
 
 
+def special_ids(tok: PreTrainedTokenizerBase, pad: int) -> dict[str, int]:
+    """The token ids a model is built with (config bos/eos/pad)."""
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad}
+
+
 def pad_id(tok: PreTrainedTokenizerBase) -> int:
     """A padding id distinct from EOS: padding is excluded by masks, EOS must keep its loss."""
     if tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id:

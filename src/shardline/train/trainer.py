@@ -22,6 +22,7 @@ from rich.console import Console
 
 from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
+from shardline.data.tokenizer import special_ids
 from shardline.model.build import build_model
 from shardline.model.flops import (
     FORMULA,
@@ -54,8 +55,7 @@ class Trainer:
         self.console = console
         self.tokenizer = data.tokenizer()
         meta = data.meta
-        special = {"bos_token_id": self.tokenizer.bos_token_id, "eos_token_id": self.tokenizer.eos_token_id,
-                   "pad_token_id": meta["pad_id"]}
+        special = special_ids(self.tokenizer, meta["pad_id"])
         torch.manual_seed(spec.train.seed + ctx.rank)
         model = build_model(spec.model, meta["vocab_size"], special)
         if spec.model.lora.enabled:
