@@ -126,8 +126,10 @@ class CheckpointSpec(Section):
     dir: str | None = None
     """Where checkpoints go: a path (local, NFS, GCS FUSE) or an fsspec URL (s3://, gs://);
     default `<run dir>/checkpoints`."""
-    async_save: bool = True
-    """Write checkpoints in the background while training continues (never two in flight)."""
+    async_save: bool | None = None
+    """Write checkpoints in the background while training continues (never two in flight). None: on
+    GPU yes (device→host staging frees the GPU while the host writes); on CPU no — staging is a host
+    copy as slow as the write itself (bench/RESULTS-checkpoint.md)."""
     keep_last: int = Field(3, ge=1)
     """Committed checkpoints kept; older ones are deleted only after a newer one committed."""
     keep_every: int | None = Field(None, ge=1)

@@ -62,7 +62,8 @@ def test_torn_checkpoints_older_than_a_commit_are_cleaned(ctx, tmp_path, prepare
     assert t.checkpointer.store.steps() == [1]
 
 
-def test_sync_save_blocks_until_committed(ctx, tmp_path, prepared):
+def test_sync_save_blocks_until_committed_and_is_the_cpu_default(ctx, tmp_path, prepared):
+    assert not _trainer(ctx, tmp_path, prepared).checkpointer.use_async
     t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
     t.train_step()
     t.save_checkpoint()

@@ -66,7 +66,7 @@ def reference(tmp_path_factory):
 
 def test_kill_9_of_one_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, reference):
     runs = tmp_path / "runs"
-    proc = _start(runs, "launch.max_restarts=1")
+    proc = _start(runs, "launch.max_restarts=1", "checkpoint.async_save=true")  # the GPU default path
     run = _wait_for_step(runs, 9, proc, committed=8)
     victim = _workers(run)[-1]
     os.kill(victim, signal.SIGKILL)

@@ -117,12 +117,13 @@ class _Pending:
 class Checkpointer:
     """Saves and loads the trainer's state; at most one async save in flight."""
 
-    def __init__(self, spec: CheckpointSpec, default_location: Path) -> None:
+    def __init__(self, spec: CheckpointSpec, default_location: Path, on_gpu: bool) -> None:
         self.spec = spec
         self.store = CheckpointStore(spec.dir or str(default_location))
         self.rank = dist.get_rank()
+        self.use_async = on_gpu if spec.async_save is None else spec.async_save
         # Background saves run their collectives on a separate gloo group, never the training one.
-        self.group = dist.new_group(backend="gloo") if spec.async_save else None
+        self.group = dist.new_group(backend="gloo") if self.use_async else None
         self.pending: _Pending | None = None
         self.events: list[dict] = []
 
@@ -131,7 +132,7 @@ class Checkpointer:
         """Start (async) or do (sync) a save; returns the seconds training was stalled."""
         start = time.perf_counter()
         self.wait()
-        if self.spec.async_save and not blocking:
+        if self.use_async and not blocking:
             future = dcp.async_save(state, storage_writer=self.store.writer(step), process_group=self.group)
             self.pending = _Pending(step, future, start, files)
         else:

@@ -72,7 +72,7 @@ class Trainer:
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
                                    ctx.world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
-        self.checkpointer = Checkpointer(spec.checkpoint, run_dir / "checkpoints")
+        self.checkpointer = Checkpointer(spec.checkpoint, run_dir / "checkpoints", ctx.device.type == "cuda")
         self.stop = stop or StopRequest()
         self.step = 0
         self.consumed_tokens = 0
@@ -148,7 +148,7 @@ class Trainer:
         self._event(event="checkpoint", step=self.step, stall_s=round(stall, 4), blocking=blocking,
                     location=self.checkpointer.store.path(self.step))
         self._say(f"checkpoint step {self.step}: training stalled {stall:.2f}s "
-                  f"({'written' if blocking or not self.spec.checkpoint.async_save else 'writing in background'})")
+                  f"({'written' if blocking or not self.checkpointer.use_async else 'writing in background'})")
         self._flush_checkpoint_events()
 
     def _flush_checkpoint_events(self) -> None:
