@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Precision = Literal["bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
 
 
 class Section(BaseModel):
@@ -112,8 +113,17 @@ class TrainSpec(Section):
 class ParallelSpec(Section):
     nproc_per_node: int | None = Field(None, ge=1)
     """Processes per node; None: one per GPU, or 2 on CPU."""
+    dp_replicate: int = Field(1, ge=1)
+    """HSDP: replicas of the model (typically one per node group); 1 = plain FSDP."""
+    dp_shard: int | None = Field(None, ge=1)
+    """Ranks each replica is sharded over; None = world size / dp_replicate."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     reshard_after_forward: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """none | full (recompute whole blocks) | selective (keep matmul/attention outputs, recompute the rest)."""
+    activation_checkpointing_every: int = Field(1, ge=1)
+    """With `full`/`selective`: checkpoint every k-th block only (k=1: all blocks)."""
     compile: bool = False
     """torch.compile each decoder block before sharding."""
 

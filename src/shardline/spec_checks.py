@@ -24,6 +24,15 @@ def check_combinations(spec: JobSpec) -> None:
             f"use a multiple of {per_step} (e.g. --set train.global_batch_size={lower}) "
             "or change train.micro_batch_size / parallel.nproc_per_node",
         )
+    p = spec.parallel
+    shard = p.dp_shard or world // p.dp_replicate
+    if p.dp_replicate * shard != world:
+        raise SpecError(
+            "parallel.dp_replicate", f"dp_replicate × dp_shard = {p.dp_replicate} × {shard} does not equal the "
+            f"world size {world} (launch.nnodes × parallel.nproc_per_node)",
+            "choose dp_replicate and dp_shard whose product is the world size (e.g. replicate = nodes, "
+            "shard = GPUs per node)",
+        )
     if spec.model.path is None:
         if a.hidden_size % a.num_heads:
             raise SpecError(

@@ -78,7 +78,7 @@ def test_grad_clipping_is_applied_and_the_pre_clip_norm_logged(ctx, session_dir,
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(ctx, session_dir, prepared):
     plain = _trainer(ctx, session_dir, prepared)
-    ac = _trainer(ctx, session_dir, prepared, "parallel.activation_checkpointing=true")
+    ac = _trainer(ctx, session_dir, prepared, "parallel.activation_checkpointing=full")
     assert ac.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
     r0, r1 = plain.train_step(), ac.train_step()
     assert r0.loss == pytest.approx(r1.loss, rel=1e-6) and r0.grad_norm == pytest.approx(r1.grad_norm, rel=1e-5)

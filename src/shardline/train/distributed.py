@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -19,7 +18,6 @@ class DistContext:
     local_rank: int
     world: int
     device: torch.device
-    mesh: DeviceMesh
 
     @property
     def is_main(self) -> bool:
@@ -60,8 +58,6 @@ def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
     dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
-        world = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-        yield DistContext(dist.get_rank(), local_rank, world, device, mesh)
+        yield DistContext(dist.get_rank(), local_rank, dist.get_world_size(), device)
     finally:
         dist.destroy_process_group()

@@ -1,16 +1,38 @@
 """Apply parallelism to a plain model, in torchtitan's fixed order:
-activation checkpointing → per-block torch.compile → FSDP2 (`fully_shard` per block, then the root).
+activation checkpointing → per-block torch.compile → FSDP2 / HSDP (`fully_shard` per block, then the root).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardline.model.build import decoder_layers
 from shardline.spec import ParallelSpec, Precision
+
+# Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
+# recomputes everything else (norms, activations, rotary, residual adds) in backward.
+SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def data_parallel_mesh(spec: ParallelSpec, world: int, device_type: str) -> DeviceMesh:
+    """1-D mesh for FSDP; 2-D (replicate × shard) for HSDP."""
+    shard = spec.dp_shard or world // spec.dp_replicate
+    if spec.dp_replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (spec.dp_replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
@@ -20,18 +42,32 @@ def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, spec: ParallelSpec) -> None:
+    if spec.activation_checkpointing == "none":
+        return
+    kwargs: dict = {"use_reentrant": False}
+    if spec.activation_checkpointing == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
+    # HF's own per-block checkpointing keeps parameter names unchanged (checkpoints, export).
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                          every_n_layers=spec.activation_checkpointing_every)
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
-    if spec.activation_checkpointing:
-        # HF's own per-block checkpointing keeps parameter names unchanged (checkpoints, export).
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_checkpointing(model, spec)
     layers = decoder_layers(model)
     if spec.compile:
         for layer in layers:
             layer.compile()
-    mp = mixed_precision(precision)
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(precision),
+                    offload_policy=CPUOffloadPolicy() if spec.offload else OffloadPolicy())
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)
+        shard(layer, reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in
     # forward and first in backward, so resharding it after forward would only add an all-gather.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    shard(model, reshard_after_forward=False)
     return model

@@ -40,7 +40,7 @@ from shardline.train.distributed import DistContext
 from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
 from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.train.optim import build_optimizer, build_scheduler
-from shardline.train.parallelize import parallelize
+from shardline.train.parallelize import data_parallel_mesh, parallelize
 from shardline.train.signals import Preempted, StopRequest
 from shardline.train.state import apply_training_state, training_state
 
@@ -64,7 +64,8 @@ class Trainer:
         cfg = model.config
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, cfg.hidden_size,
                                                spec.train.seq_len)
-        self.model = parallelize(model, ctx.mesh, spec.parallel, spec.train.precision)
+        self.mesh = data_parallel_mesh(spec.parallel, ctx.world, ctx.device.type)
+        self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, spec.train)
         self.rows = data.rows("train")
