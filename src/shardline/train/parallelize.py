@@ -57,6 +57,11 @@ def apply_activation_checkpointing(model: nn.Module, spec: ParallelSpec) -> None
                                           every_n_layers=spec.activation_checkpointing_every)
 
 
+def _offload_policy(spec: ParallelSpec, device_type: str) -> OffloadPolicy:
+    """Host-resident params/grads/optimizer state; pinned host memory only where there is a device to copy to."""
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda") if spec.offload else OffloadPolicy()
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
     apply_activation_checkpointing(model, spec)
     layers = decoder_layers(model)
@@ -64,7 +69,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
         for layer in layers:
             layer.compile()
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(precision),
-                    offload_policy=CPUOffloadPolicy() if spec.offload else OffloadPolicy())
+                    offload_policy=_offload_policy(spec, mesh.device_type))
     for layer in layers:
         shard(layer, reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in
