@@ -30,6 +30,7 @@ from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
+from shardline.model.sharded_load import materialize
 from shardline.resolve import spec_hash
 from shardline.rundir import read_manifest, read_spec
 from shardline.spec import JobSpec
@@ -61,11 +62,12 @@ def resolve_step(store: CheckpointStore, step: int | None) -> int:
 
 
 def build_plain(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> nn.Module:
-    """The model as the Trainer builds it before parallelizing (base from model.path or model.init_seed)."""
+    """The model as the Trainer builds it, whole on the CPU (base from model.path or model.init_seed)."""
     with torch.random.fork_rng(devices=[]):
-        model = build_model(spec.model, vocab_size, ids)
+        model = build_model(spec.model, vocab_size, ids, device="meta")
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
+    materialize(model, spec.model, torch.device("cpu"))
     return model
 
 

@@ -1,16 +1,19 @@
-"""Build the model: a Llama-architecture config (random init) or a local/hub HF checkpoint.
+"""Build the model on the meta device: a Llama-architecture config (random init) or a local/hub HF checkpoint.
 
 Model code stays plain single-device PyTorch (HF transformers); parallelism is applied afterwards by
-`shardline.train.parallelize`.
+`shardline.train.parallelize`, and only then are the weights materialised, each rank holding just its own
+shards (`shardline.model.sharded_load.materialize`). A plain single-process model (export, tests) is the same
+meta build materialised whole on one device, so both paths give the same weights.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from shardline.errors import SpecError
+from shardline.model.sharded_load import materialize
 from shardline.spec import ModelSpec
 
 
@@ -32,22 +35,36 @@ def llama_config(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) 
     )
 
 
-def build_model(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) -> nn.Module:
-    """fp32 master weights on CPU; mixed precision is applied by the sharding policy."""
+def model_config(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) -> PretrainedConfig:
+    """`model.path`'s config.json (its own special ids), else the config of `model.arch`; KV cache off."""
     if spec.path is None:
-        torch.manual_seed(spec.init_seed)
-        return LlamaForCausalLM(llama_config(spec, vocab_size, special_ids))
+        return llama_config(spec, vocab_size, special_ids)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=torch.float32, attn_implementation=spec.attn_implementation
-        )
+        config = AutoConfig.from_pretrained(spec.path)
     except OSError as e:
         raise SpecError("model.path", f"cannot load {spec.path!r} ({str(e)[:200]})",
                         "point it at a local directory with config.json and *.safetensors") from e
-    if model.get_input_embeddings().num_embeddings < vocab_size:
+    if config.vocab_size < vocab_size:
         raise SpecError("model.tokenizer", f"tokenizer has {vocab_size} tokens, more than the model's "
-                        f"{model.get_input_embeddings().num_embeddings} embeddings", "use the model's own tokenizer")
-    model.config.use_cache = False
+                        f"{config.vocab_size} embeddings", "use the model's own tokenizer")
+    config.use_cache = False
+    return config
+
+
+def build_model(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int],
+                device: str | torch.device = "cpu") -> nn.Module:
+    """The causal LM with fp32 parameters; mixed precision is applied by the sharding policy.
+
+    `device="meta"` allocates nothing: apply LoRA and parallelism, then call `materialize` to fill each rank's
+    shards. Any other device returns the whole model there, materialised the same way (checkpoint weights, or
+    the deterministic random init of `model.init_seed`).
+    """
+    config = model_config(spec, vocab_size, special_ids)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation,
+                                                 dtype=torch.float32)
+    if torch.device(device).type != "meta":
+        materialize(model, spec, torch.device(device))
     return model
 
 
