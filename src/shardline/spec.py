@@ -54,6 +54,9 @@ class ModelSpec(Section):
     path: str | None = None
     """Local HF checkpoint directory (config.json + safetensors) or hub name; None builds `arch`."""
     arch: ArchSpec = ArchSpec()
+    local_cache: str | None = None
+    """Node-local directory to stage `path` into once per node before loading (e.g. local SSD under a
+    GCS FUSE mount); None loads straight from `path`."""
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`. With neither, a byte-level BPE is trained on the data."""
     attn_implementation: AttentionImpl = "sdpa"

@@ -177,3 +177,20 @@ def test_two_ranks_load_a_1b_checkpoint_reading_only_their_shards(tmp_path):
         assert peak < 0.6 * fp32_bytes
         assert added < 0.52 * fp32_bytes  # its half of the weights, plus a few read buffers
     torch.testing.assert_close(torch.load(ours / "logits-0.pt"), torch.load(ref / "logits-0.pt"), atol=1e-5, rtol=1e-5)
+
+
+def test_local_cache_stages_the_checkpoint_once_and_loads_from_the_copy(ctx, tmp_path):
+    from shardline.model.stage import COMPLETE, staged_model_spec
+
+    path = _hf_checkpoint(tmp_path / "mounted")
+    spec = ModelSpec(path=str(path), local_cache=str(tmp_path / "ssd"))
+    local = staged_model_spec(spec, local_rank=0)
+    staged = Path(local.path)
+    assert staged.parent == tmp_path / "ssd" and (staged / COMPLETE).exists()
+    stamp = (staged / "model.safetensors").stat().st_mtime_ns
+    assert staged_model_spec(spec, local_rank=0).path == local.path  # second call: no new copy
+    assert (staged / "model.safetensors").stat().st_mtime_ns == stamp
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.testing.assert_close(_logits(_sharded(local)), _logits(ref), atol=1e-5, rtol=1e-5)
+    with pytest.raises(SpecError, match="model.local_cache"):
+        staged_model_spec(ModelSpec(path=str(tmp_path / "nope"), local_cache=str(tmp_path / "ssd")), 0)

@@ -33,6 +33,7 @@ from shardline.model.flops import (
 )
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
+from shardline.model.stage import staged_model_spec
 from shardline.resolve import spec_to_yaml
 from shardline.resume_policy import check_resume
 from shardline.spec import JobSpec
@@ -58,7 +59,8 @@ class Trainer:
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
         torch.manual_seed(spec.train.seed + ctx.rank)
-        model = build_model(spec.model, meta["vocab_size"], special, device="meta")
+        model_spec = staged_model_spec(spec.model, ctx.local_rank)
+        model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
         self.params = count_params(model)
@@ -67,7 +69,7 @@ class Trainer:
                                                spec.train.seq_len)
         self.mesh = data_parallel_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
-        materialize(self.model, spec.model, torch.device("cpu") if spec.parallel.offload else ctx.device)
+        materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, spec.train)
         self.rows = data.rows("train")
