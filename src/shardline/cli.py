@@ -107,6 +107,56 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardline.plan import gib, plan_memory, plan_rows, suggest
+    from shardline.plan_devices import current_device, get_device
+
+    spec = _resolve(args)
+    if args.device or args.memory_gb is not None:
+        device = get_device(args.device or current_device().kind, args.memory_gb)
+    else:  # this machine's GPU; on a CPU-only host, hub models are planned for an H100
+        device = current_device()
+        if device.kind == "cpu" and spec.model.path is not None:
+            device = get_device("h100")
+    plan = plan_memory(spec, device)
+    p, t = spec.parallel, spec.train
+    ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
+                                       if p.activation_checkpointing_every > 1 else "")
+    layout = f"HSDP {p.dp_replicate}×{plan.dp_shard}" if p.dp_replicate > 1 else f"FSDP ×{plan.dp_shard}"
+    console.print(
+        f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
+        f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
+        f"{', offload' if p.offload else ''}) · micro-batch {t.micro_batch_size} × {t.seq_len} tokens · "
+        f"{t.precision} · AC {ac}", highlight=False)
+    table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for label, value in plan_rows(plan):
+        table.add_row(label, value)
+    table.add_row("[bold]total[/]", f"[bold]{gib(plan.total_bytes)}[/]")
+    share = f" ({p.nproc_per_node} processes share the host)" if plan.device.kind == "cpu" else ""
+    table.add_row(f"capacity{share}", gib(plan.capacity_bytes))
+    console.print(table)
+    if plan.host_offload_bytes:
+        console.print(f"host memory for offloaded state: {gib(plan.host_offload_bytes)} GiB per rank, "
+                      f"{gib(plan.host_offload_bytes * (p.nproc_per_node or 1))} GiB per node", highlight=False)
+    if plan.fits:
+        console.print(f"[green]fits[/]: {gib(plan.capacity_bytes - plan.total_bytes)} GiB to spare", highlight=False)
+        return EXIT_OK
+    console.print(f"[red]does not fit[/]: {gib(plan.total_bytes - plan.capacity_bytes)} GiB over", highlight=False)
+    fix = suggest(spec, device)
+    if fix is None:
+        console.print("no change tried (AC, micro-batch, layout, offload, up to 8× the GPUs) makes it fit")
+    else:
+        console.print(f"fits with ({gib(fix.plan.total_bytes)} GiB): {fix.command_line}", highlight=False,
+                      markup=False)
+        other = suggest(spec, device, offload=False) if "parallel.offload=true" in fix.overrides else None
+        if other is not None:
+            console.print(f"or, without offload ({gib(other.plan.total_bytes)} GiB): {other.command_line}",
+                          highlight=False, markup=False)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description="Train LLMs with FSDP2 from one job spec.")
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -126,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="committed step to export (default: the latest)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
     p.set_defaults(func=cmd_export)
+    p = verbs.add_parser("plan", help="per-device memory estimate, whether it fits, and what would make it fit")
+    _add_spec_args(p)
+    p.add_argument("--device", help="h100, h200, b200, a100, l4 or cpu (default: this machine's device)")
+    p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table)")
+    p.set_defaults(func=cmd_plan)
     config = verbs.add_parser("config", help="inspect specs").add_subparsers(dest="config_verb", required=True)
     p = config.add_parser("show", help="print the resolved spec")
     _add_spec_args(p)

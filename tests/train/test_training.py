@@ -44,6 +44,8 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     assert summary["steps"] == 30 and summary["mean_mfu"] > 0 and summary["grace_needed_s"] > 0
     assert manifest["versions"]["peft"] and manifest["spec"]["train"]["max_steps"] == 30
     assert manifest["dataset_version"] == summary["dataset_version"]
+    assert 0.8 < summary["mem_planned_bytes"] / summary["mem_peak_bytes"] < 1.2  # planned vs measured, logged
+    assert "planned" in stdout
 
     # `shardline export` writes a Hugging Face directory that loads with from_pretrained.
     out = run_cli("export", str(run), "--out", str(tmp_path / "hf"))

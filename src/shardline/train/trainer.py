@@ -23,6 +23,7 @@ from rich.console import Console
 from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
+from shardline.errors import SpecError
 from shardline.model.build import build_model
 from shardline.model.flops import (
     FORMULA,
@@ -34,6 +35,7 @@ from shardline.model.flops import (
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
+from shardline.plan import planned_peak_bytes
 from shardline.resolve import spec_to_yaml
 from shardline.resume_policy import check_resume
 from shardline.spec import JobSpec
@@ -126,7 +128,11 @@ class Trainer:
         stats = self.data.stats["splits"]["train"]
         self._say(f"data {self.data.version}: {stats['rows']} rows of {t.seq_len} tokens, "
                   f"{stats['kept']} examples, fill {100 * stats['fill']:.1f}%")
+        self.planned_peak = _planned_peak(self.spec)
+        if self.planned_peak:
+            self._say(f"memory plan: peak {self.planned_peak / 2**30:.2f} GiB per device (shardline plan)")
         self._event(event="setup", flops_per_token=self.flops_per_token, formula=FORMULA,
+                    planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, dataset_version=self.data.version)
 
@@ -306,6 +312,7 @@ class Trainer:
             "mean_mfu": _mean(r.mfu for r in steady),
             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
             "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
+            "mem_planned_bytes": self.planned_peak,
             "dataset_version": self.data.version,
             "checkpoint_stall_s_total": round(sum(self.checkpoint_stalls), 3),
             # A stop signal waits for the current step to end, then for one blocking save.
@@ -319,6 +326,10 @@ class Trainer:
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
                 f"MFU {100 * summary['mean_mfu']:.1f}% (steps > {WARMUP_STEPS_EXCLUDED})"
             )
+            if self.planned_peak:
+                measured = summary["mem_peak_bytes"]
+                self._say(f"peak memory {measured / 2**30:.2f} GiB measured vs {self.planned_peak / 2**30:.2f} GiB "
+                          f"planned ({100 * (self.planned_peak / measured - 1):+.0f}%)")
             self._say(f"checkpoints stalled training {summary['checkpoint_stall_s_total']:.2f}s in total; "
                       f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step + blocking save; "
                       f"launch.grace_seconds={self.spec.launch.grace_seconds})")
@@ -343,6 +354,14 @@ class Trainer:
         self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% of {result.n} test questions "
                   f"({seconds:.0f}s)")
         return {"sql_execution_accuracy": result.accuracy, "sql_eval_n": result.n}
+
+
+def _planned_peak(spec: JobSpec) -> int | None:
+    """The planner's per-device peak for this run, or None where the model shape is unknown offline."""
+    try:
+        return planned_peak_bytes(spec)
+    except SpecError:
+        return None
 
 
 def _mean(values) -> float:

@@ -1,0 +1,413 @@
+"""Memory planner: per-device bytes of a training job from its spec, without building the model.
+
+Symbols: P parameters (P_t trainable), S = parallel.dp_shard (FSDP shards; HSDP replicas hold copies),
+c = compute bytes (2 bf16, 4 fp32), N = micro_batch_size × seq_len tokens, L layers, d hidden,
+I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
+
+- parameters 4P/S (fp32 master shards), gradients 4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
+  with `parallel.offload` all three live in host memory instead.
+- gather buffers: FSDP's unsharded compute-dtype copies - the root (embeddings, norm, lm_head; kept from
+  forward through backward) + two blocks (current and prefetched): c·(P_root + 2·P_block).
+- activations: bytes saved for backward per token and block (`block_saved_bytes`), counted from the HF
+  Llama code path (RMSNorm upcasts to fp32, SDPA saves q, k, v, output and logsumexp - no T² term - but
+  the packed-sequence mask B×T×T in c per block; GQA heads are repeated when a mask is used; a frozen
+  linear does not save its input). AC `full` keeps only block inputs (c·d), `selective` the matmul and
+  attention outputs; a checkpointed block is recomputed once in backward (+1 block). Every k-th block
+  only with `activation_checkpointing_every`.
+- logits and loss: 12·N·V (fp32 log-softmax output, its gradient and the logits gradient).
+- temporaries: the unsharded lm_head gradient c·V·d (held through backward), block backward
+  intermediates, the root's fp32 reduce-scatter buffer, AdamW's foreach temporaries (CPU, unfused).
+The peak is the largest of five moments: start of backward, first block reduce-scatter, end of backward,
+root reduce-scatter, optimizer step. Fixed runtime memory and CPU allocator retention: `plan_devices`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from shardline.errors import SpecError
+from shardline.plan_devices import (
+    CPU_RETAINED_BLOCKS_PLAIN,
+    CPU_RETAINED_BLOCKS_RECOMPUTE,
+    CPU_RETAINED_TRANSIENT,
+    Device,
+    GiB,
+    current_device,
+    get_device,
+)
+from shardline.spec import JobSpec, LoraSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie: bool = False
+    head_dim: int | None = None
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+# Hub models the planner knows offline (config.json values; Instruct variants share the base shape).
+KNOWN_MODELS: dict[str, ModelShape] = {
+    "meta-llama/llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),
+    "meta-llama/llama-3.1-70b": ModelShape(8192, 28672, 80, 64, 8, 128256),
+    "meta-llama/llama-3.1-405b": ModelShape(16384, 53248, 126, 128, 8, 128256),
+}
+
+
+def _from_config(cfg: dict) -> ModelShape:
+    return ModelShape(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                      cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                      cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"))
+
+
+def model_shape(spec: ModelSpec) -> ModelShape:
+    """Shape from `model.arch`, a local `config.json`, or the table of known hub models."""
+    if spec.path is None:
+        a = spec.arch
+        return ModelShape(a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
+                          a.vocab_size, a.tie_embeddings)
+    config = Path(spec.path).expanduser() / "config.json"
+    if config.is_file():
+        try:
+            return _from_config(json.loads(config.read_text()))
+        except (KeyError, ValueError) as e:
+            raise SpecError("model.path", f"{config} lacks a Llama field ({e})", "point at a Llama checkpoint") from e
+    name = spec.path.lower().removesuffix("-instruct").replace("meta-llama-3.1", "llama-3.1")
+    if name in KNOWN_MODELS:
+        return KNOWN_MODELS[name]
+    try:  # a hub name already in the local Hugging Face cache
+        from transformers import AutoConfig
+
+        return _from_config(AutoConfig.from_pretrained(spec.path, local_files_only=True).to_dict())
+    except (OSError, ValueError, KeyError):
+        pass
+    raise SpecError("model.path", f"{spec.path!r} is neither a local directory with config.json nor a model "
+                    "the planner knows offline", f"download it, or use one of {', '.join(KNOWN_MODELS)}")
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each projection of a block, and of the output head."""
+    d, q, kv, i = s.hidden, s.heads * s.hd, s.kv_heads * s.hd, s.intermediate
+    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d), "lm_head": (d, s.vocab)}
+
+
+def lora_targets(shape: ModelShape, lora: LoraSpec) -> list[str]:
+    if not lora.enabled:
+        return []
+    unknown = [m for m in lora.target_modules if m not in linear_dims(shape)]
+    if unknown:
+        raise SpecError("model.lora.target_modules", f"{unknown} are not modules of this model",
+                        f"choose from {sorted(linear_dims(shape))}")
+    return list(lora.target_modules)
+
+
+@dataclass(frozen=True)
+class ParamBudget:
+    block: int  # one decoder block, LoRA adapters included
+    block_trainable: int
+    root: int  # embeddings + final norm + untied lm_head
+    root_trainable: int
+    layers: int
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.block + self.root
+
+    @property
+    def trainable(self) -> int:
+        return self.layers * self.block_trainable + self.root_trainable
+
+
+def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
+    """Analytic parameter counts (no biases, as in Llama); LoRA adds r·(in + out) per target module."""
+    dims = linear_dims(s)
+    block = sum(i * o for name, (i, o) in dims.items() if name in LINEARS) + 2 * s.hidden
+    root = s.vocab * s.hidden * (1 if s.tie else 2) + s.hidden
+    adapters = {m: lora.r * sum(dims[m]) for m in lora_targets(s, lora)}
+    block_lora = sum(n for m, n in adapters.items() if m in LINEARS)
+    root_lora = adapters.get("lm_head", 0)
+    if lora.enabled:
+        return ParamBudget(block + block_lora, block_lora, root + root_lora, root_lora, s.layers)
+    return ParamBudget(block, block, root, root, s.layers)
+
+
+def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len: int, kind: str = "cuda") -> float:
+    """Bytes one decoder block saves for backward, per token, without activation checkpointing."""
+    d, i, h = s.hidden, s.intermediate, s.heads
+    q, kv = h * s.hd, s.kv_heads * s.hd
+    targets = set(lora_targets(s, lora))
+    full = not lora.enabled
+    dropout = lora.enabled and lora.dropout > 0
+
+    def inputs(names: tuple[str, ...], width: int, shared: bool = False) -> float:
+        """A linear saves its input only for its weight gradient (frozen base: only LoRA targets need it)."""
+        if full:
+            return 0 if shared else c * width
+        hit = [n for n in names if n in targets]
+        if dropout:  # peft: each target gets its own dropout output (c) and mask (CUDA bool; CPU: c-byte noise)
+            return len(hit) * (c + (1 if kind == "cuda" else c)) * width
+        return c * width if hit and not shared else 0
+
+    mask = attn != "flash_attention_2"  # packed rows always carry a block-diagonal mask for sdpa/eager
+    kv_saved = q if (mask and kv < q) else kv  # HF repeats GQA heads when SDPA gets a mask
+    b = 2 * (4 * d + (c * d if full else 0) + 4)  # 2 RMSNorms: fp32 input, normalized (weight grad), rsqrt
+    b += inputs(("q_proj", "k_proj", "v_proj"), d)
+    b += inputs(("o_proj",), q, shared=attn != "eager")  # SDPA/flash output already has o_proj's layout
+    if attn == "eager":  # q, repeated k and v, fp32 softmax output and (bf16) its cast: a T² term
+        b += c * (q + 2 * kv_saved) + h * seq_len * (4 + (c if c < 4 else 0))
+    else:  # SDPA / flash: q, k, v, output and logsumexp; SDPA also the B×1×T×T mask, converted per block
+        b += c * (2 * q + 2 * kv_saved) + 4 * h + (c * seq_len if attn == "sdpa" else 0)
+    b += inputs(("gate_proj", "up_proj"), d) + 3 * c * i  # gate out (SiLU), SiLU out and up out (product)
+    b += inputs(("down_proj",), i)
+    b += sum(c * lora.r for m in targets if m in LINEARS)  # lora_A outputs
+    return b
+
+
+def selective_saved_bytes(s: ModelShape, c: int, lora: LoraSpec) -> float:
+    """Selective AC: block input + outputs of every matmul and of attention (with logsumexp), per token."""
+    d, i = s.hidden, s.intermediate
+    q, kv = s.heads * s.hd, s.kv_heads * s.hd
+    dims = linear_dims(s)
+    adapters = sum(c * (lora.r + dims[m][1]) for m in lora_targets(s, lora) if m in LINEARS)
+    return c * (d + 2 * q + 2 * kv + d + 2 * i + d) + 4 * s.heads + adapters
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes at the peak moment (`phase`); the fields sum to `total_bytes`."""
+
+    params: int
+    grads: int
+    optimizer: int
+    gather_buffers: int
+    activations: int
+    logits: int
+    temporaries: int
+    allocator: int  # CPU: freed memory glibc keeps resident
+    runtime: int  # CUDA context and workspaces, or the CPU process's resident runtime
+    phase: str
+    device: Device
+    capacity_bytes: int
+    host_offload_bytes: int  # per rank, with parallel.offload
+    total_params: int
+    trainable_params: int
+    dp_shard: int
+    saved_activations: int  # all blocks' activations at the start of backward (whatever moment peaks)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(getattr(self, f) for f in COMPONENTS)
+
+    @property
+    def metric_bytes(self) -> int:
+        """Comparable with the trainer's `mem_peak_bytes`: CUDA max_memory_allocated excludes the runtime."""
+        return self.total_bytes - (self.runtime if self.device.kind == "cuda" else 0)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes
+
+
+COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "temporaries",
+              "allocator", "runtime")
+LABELS = {
+    "params": "parameters (fp32 master shards)", "grads": "gradients (fp32 shards)",
+    "optimizer": "optimizer state (AdamW, 2 × fp32)", "gather_buffers": "FSDP gather buffers (root + 2 blocks)",
+    "activations": "activations", "logits": "logits + cross-entropy", "temporaries": "temporary buffers",
+    "allocator": "allocator retention (glibc)", "runtime": "runtime (context / process)",
+}
+
+
+def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[float, float, int]:
+    """(bytes saved at the start of backward, one block's saved bytes, checkpointed blocks)."""
+    p, t, lora = spec.parallel, spec.train, spec.model.lora
+    n, d = t.micro_batch_size * t.seq_len, shape.hidden
+    block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind) * n
+    n_ckpt = 0 if p.activation_checkpointing == "none" else math.ceil(shape.layers / p.activation_checkpointing_every)
+    kept = c * d * n if p.activation_checkpointing == "full" else selective_saved_bytes(shape, c, lora) * n
+    head_trainable = not lora.enabled or "lm_head" in lora.target_modules
+    final_norm = (4 * d + (0 if lora.enabled else c * d) + (c * d if head_trainable else 0)) * n
+    saved = n_ckpt * kept + (shape.layers - n_ckpt) * block + (block if n_ckpt else 0) + final_norm
+    if spec.model.attn_implementation == "eager":
+        saved += c * t.seq_len * n  # one additive mask shared by all blocks
+    return saved, block, n_ckpt
+
+
+def _as_device(device: Device | str | None) -> Device:
+    if device is None:
+        return current_device()
+    return get_device(device) if isinstance(device, str) else device
+
+
+def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan:
+    """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine)."""
+    dev = _as_device(device)
+    shape = model_shape(spec.model)
+    pb = param_budget(shape, spec.model.lora)
+    p, t, lora = spec.parallel, spec.train, spec.model.lora
+    shard = p.dp_shard or spec.world_size // p.dp_replicate
+    c = 2 if t.precision == "bf16" else 4
+    n = t.micro_batch_size * t.seq_len
+    d, v = shape.hidden, shape.vocab
+
+    params, grads, opt = 4 * pb.total / shard, 4 * pb.trainable / shard, 8 * pb.trainable / shard
+    opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
+
+    saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
+    head_trainable = not lora.enabled or "lm_head" in lora.target_modules
+    head_grad = c * v * d if head_trainable else 0
+    block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
+    gathers = c * (pb.root + 2 * pb.block)
+    # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
+    block_rs = (c + 8) * pb.block_trainable
+    root_rs = (c + 4) * pb.root_trainable + 4 * pb.block_trainable
+
+    grads_now = grads if spec.grad_accum_steps > 1 else 0  # earlier micro-batches' gradients
+    moments = {
+        "start of backward": dict(gather_buffers=gathers, activations=saved, logits=12 * n * v,
+                                  temporaries=head_grad, grads=grads_now),
+        "first block reduce-scatter": dict(gather_buffers=gathers, activations=saved - block,
+                                           temporaries=head_grad + block_rs, grads=grads_now),
+        "end of backward": dict(gather_buffers=gathers, activations=block,
+                                temporaries=head_grad + block_bwd + block_rs, grads=grads),
+        "root reduce-scatter": dict(temporaries=root_rs, grads=grads),
+        "optimizer step": dict(temporaries=opt_temp, grads=grads),
+    }
+    host = 0
+    if p.offload and dev.kind == "cuda":
+        host = params + grads + opt + opt_temp
+        params = opt = 0
+        for m in moments.values():
+            m["grads"] = 0
+        moments["optimizer step"]["temporaries"] = 0
+    phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    parts = {k: int(x) for k, x in parts.items()}
+    parts = {"grads": 0, "gather_buffers": 0, "activations": 0, "logits": 0, "temporaries": 0} | parts
+    allocator = 0
+    if dev.kind == "cpu":
+        transient = sum(x for k, x in parts.items() if k != "grads")
+        blocks = CPU_RETAINED_BLOCKS_RECOMPUTE if n_ckpt else CPU_RETAINED_BLOCKS_PLAIN
+        allocator = int(CPU_RETAINED_TRANSIENT * transient + blocks * block)
+    capacity = dev.memory_bytes
+    if dev.kind == "cpu":
+        capacity //= spec.parallel.nproc_per_node or 1  # the processes of a node share its RAM
+    return MemoryPlan(
+        params=int(params), optimizer=int(opt), **parts,
+        allocator=allocator, runtime=dev.runtime_bytes, phase=phase, device=dev, capacity_bytes=capacity,
+        host_offload_bytes=int(host), total_params=pb.total, trainable_params=pb.trainable, dp_shard=shard,
+        saved_activations=int(saved),
+    )
+
+
+def planned_peak_bytes(spec: JobSpec) -> int:
+    """The planned counterpart of the trainer's `mem_peak_bytes` on the device this process runs on."""
+    return plan_memory(spec).metric_bytes
+
+
+# ---- making it fit ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Suggestion:
+    overrides: list[str]
+    plan: MemoryPlan
+
+    @property
+    def command_line(self) -> str:
+        return " ".join(f"--set {o}" for o in self.overrides)
+
+
+AC_ORDER = ("none", "selective", "full")
+
+
+def _variant(spec: JobSpec, changes: dict[str, object]) -> JobSpec | None:
+    data = spec.model_dump(mode="json")
+    for key, value in changes.items():
+        section, field = key.split(".")
+        data[section][field] = value
+    try:
+        return JobSpec.model_validate(data)
+    except (ValidationError, SpecError):
+        return None
+
+
+def _candidates(spec: JobSpec, device: Device):
+    """Changes in order of disruption: AC level (inner), micro-batch, shard layout, offload, more GPUs (outer)."""
+    p, t = spec.parallel, spec.train
+    current = AC_ORDER.index(p.activation_checkpointing)
+    acs: list[dict[str, object]] = [{}]
+    for level in AC_ORDER[max(current, 1):]:
+        if level != p.activation_checkpointing or p.activation_checkpointing_every != 1:
+            acs.append({"parallel.activation_checkpointing": level, "parallel.activation_checkpointing_every": 1})
+    micro = [t.micro_batch_size]
+    while micro[-1] % 2 == 0:
+        micro.append(micro[-1] // 2)
+    gpu_factors = (1,) if device.kind == "cpu" else (1, 2, 4, 8)
+    offloads = (False,) if device.kind == "cpu" or p.offload else (False, True)
+    world = spec.world_size
+    for factor in gpu_factors:
+        for offload in offloads:
+            layouts = [p.dp_replicate] + ([1] if p.dp_replicate > 1 else [])
+            for replicate in layouts:
+                for mb in micro:
+                    for ac in acs:
+                        change: dict[str, object] = {}
+                        if factor > 1:
+                            change["launch.nnodes"] = spec.launch.nnodes * factor
+                        if replicate != p.dp_replicate or factor > 1 or p.dp_shard is not None:
+                            change["parallel.dp_replicate"] = replicate
+                            change["parallel.dp_shard"] = world * factor // replicate
+                        if offload:
+                            change["parallel.offload"] = True
+                        if mb != t.micro_batch_size:
+                            change["train.micro_batch_size"] = mb
+                        yield change | ac
+
+
+def suggest(spec: JobSpec, device: Device | str | None = None, offload: bool = True) -> Suggestion | None:
+    """The least disruptive change that makes `spec` fit `device`, or None (already fits, or nothing found)."""
+    dev = _as_device(device)
+    if plan_memory(spec, dev).fits:
+        return None
+    for change in _candidates(spec, dev):
+        if not offload and change.get("parallel.offload"):
+            continue
+        variant = _variant(spec, change) if change else None
+        if variant is None:
+            continue
+        plan = plan_memory(variant, dev)
+        if plan.fits:
+            shown = {k: v for k, v in change.items() if _get(spec, k) != v}
+            return Suggestion([f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items()],
+                              plan)
+    return None
+
+
+def _get(spec: JobSpec, key: str) -> object:
+    section, field = key.split(".")
+    return getattr(getattr(spec, section), field)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def plan_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
+    """(label, GiB) rows of the non-zero components."""
+    return [(LABELS[f], gib(getattr(plan, f))) for f in COMPONENTS if getattr(plan, f)]
+

@@ -1,0 +1,224 @@
+"""The memory planner: exact parameter and activation counts, preset verdicts, the CLI, and planned vs
+measured peak memory of real training runs (each in a fresh process: peak RSS never goes down)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import LlamaForCausalLM
+
+from shardline.data.prepare import prepare
+from shardline.errors import SpecError
+from shardline.model.build import decoder_layers, llama_config
+from shardline.model.lora import apply_lora
+from shardline.plan import (
+    KNOWN_MODELS,
+    block_saved_bytes,
+    model_shape,
+    param_budget,
+    plan_memory,
+    planned_peak_bytes,
+    suggest,
+)
+from shardline.plan_devices import GiB, get_device
+from shardline.resolve import load_spec, spec_to_yaml
+from shardline.spec import LoraSpec
+from shardline.train.evaluate import token_loss_sum
+from shardline.train.trainer import Trainer
+from tests.conftest import free_port, run_cli, small_spec
+
+LORA_ALL = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["model.arch.num_kv_heads=2", "model.arch.tie_embeddings=true"],
+    ["model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,down_proj,lm_head]"],
+])
+def test_analytic_param_count_equals_the_model(overrides):
+    spec = load_spec("tiny", ["parallel.nproc_per_node=1", "model.arch.hidden_size=64",
+                              "model.arch.intermediate_size=172", "model.arch.num_layers=2", *overrides])
+    model = LlamaForCausalLM(llama_config(spec.model, spec.model.arch.vocab_size, {}))
+    if spec.model.lora.enabled:
+        model = apply_lora(model, spec.model.lora)
+    budget = param_budget(model_shape(spec.model), spec.model.lora)
+    assert budget.total == sum(p.numel() for p in model.parameters())
+    assert budget.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_known_hub_models_have_their_published_sizes():
+    sizes = {name: param_budget(shape, LoraSpec()).total for name, shape in KNOWN_MODELS.items()}
+    assert sizes["meta-llama/llama-3.1-8b"] == 8_030_261_248
+    assert sizes["meta-llama/llama-3.1-70b"] == 70_553_706_496
+    assert model_shape(load_spec("llama-3.1-70b-fsdp").model) == KNOWN_MODELS["meta-llama/llama-3.1-70b"]
+
+
+def test_local_config_json_and_unknown_hub_names(tmp_path):
+    cfg = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = model_shape(load_spec("tiny", [f"model.path={tmp_path}"]).model)
+    assert (shape.hidden, shape.layers, shape.kv_heads, shape.vocab, shape.tie) == (128, 3, 2, 1000, True)
+    with pytest.raises(SpecError, match="model.path"):
+        model_shape(load_spec("tiny", ["model.path=nobody/unknown-model-xyz"]).model)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.precision=fp32"],
+    ["train.precision=bf16"],
+    ["train.precision=bf16", "model.lora.enabled=true", "model.lora.dropout=0.1", LORA_ALL],
+    ["train.precision=fp32", "model.arch.num_kv_heads=4", "model.attn_implementation=eager"],
+])
+def test_block_activation_formula_equals_what_autograd_saves(ctx, session_dir, prepared, overrides):
+    """Bytes saved for backward inside one decoder block, counted by storage, versus the formula."""
+    spec = small_spec(session_dir, "train.peak_tflops=1", *overrides)
+    trainer = Trainer(spec, ctx, prepared, session_dir / "runs" / "plan", Console(quiet=True))
+    layer = decoder_layers(trainer.model)[1]
+    inside, weights, saved = [False], set(), {}  # weights: storages that are not the block's activations
+
+    def enter(module, args):
+        inside[0] = True
+        weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if not inside[0]:
+            weights.add(storage.data_ptr())  # saved before the block (rotary cos/sin): not the block's
+        elif storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    batch = trainer.sampler.step_batches(trainer.rows, 0, 0)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(trainer.model, batch)
+    c = 2 if spec.train.precision == "bf16" else 4
+    per_token = block_saved_bytes(model_shape(spec.model), c, spec.model.lora, spec.model.attn_implementation,
+                                  spec.train.seq_len, "cpu")
+    assert sum(saved.values()) == pytest.approx(per_token * batch.input_ids.numel(), rel=0.01)
+
+
+def _preset(name: str, *overrides: str):
+    return load_spec(name, list(overrides))
+
+
+def test_presets_give_sensible_numbers():
+    lora = plan_memory(_preset("llama-3.1-8b-lora"), "h100")
+    assert lora.fits and 10 * GiB < lora.total_bytes < 30 * GiB
+    assert lora.params == pytest.approx(4 * 8.03e9 / 8, rel=0.01) and lora.optimizer < 0.1 * GiB
+
+    hsdp = plan_memory(_preset("llama-3.1-70b-fsdp"), "h100")  # 2 replicas × 8 shards: 16 B/param over 8 GPUs
+    assert hsdp.params + hsdp.grads + hsdp.optimizer == pytest.approx(16 * 70.55e9 / 8, rel=0.01)
+    assert not hsdp.fits and plan_memory(_preset("llama-3.1-70b-fsdp"), "b200").fits
+    # Fully sharded over the same 16 GPUs the fp32 master + AdamW state is 66 GiB per H100: FSDP's buffers
+    # and the activations push it over 80 GB; it fits on H200s, or on 32 H100s.
+    full16 = ["parallel.dp_replicate=1", "parallel.dp_shard=16"]
+    assert not plan_memory(_preset("llama-3.1-70b-fsdp", *full16), "h100").fits
+    assert plan_memory(_preset("llama-3.1-70b-fsdp", *full16), "h200").fits
+    assert plan_memory(_preset("llama-3.1-70b-fsdp", "launch.nnodes=4", "parallel.dp_replicate=1"), "h100").fits
+
+
+def test_activation_levers_order_and_scale():
+    base = ["launch.nnodes=1", "parallel.dp_replicate=1", "train.global_batch_size=64"]
+    acts = {ac: plan_memory(_preset("llama-3.1-70b-fsdp", *base, f"parallel.activation_checkpointing={ac}"),
+                            "h200").saved_activations for ac in ("none", "selective", "full")}
+    assert acts["none"] > 2 * acts["selective"] > 2 * acts["full"]
+    half = plan_memory(_preset("llama-3.1-70b-fsdp", *base, "train.micro_batch_size=4"), "h200")
+    assert half.saved_activations == pytest.approx(acts["full"] / 2, rel=0.05)
+    every2 = plan_memory(_preset("llama-3.1-70b-fsdp", *base, "parallel.activation_checkpointing=full",
+                                 "parallel.activation_checkpointing_every=2"), "h200").saved_activations
+    assert acts["full"] < every2 < acts["none"]
+
+
+def test_70b_on_8_gpus_without_ac_does_not_fit_and_the_suggestion_does():
+    one_node = ["launch.nnodes=1", "parallel.dp_replicate=1", "parallel.activation_checkpointing=none",
+                "train.global_batch_size=64"]
+    spec = _preset("llama-3.1-70b-fsdp", *one_node)
+    assert spec.world_size == 8 and spec.train.micro_batch_size == 8
+    assert not plan_memory(spec, "h100").fits
+    fix = suggest(spec, "h100")
+    assert fix is not None and fix.plan.fits
+    assert plan_memory(_preset("llama-3.1-70b-fsdp", *one_node, *fix.overrides), "h100").fits
+    no_offload = suggest(spec, "h100", offload=False)
+    assert no_offload is not None and "parallel.offload=true" not in no_offload.overrides
+    assert plan_memory(_preset("llama-3.1-70b-fsdp", *one_node, *no_offload.overrides), "h100").fits
+
+
+def test_suggestion_prefers_activation_checkpointing():
+    spec = _preset("llama-3.1-8b-lora", "model.lora.enabled=false", "parallel.activation_checkpointing=none",
+                   "train.micro_batch_size=16", "train.global_batch_size=128")
+    fix = suggest(spec, "h100")
+    assert fix is not None and fix.overrides[0].startswith("parallel.activation_checkpointing=")
+    assert suggest(_preset("llama-3.1-8b-lora"), "h100") is None  # already fits
+
+
+def test_devices_and_cpu_share():
+    assert get_device("h200").memory_bytes > get_device("h100").memory_bytes
+    assert get_device("h100", memory_gb=40).memory_bytes == 40 * GiB
+    with pytest.raises(SpecError, match="--device"):
+        get_device("tpu")
+    spec = load_spec("tiny", ["parallel.nproc_per_node=2"])
+    plan = plan_memory(spec, "cpu")
+    assert plan.capacity_bytes == get_device("cpu").memory_bytes // 2
+    assert plan.metric_bytes == plan.total_bytes and plan.allocator > 0
+    gpu = plan_memory(spec, "h100")
+    assert gpu.metric_bytes == gpu.total_bytes - gpu.runtime and gpu.allocator == 0
+
+
+def test_cli_plan_prints_the_table_and_a_fix():
+    out = run_cli("plan", "llama-3.1-70b-fsdp", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("per-device memory on H100 80GB", "optimizer state", "activations", "total", "does not fit",
+                 "fits with", "--set "):
+        assert text in out.stdout, out.stdout
+    out = run_cli("plan", "llama-3.1-8b-lora", "--device", "h200", timeout=120)
+    assert out.returncode == 0 and "fits:" in out.stdout and "H200" in out.stdout
+    out = run_cli("plan", "tiny", "--device", "tpu", timeout=120)
+    assert out.returncode == 2 and "--device" in out.stdout
+
+
+# ---- planned vs measured peak memory of real runs ------------------------------------------------
+ARCH = ["model.arch.hidden_size=256", "model.arch.intermediate_size=688", "model.arch.num_heads=4",
+        "model.arch.num_kv_heads=2", "model.arch.num_layers=8", "model.arch.vocab_size=512",
+        "model.arch.max_position_embeddings=512", "train.seq_len=512", "train.micro_batch_size=4",
+        "train.global_batch_size=4", "train.precision=fp32"]
+RUNS = {
+    "tiny-bf16": ["train.global_batch_size=8"],
+    "fp32-no-ac": ARCH,
+    "fp32-full-ac": [*ARCH, "parallel.activation_checkpointing=full"],
+    "fp32-lora-dropout": [*ARCH, "model.lora.enabled=true", "model.lora.dropout=0.05", LORA_ALL],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_planned_peak_within_20_percent_of_measured(tmp_path, session_dir, name):
+    spec = load_spec("tiny", [
+        f"run.dir={tmp_path}", f"run.id=plan-{name}", f"data.cache_dir={session_dir / 'plan-cache'}",
+        "data.train_size=600", "data.validation_size=8", "data.test_size=1", "train.max_steps=2",
+        "train.warmup_steps=1", "train.eval_examples=0", "train.log_every=1", "train.peak_tflops=1",
+        "parallel.nproc_per_node=1", *RUNS[name],
+    ])
+    prepare(spec)  # here, so the measured process only reads the cache
+    run_dir = tmp_path / spec.run.id
+    run_dir.mkdir()
+    (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env |= {"MASTER_PORT": str(free_port()), "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-m", "shardline.worker", "--spec", str(run_dir / "spec.yaml")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    records = [json.loads(line) for line in Path(run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r["mem_peak_bytes"] for r in records if r["kind"] == "train")
+    planned = planned_peak_bytes(spec)
+    print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
+          f"({100 * (planned / measured - 1):+.1f}%)")
+    assert planned == pytest.approx(measured, rel=0.20)
