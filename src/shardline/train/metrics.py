@@ -31,9 +31,18 @@ class TrainRecord:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated. CPU: this process image's peak RSS (VmHWM). Not ru_maxrss: Linux carries it
+    across fork+exec, so a worker started by a large parent would report the parent's size."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 class MetricsWriter:
