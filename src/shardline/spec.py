@@ -151,6 +151,67 @@ class CheckpointSpec(Section):
     """Resume although settings changed that a checkpoint survives (lr, max_steps, eval/log cadence…)."""
 
 
+class Toleration(Section):
+    key: str
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class SecretRef(Section):
+    secret: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Name of a Kubernetes Secret in the job's namespace."""
+    key: str
+    """Key inside the Secret."""
+
+
+class StorageSpec(Section):
+    """Shared storage for run directories, prepared data and checkpoints; the container's working directory."""
+
+    kind: Literal["none", "gcsfuse", "pvc"] = "none"
+    bucket: str | None = None
+    """GCS bucket (kind gcsfuse): `runs/` mounted for checkpoint writes, `data/` read-only with caching."""
+    claim: str | None = None
+    """PersistentVolumeClaim (kind pvc), ReadWriteMany for multi-node jobs."""
+    mount_path: str = "/mnt/shardline"
+
+
+class KubernetesSpec(Section):
+    namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    context: str | None = None
+    """kubeconfig context for launch/status/logs/wait/cancel (None: the current context)."""
+    service_account: str = Field("shardline-trainer", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Pods run as this ServiceAccount (`shardline cluster bootstrap` creates it with no API permissions)."""
+    queue: str | None = None
+    """Kueue LocalQueue (label kueue.x-k8s.io/queue-name); Kueue then owns the job's suspend field."""
+    workload_priority_class: str | None = None
+    """Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class)."""
+    priority_class: str | None = None
+    """Pod priorityClassName."""
+    max_run_seconds: int | None = Field(None, ge=60)
+    """DWS flex-start: provreq.kueue.x-k8s.io/maxRunDurationSeconds (needs queue; at most 7 days)."""
+    topology: str | None = None
+    """Kueue TAS: node label of the topology level all pods must share, e.g. cloud.google.com/gce-topology-block."""
+    topology_mode: Literal["required", "preferred"] = "preferred"
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    gpu_resource: str | None = "nvidia.com/gpu"
+    """Extended resource requested per process (nproc_per_node per pod); null on CPU-only clusters."""
+    cpu: str | None = None
+    """CPU request per pod, e.g. "200" (Kueue quota needs explicit requests)."""
+    memory: str | None = None
+    """Memory request per pod, e.g. "1800Gi"."""
+    shm_size: str = "64Gi"
+    """Size of the memory-backed /dev/shm (data loader workers, NCCL)."""
+    gpu_networks: list[str] | None = None
+    """Cluster network names for the GPU NICs, in order (default: the profile's names)."""
+    secret_env: dict[str, SecretRef] = {}
+    """Environment variables from Secrets, e.g. HF_TOKEN: {secret: hf-token, key: token}; never values."""
+    storage: StorageSpec = StorageSpec()
+    trainjob_runtime: str = "torch-distributed"
+    """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references."""
+
+
 class LaunchSpec(Section):
     nnodes: int = Field(1, ge=1)
     """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
@@ -159,6 +220,13 @@ class LaunchSpec(Section):
     grace_seconds: int = Field(60, ge=1)
     """After a stop signal, how long workers may take to checkpoint before SIGKILL
     (torchrun --shutdown-timeout; Kubernetes terminationGracePeriodSeconds; Slurm --signal lead time)."""
+    image: str | None = None
+    """Container image for cluster launches (built from the project's Dockerfile)."""
+    image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
+    """Pins launch.image by digest: pods run `<image without tag>@<digest>`."""
+    profile: Literal["generic", "a3-high", "a3-mega", "a3-ultra", "a4"] = "generic"
+    """Machine and network profile (launch/profiles.py): NCCL environment, GPU NICs, host libraries."""
+    kubernetes: KubernetesSpec = KubernetesSpec()
 
 
 class JobSpec(Section):

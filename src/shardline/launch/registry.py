@@ -1,0 +1,21 @@
+"""Targets a run can be rendered for and launched on; each maps to a backend factory (imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _kubernetes(target: str) -> Callable:
+    def make():
+        from shardline.launch.kubernetes import KubernetesBackend
+
+        return KubernetesBackend(target)
+
+    return make
+
+
+BACKENDS: dict[str, Callable] = {
+    "k8s-job": _kubernetes("k8s-job"),
+    "jobset": _kubernetes("jobset"),
+    "trainjob": _kubernetes("trainjob"),
+}
