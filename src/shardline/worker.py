@@ -16,7 +16,7 @@ from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
 from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
-from shardline.rundir import read_spec, run_path, update_manifest
+from shardline.rundir import create_run, read_spec, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.train.distributed import DistContext, distributed
 from shardline.train.signals import Preempted, StopRequest
@@ -47,6 +47,9 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
         if ctx.world != spec.world_size:
             raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
                             f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
+        if ctx.is_main and not (run_dir / "spec.yaml").exists():
+            create_run(spec)  # cluster launches: the run directory lives on storage only the pods can write
+        dist.barrier()
         _setup_logging(run_dir, ctx.rank)
         data = prepare_once_per_node(spec, ctx)
         trainer = Trainer(spec, ctx, data, run_dir, console, stop)

@@ -9,13 +9,9 @@ import sys
 from pathlib import Path
 
 from shardline.errors import EXIT_OK, EXIT_PREEMPTED, SpecError
+from shardline.launch.command import torchrun_policy_flags, worker_command
 from shardline.rundir import read_manifest
 from shardline.spec import JobSpec
-
-
-def worker_command(spec_path: Path, task: str = "train") -> list[str]:
-    """The worker invocation shared by every launcher (DESIGN.md §4)."""
-    return ["-m", "shardline.worker", "--spec", str(spec_path), "--task", task]
 
 
 def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> list[str]:
@@ -25,15 +21,6 @@ def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> lis
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]
-
-
-def torchrun_policy_flags(spec: JobSpec) -> list[str]:
-    """Restart and stop behaviour, the same on every engine."""
-    return [f"--max-restarts={spec.launch.max_restarts}", f"--signals-to-handle={FORWARDED_SIGNALS}",
-            f"--shutdown-timeout={spec.launch.grace_seconds}"]
-
-
-FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def run_local(spec: JobSpec, spec_path: Path, task: str = "train") -> int:

@@ -1,0 +1,35 @@
+"""The one worker command line (DESIGN.md §4) and the torchrun line every cluster engine runs on each node.
+
+Cluster engines differ only in how they supply node rank and the rendezvous host: torchrun reads
+`PET_NODE_RANK`, `PET_MASTER_ADDR` and `PET_MASTER_PORT` as defaults for its flags, the variables
+Kubeflow Trainer injects, so the Indexed Job, the JobSet, the TrainJob and Slurm set the same three
+variables and the command line is identical everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardline.spec import JobSpec
+
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+RANK_ENV = ("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def worker_command(spec_path: Path | str, task: str = "train") -> list[str]:
+    """The worker invocation shared by every launcher (DESIGN.md §4)."""
+    return ["-m", "shardline.worker", "--spec", str(spec_path), "--task", task]
+
+
+def torchrun_policy_flags(spec: JobSpec) -> list[str]:
+    """Restart and stop behaviour, the same on every engine."""
+    return [f"--max-restarts={spec.launch.max_restarts}", f"--signals-to-handle={FORWARDED_SIGNALS}",
+            f"--shutdown-timeout={spec.launch.grace_seconds}"]
+
+
+def node_torchrun_command(spec: JobSpec, spec_path: Path | str, task: str = "train",
+                          python: str = "python") -> list[str]:
+    """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={spec.launch.nnodes}",
+            f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
+            *worker_command(spec_path, task)]
