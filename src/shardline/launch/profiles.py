@@ -51,6 +51,13 @@ class NetworkProfile:
     """nccl-tests all_gather bus bandwidth at 8 GB across 2 nodes; `shardline netcheck` passes above 90 % of it."""
     gcloud_network_flags: str = ""
     """How `cluster plan gke` creates the NIC VPCs: "rdma" (one RDMA VPC, N subnets) or "gpu-nic" (N VPCs)."""
+    node_cpus: int | None = None
+    """vCPUs of one node of machine_type (`cluster bootstrap` sizes the Kueue cpu quota from it)."""
+    node_memory_gib: int | None = None
+    """Memory of one node of machine_type in GiB (`cluster bootstrap` sizes the Kueue memory quota from it)."""
+    node_manifests: tuple[str, ...] = ()
+    """Google's node DaemonSets this fabric needs (NCCL/gIB or TCPX(O) installer, NRI device injector), pinned
+    to a commit of GoogleCloudPlatform/container-engine-accelerators; `cluster plan gke` applies them."""
 
 
 _GIB_COMMON = {
@@ -72,6 +79,8 @@ _GIB_LIBS = (
     HostLibrary("gib", "/home/kubernetes/bin/gib", "/usr/local/gib"),
 )
 _GIB_LD = "/usr/local/nvidia/lib64:/usr/local/gib/lib64"
+_CEA = "https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators"
+_GIB_INSTALLER = f"{_CEA}/2c776f7e9656a2b6476f19938b738b4186000ce3/gpudirect-rdma/nccl-rdma-installer.yaml"
 
 PROFILES: dict[str, NetworkProfile] = {
     "generic": NetworkProfile(
@@ -104,7 +113,9 @@ PROFILES: dict[str, NetworkProfile] = {
         host_libraries=(HostLibrary("nvidia-libs", "/home/kubernetes/bin/nvidia", "/usr/local/nvidia"),
                         HostLibrary("tcpx-libs", "/home/kubernetes/bin/tcpx", "/usr/local/tcpx")),
         ld_library_path="/usr/local/nvidia/lib64:/usr/local/tcpx/lib64",
-        expected_busbw_gbps=80.0, gcloud_network_flags="gpu-nic"),
+        expected_busbw_gbps=80.0, gcloud_network_flags="gpu-nic", node_cpus=208, node_memory_gib=1872,
+        node_manifests=(f"{_CEA}/db325df93989b62ffb6959393c827e54a00f5d2d/gpudirect-tcpx/nccl-tcpx-installer.yaml",
+                        f"{_CEA}/a5c392e4a533fc2727e8fa0a9fdd14c80852a7e0/gpudirect-tcpx/nri-device-injector.yaml")),
     "a3-mega": NetworkProfile(
         name="a3-mega", description="A3 Mega, 8× H100 80GB, GPUDirect-TCPXO over 8 GPU NICs",
         machine_type="a3-megagpu-8g", accelerator="nvidia-h100-mega-80gb", gpus_per_node=8, gpu_nics=8,
@@ -136,21 +147,24 @@ PROFILES: dict[str, NetworkProfile] = {
         },
         host_libraries=(HostLibrary("nvidia-libs", "/home/kubernetes/bin/nvidia", "/usr/local/nvidia"),),
         ld_library_path="/usr/local/nvidia/lib64",
-        expected_busbw_gbps=185.0, gcloud_network_flags="gpu-nic"),
+        expected_busbw_gbps=185.0, gcloud_network_flags="gpu-nic", node_cpus=208, node_memory_gib=1872,
+        node_manifests=(
+            f"{_CEA}/e14ee8a4998b4952775281047f019bb7a6bacff8/gpudirect-tcpxo/nccl-tcpxo-installer.yaml",
+            f"{_CEA}/d4919d335f6cddb2d1b1f7242090ff9e93316579/nri_device_injector/nri-device-injector.yaml")),
     "a3-ultra": NetworkProfile(
         name="a3-ultra", description="A3 Ultra, 8× H200 141GB, RDMA (RoCE, gIB) over 8 NICs",
         machine_type="a3-ultragpu-8g", accelerator="nvidia-h200-141gb", gpus_per_node=8, gpu_nics=8,
         nic_prefix="rdma-", nic_interface_offset=2, extra_networks=("gvnic-1",),
         nccl_env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a3u.txtpb"},
         host_libraries=_GIB_LIBS, ld_library_path=_GIB_LD, expected_busbw_gbps=370.0,
-        gcloud_network_flags="rdma"),
+        gcloud_network_flags="rdma", node_cpus=224, node_memory_gib=2952, node_manifests=(_GIB_INSTALLER,)),
     "a4": NetworkProfile(
         name="a4", description="A4, 8× B200, RDMA (RoCE, gIB) over 8 NICs",
         machine_type="a4-highgpu-8g", accelerator="nvidia-b200", gpus_per_node=8, gpu_nics=8,
         nic_prefix="rdma-", nic_interface_offset=2, extra_networks=("gvnic-1",),
         nccl_env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a4.txtpb"},
         host_libraries=_GIB_LIBS, ld_library_path=_GIB_LD, expected_busbw_gbps=370.0,
-        gcloud_network_flags="rdma"),
+        gcloud_network_flags="rdma", node_cpus=224, node_memory_gib=3968, node_manifests=(_GIB_INSTALLER,)),
 }
 
 ProfileName = str

@@ -1,0 +1,1 @@
+"""Cluster operations: network and GPU checks, cluster bootstrap and provisioning plans."""

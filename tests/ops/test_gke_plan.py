@@ -1,0 +1,261 @@
+"""`shardline cluster plan gke`: setup.sh / teardown.sh are valid, idempotent, reverse each other, follow the profile.
+
+The scripts run for real against stub `gcloud`/`kubectl` commands that log their arguments and answer every
+`describe` with "exists" or "absent", so idempotency and teardown order are observed, not just grepped.
+Snapshots: SHARDLINE_UPDATE_SNAPSHOTS=1 .venv/bin/python -m pytest tests/ops/test_gke_plan.py rewrites them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardline.cli import main
+from shardline.errors import SpecError
+from shardline.ops.gke_plan import GkePlanOptions, plan_steps, write_plan
+from shardline.resolve import load_spec
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("SHARDLINE_UPDATE_SNAPSHOTS") == "1"
+BUCKET = ["launch.kubernetes.storage.kind=gcsfuse", "launch.kubernetes.storage.bucket=ckpt-bucket"]
+CASES = {  # snapshot name: (spec overrides, plan options)
+    "a4-dws-spot-bucket": (["launch.profile=a4", "launch.nnodes=2", *BUCKET],
+                           GkePlanOptions(project="my-project", zone="us-central1-b")),
+    "a3-mega-dws": (["launch.profile=a3-mega", "launch.kubernetes.namespace=ml"],
+                    GkePlanOptions(project="my-project", zone="europe-west4-b", cluster="mega", max_nodes=4,
+                                   spot=False)),
+    "a3-high-spot": (["launch.profile=a3-high"],
+                     GkePlanOptions(project="my-project", zone="us-east4-a", region="us-east4", dws=False)),
+}
+
+
+def spec_with(*overrides: str):
+    return load_spec("tiny", ["parallel.nproc_per_node=1", *overrides])
+
+
+def render(tmp_path: Path, name: str) -> Path:
+    overrides, opts = CASES[name]
+    out = tmp_path / name
+    write_plan(spec_with(*overrides), opts, out)
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rendered_scripts_match_the_reviewed_snapshots(tmp_path, name):
+    out = render(tmp_path, name)
+    for file in ("setup.sh", "teardown.sh", "bootstrap.yaml"):
+        golden = SNAPSHOTS / f"gke-{name}" / file
+        if UPDATE:
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text((out / file).read_text())
+        assert (out / file).read_text() == golden.read_text(), f"{golden} changed; review, then regenerate"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_scripts_parse_and_pass_shellcheck_with_no_findings(tmp_path, name):
+    assert shutil.which("shellcheck"), "shellcheck missing: run scripts/setup (Debian package shellcheck)"
+    out = render(tmp_path, name)
+    for script in ("setup.sh", "teardown.sh"):
+        subprocess.run(["bash", "-n", out / script], check=True)
+        result = subprocess.run(["shellcheck", "--severity=style", out / script], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+        text = (out / script).read_text()
+        assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail\n" in text
+        assert not re.search(r"\bsleep\b", text)
+        assert os.access(out / script, os.X_OK)
+
+
+def test_every_gcloud_create_is_guarded_by_an_existence_check(tmp_path):
+    for name in CASES:
+        lines = (render(tmp_path, name) / "setup.sh").read_text().splitlines()
+        for n, line in enumerate(lines):
+            if re.search(r"gcloud .*\bcreate\b", line):
+                guard = lines[n - 1].strip()
+                assert guard.startswith("if ! gcloud ") and " describe " in guard, (name, line)
+                kind = line.split(" create ")[0].replace("gcloud beta ", "gcloud ").strip()
+                assert guard.removeprefix("if ! ").startswith(kind + " describe"), (name, guard, line)
+
+
+STUBS = {
+    "gcloud": """#!/usr/bin/env bash
+echo "gcloud $*" >> "$FAKE_LOG"
+if [[ "$1 $2" == "projects describe" ]]; then echo 123456789; exit 0; fi
+if [[ " $* " == *" describe "* ]]; then [[ "$FAKE_EXISTS" == 1 ]]; exit $?; fi
+""",
+    "kubectl": """#!/usr/bin/env bash
+echo "kubectl $*" >> "$FAKE_LOG"
+if [[ " $* " == *" -f - "* ]]; then cat >> "$FAKE_LOG.stdin"; fi
+""",
+}
+
+
+def run_script(script: Path, tmp_path: Path, exists: bool, args: tuple[str, ...] = ()) -> tuple[int, list[str], str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in STUBS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / f"{script.name}-{exists}.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "FAKE_EXISTS": "1" if exists else "0"}
+    result = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True)
+    calls = log.read_text().splitlines() if log.exists() else []
+    stdin = Path(f"{log}.stdin").read_text() if Path(f"{log}.stdin").exists() else ""
+    return result.returncode, calls, stdin + result.stderr
+
+
+def resources(calls: list[str], verb: str) -> list[tuple[str, str]]:
+    """(gcloud resource type, name) for each create/delete call, in call order."""
+    out = []
+    for call in calls:
+        m = re.match(rf"gcloud (?:beta )?([a-z -]+?) {verb} (\S+)", call)
+        if m:
+            out.append((m.group(1), m.group(2)))
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_setup_creates_everything_once_and_a_rerun_creates_nothing(tmp_path, name):
+    out = render(tmp_path, name)
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False)
+    assert rc == 0, err
+    created = resources(calls, "create")
+    assert len(created) == len(set(created)) and ("container clusters", "shardline" if name != "a3-mega-dws"
+                                                  else "mega") in created
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=True)
+    assert rc == 0, err
+    assert resources(calls, "create") == []
+    # what stays idempotent on its own runs every time: APIs, credentials, kubectl apply
+    assert any(c.startswith("kubectl apply --server-side -f") and c.endswith("bootstrap.yaml") for c in calls)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_teardown_deletes_what_setup_created_in_reverse_order_and_tolerates_absence(tmp_path, name):
+    out = render(tmp_path, name)
+    _, setup_calls, _ = run_script(out / "setup.sh", tmp_path, exists=False)
+    rc, calls, err = run_script(out / "teardown.sh", tmp_path, exists=True, args=("--yes",))
+    assert rc == 0, err
+    assert resources(calls, "delete") == list(reversed(resources(setup_calls, "create")))
+    rc, calls, err = run_script(out / "teardown.sh", tmp_path, exists=False, args=("--yes",))
+    assert rc == 0, err
+    assert resources(calls, "delete") == []
+
+
+def test_teardown_without_yes_refuses_and_touches_nothing(tmp_path):
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    rc, calls, err = run_script(out / "teardown.sh", tmp_path, exists=True)
+    assert rc == 2 and calls == [] and "--yes" in err
+
+
+def test_a4_plan_builds_an_rdma_vpc_with_a_subnet_per_nic_and_attaches_gvnic_then_rdma(tmp_path):
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    _, calls, stdin = run_script(out / "setup.sh", tmp_path, exists=False)
+    created = resources(calls, "create")
+    assert ("compute networks", "shardline-rdma-net") in created
+    assert [n for kind, n in created if kind == "compute networks subnets"] == [
+        "shardline-gvnic-sub", *(f"shardline-rdma-sub-{i}" for i in range(8))]
+    assert any("--network-profile us-central1-b-vpc-roce" in c for c in calls)
+    pools = [c for c in calls if "node-pools create" in c]
+    assert len(pools) == 2
+    for pool in pools:
+        assert "--machine-type a4-highgpu-8g" in pool and "type=nvidia-b200,count=8" in pool
+        nets = re.findall(r"--additional-node-network (\S+)", pool)
+        assert nets[0] == "network=shardline-gvnic-net,subnetwork=shardline-gvnic-sub" and len(nets) == 9
+    dws, spot = pools
+    for flag in ("--enable-queued-provisioning", "--flex-start", "--num-nodes 0", "--enable-autoscaling",
+                 "--reservation-affinity none", "--total-max-nodes 2"):
+        assert flag in dws
+    assert "--spot" in spot and "--enable-queued-provisioning" not in spot
+    cluster = next(c for c in calls if "clusters create" in c)
+    for flag in ("--enable-multi-networking", "--enable-dataplane-v2", "--addons GcsFuseCsiDriver",
+                 "--workload-pool my-project.svc.id.goog", "--region us-central1"):
+        assert flag in cluster
+    networks = {o["metadata"]["name"]: o for o in yaml.safe_load_all(stdin.split("\n\n")[0]) if o
+                and o["kind"] == "GKENetworkParamSet"}
+    assert list(networks) == ["gvnic-1", *(f"rdma-{i}" for i in range(8))]
+    assert networks["rdma-3"]["spec"] == {"vpc": "shardline-rdma-net", "vpcSubnet": "shardline-rdma-sub-3",
+                                          "deviceMode": "RDMA"}
+    assert any("nccl-rdma-installer.yaml" in c for c in calls)
+    assert any("add-iam-policy-binding gs://ckpt-bucket" in c and "/subject/ns/default/sa/shardline-trainer" in c
+               for c in calls)
+
+
+def test_tcpx_profiles_build_one_vpc_per_gpu_nic_and_their_own_installer(tmp_path):
+    out = render(tmp_path, "a3-high-spot")
+    _, calls, stdin = run_script(out / "setup.sh", tmp_path, exists=False)
+    created = resources(calls, "create")
+    assert [n for kind, n in created if kind == "compute networks"] == [f"shardline-gpunic-{i}-net" for i in range(4)]
+    assert [n for kind, n in created if kind == "compute firewall-rules"] == [
+        f"shardline-gpunic-{i}-internal" for i in range(4)]
+    (pool,) = [c for c in calls if "node-pools create" in c]
+    assert "--machine-type a3-highgpu-8g" in pool and "--spot" in pool and "--flex-start" not in pool
+    assert len(re.findall("--additional-node-network", pool)) == 4
+    assert any("nccl-tcpx-installer.yaml" in c for c in calls) and not any("gib" in c for c in calls)
+    names = [o["metadata"]["name"] for o in yaml.safe_load_all(stdin) if o and o["kind"] == "Network"]
+    assert names == [f"gpu-nic{i}" for i in range(4)]  # what the launcher's interfaces annotation names
+
+
+def test_cluster_network_names_follow_the_specs_gpu_networks(tmp_path):
+    spec = spec_with("launch.profile=a3-ultra", "launch.kubernetes.gpu_networks=[r0,r1,r2,r3,r4,r5,r6,r7]")
+    write_plan(spec, GkePlanOptions(project="my-project", zone="us-south1-b"), tmp_path / "out")
+    text = (tmp_path / "out" / "setup.sh").read_text()
+    assert "name: r7\n" in text and "name: rdma-7\n" not in text and 'MACHINE_TYPE="a3-ultragpu-8g"' in text
+
+
+def test_bootstrap_in_the_plan_matches_its_node_pools(tmp_path):
+    objs = list(yaml.safe_load_all((render(tmp_path, "a3-mega-dws") / "bootstrap.yaml").read_text()))
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "ResourceFlavor"] == ["shardline-a3-mega-dws"]
+    cq = next(o for o in objs if o["kind"] == "ClusterQueue")
+    gpus = {r["name"]: r["nominalQuota"] for r in cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"]}
+    assert gpus["nvidia.com/gpu"] == 4 * 8  # --max-nodes 4 × 8 GPUs
+    assert next(o for o in objs if o["kind"] == "LocalQueue")["metadata"]["namespace"] == "ml"
+
+
+def test_every_step_that_creates_a_cloud_resource_can_be_torn_down():
+    for overrides, opts in CASES.values():
+        for step in plan_steps(spec_with(*overrides), opts):
+            if re.search(r"gcloud .*\bcreate\b", step.create):
+                assert step.exists and step.delete, step.title
+
+
+@pytest.mark.parametrize("overrides, opts, where", [
+    ([], GkePlanOptions(project="my-project", zone="us-central1-b"), "--profile"),
+    (["launch.profile=a4"], GkePlanOptions(project="X", zone="us-central1-b"), "--project"),
+    (["launch.profile=a4"], GkePlanOptions(project="my-project", zone="us-central1"), "--zone"),
+    (["launch.profile=a4"], GkePlanOptions(project="my-project", zone="us-central1-b", region="europe-west4"),
+     "--region"),
+    (["launch.profile=a4"], GkePlanOptions(project="my-project", zone="us-central1-b", cluster="My_Cluster"),
+     "--cluster"),
+    (["launch.profile=a4"], GkePlanOptions(project="my-project", zone="us-central1-b", max_nodes=0), "--max-nodes"),
+    (["launch.profile=a4"], GkePlanOptions(project="my-project", zone="us-central1-b", dws=False, spot=False),
+     "--no-dws/--no-spot"),
+    (["launch.profile=a4", "launch.kubernetes.gpu_resource=null"],
+     GkePlanOptions(project="my-project", zone="us-central1-b"), "launch.kubernetes.gpu_resource"),
+    (["launch.profile=a4", "launch.kubernetes.storage.kind=gcsfuse", "launch.kubernetes.storage.bucket=gs://x"],
+     GkePlanOptions(project="my-project", zone="us-central1-b"), "launch.kubernetes.storage.bucket"),
+])
+def test_bad_plan_input_is_an_error_that_names_the_option(tmp_path, overrides, opts, where):
+    with pytest.raises(SpecError) as e:
+        write_plan(spec_with(*overrides), opts, tmp_path)
+    assert e.value.where == where
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_cli_plan_gke_options_reach_the_scripts(tmp_path):
+    rc = main(["cluster", "plan", "gke", "tiny", "--set", "parallel.nproc_per_node=1", "--out", str(tmp_path),
+               "--project", "proj-123", "--zone", "asia-southeast1-b", "--region", "asia-southeast1",
+               "--cluster", "train-b200", "--profile", "a4", "--max-nodes", "6", "--no-spot", "--dws"])
+    assert rc == 0
+    setup = (tmp_path / "setup.sh").read_text()
+    for line in ('PROJECT="proj-123"', 'ZONE="asia-southeast1-b"', 'REGION="asia-southeast1"',
+                 'CLUSTER="train-b200"', 'MACHINE_TYPE="a4-highgpu-8g"', "MAX_NODES=6", "GPU_NICS=8"):
+        assert f"\n{line}\n" in setup
+    assert '"${DWS_POOL}"' in setup and "SPOT_POOL" not in setup
+    assert main(["cluster", "plan", "gke", "tiny", "--set", "parallel.nproc_per_node=1", "--out",
+                 str(tmp_path / "x"), "--project", "proj-123", "--zone", "asia-southeast1-b"]) == 2  # generic profile
