@@ -5,14 +5,19 @@ Every field here is read by some part of the code; unknown keys are errors.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 Precision = Literal["bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
+
+
+Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v),
+                    Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")]
+"""A Kubernetes resource quantity ("8", "500m", "64Gi"); numbers from `--set` are accepted."""
 
 
 class Section(BaseModel):
@@ -170,10 +175,13 @@ class StorageSpec(Section):
 
     kind: Literal["none", "gcsfuse", "pvc"] = "none"
     bucket: str | None = None
-    """GCS bucket (kind gcsfuse): `runs/` mounted for checkpoint writes, `data/` read-only with caching."""
+    """GCS bucket (kind gcsfuse), mounted whole at mount_path (writes) and read_path (cached reads)."""
     claim: str | None = None
     """PersistentVolumeClaim (kind pvc), ReadWriteMany for multi-node jobs."""
     mount_path: str = "/mnt/shardline"
+    """Read-write mount and the container's working directory: relative run.dir and caches land here."""
+    read_path: str = "/mnt/shardline-data"
+    """The same storage mounted read-only (file cache and parallel downloads on GCS FUSE) for weights and data."""
 
 
 class KubernetesSpec(Section):
@@ -197,11 +205,11 @@ class KubernetesSpec(Section):
     tolerations: list[Toleration] = []
     gpu_resource: str | None = "nvidia.com/gpu"
     """Extended resource requested per process (nproc_per_node per pod); null on CPU-only clusters."""
-    cpu: str | None = None
+    cpu: Quantity | None = None
     """CPU request per pod, e.g. "200" (Kueue quota needs explicit requests)."""
-    memory: str | None = None
+    memory: Quantity | None = None
     """Memory request per pod, e.g. "1800Gi"."""
-    shm_size: str = "64Gi"
+    shm_size: Quantity = "64Gi"
     """Size of the memory-backed /dev/shm (data loader workers, NCCL)."""
     gpu_networks: list[str] | None = None
     """Cluster network names for the GPU NICs, in order (default: the profile's names)."""
@@ -212,9 +220,84 @@ class KubernetesSpec(Section):
     """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references."""
 
 
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+
+
+class NetcheckSpec(Section):
+    """`shardline netcheck` / worker `--task netcheck`: the collective bandwidth sweep (ops/netcheck.py)."""
+
+    ops: list[CollectiveOp] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+    min_bytes: int = Field(1 << 20, ge=4)
+    """Smallest message size (bytes of the whole buffer, as nccl-tests counts them)."""
+    max_bytes: int | None = Field(None, ge=4)
+    """Largest message size; None: 8 GiB on GPU (the size the profiles' expected busbw is quoted at), 64 MiB on CPU."""
+    factor: int = Field(2, ge=2)
+    """Each size is the previous one times this."""
+    warmup: int = Field(5, ge=0)
+    iters: int = Field(20, ge=1)
+    """Timed iterations per size; the time reported is their mean on the slowest rank."""
+    expect_busbw_gbps: float | None = Field(None, gt=0)
+    """Pass threshold for the all_gather bus bandwidth at the largest size (90 % of it must be reached);
+    None: the profile's expected_busbw_gbps (launch.profile), or no threshold."""
+
+
+class GpucheckSpec(Section):
+    """`shardline gpucheck` / worker `--task gpucheck`: NVML health, matmul burn-in, memory bandwidth."""
+
+    seconds: float = Field(5.0, gt=0, le=3600)
+    """Duration of each measurement (matmul burn-in, memory copy) per device."""
+    min_peak_fraction: float = Field(0.5, gt=0, le=1)
+    """A device whose bf16 matmul TFLOP/s is below this fraction of its table peak fails."""
+    straggler_threshold: float = Field(0.1, gt=0, lt=1)
+    """A rank slower than the median of all ranks by more than this fraction is flagged as a straggler."""
+
+
+class SlurmSpec(Section):
+    """sbatch settings for `--target slurm` (launch/slurm.py)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = Field("24:00:00", pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$")
+    """sbatch --time: minutes, HH:MM:SS or D-HH:MM:SS; the job gets SIGUSR1 launch.grace_seconds before it."""
+    gpus_per_node: int | None = Field(None, ge=0)
+    """sbatch --gpus-per-node; None: parallel.nproc_per_node (one GPU per process); 0: request none (CPU nodes)."""
+    cpus_per_task: int | None = Field(None, ge=1)
+    """sbatch --cpus-per-task (the one task per node runs torchrun and all its workers)."""
+    exclusive: bool = True
+    """sbatch --exclusive: the job owns its nodes."""
+    workdir: str | None = None
+    """Directory the job runs in (sbatch --chdir; relative run.dir resolves against it); None: where
+    `shardline launch` runs, which must be on a filesystem every node mounts."""
+    setup: list[str] = []
+    """Shell lines run in the batch script before srun (module load, source a venv); their environment
+    reaches every node."""
+    sbatch_args: list[str] = []
+    """Further sbatch options, e.g. ["--constraint=h100", "--reservation=r1"]."""
+
+
+class RaySpec(Section):
+    """Ray Train settings for `--target ray` (a running Ray cluster) and `--target rayjob` (KubeRay)."""
+
+    address: str = "http://127.0.0.1:8265"
+    """Ray Jobs API address (the dashboard) of the cluster `--target ray` submits to."""
+    max_failures: int = Field(3, ge=-1)
+    """Ray Train FailureConfig(max_failures): worker-group restarts after a failure (-1: unlimited); each
+    restart resumes from the last committed checkpoint."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs each Ray Train worker (one per rank) reserves."""
+    gpus_per_worker: float = Field(1.0, ge=0)
+    """GPUs each Ray Train worker reserves; 0 trains on CPU workers over gloo."""
+    ray_version: str = Field("2.60.0", pattern=r"^\d+\.\d+\.\d+$")
+    """Ray version of the KubeRay cluster (rayVersion); the image must carry the same Ray."""
+
+
 class LaunchSpec(Section):
     nnodes: int = Field(1, ge=1)
     """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
+    min_nnodes: int | None = Field(None, ge=1)
+    """Elastic jobs: keep training while at least this many of the `nnodes` nodes are up (torchrun
+    --nnodes=min:max, c10d rendezvous; each change restarts from the checkpoint). None: exactly nnodes."""
     max_restarts: int = Field(0, ge=0)
     """torchrun --max-restarts: restarts of the worker group after a failure."""
     grace_seconds: int = Field(60, ge=1)
@@ -227,6 +310,49 @@ class LaunchSpec(Section):
     profile: Literal["generic", "a3-high", "a3-mega", "a3-ultra", "a4"] = "generic"
     """Machine and network profile (launch/profiles.py): NCCL environment, GPU NICs, host libraries."""
     kubernetes: KubernetesSpec = KubernetesSpec()
+    slurm: SlurmSpec = SlurmSpec()
+    ray: RaySpec = RaySpec()
+    netcheck: NetcheckSpec = NetcheckSpec()
+    gpucheck: GpucheckSpec = GpucheckSpec()
+
+
+Provisioning = Literal["on-demand", "spot", "dws-flex-start", "reservation"]
+
+
+class ObserveSpec(Section):
+    """Metrics endpoint, experiment trackers, the run report and alert thresholds (observe/)."""
+
+    metrics_port: int | None = Field(9405, ge=0, le=65535)
+    """Port of the Prometheus endpoint (`/metrics`) that rank 0 serves; 0 picks a free port (printed and
+    written to manifest.json as `metrics_url`); null turns it off."""
+    metrics_host: str = "0.0.0.0"
+    """Address the endpoint binds: all interfaces, so that a pod's scraper reaches it; 127.0.0.1 keeps it local."""
+    metrics_linger_s: float = Field(0.0, ge=0, le=600)
+    """Keep serving this long after training ends, so that a scrape sees the final values (≥ scrape interval)."""
+    report: bool = True
+    """Write `<run>/report/` (index.html + PNG plots) when training ends."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to `<run>/tensorboard/` (needs `shardline[observe]`)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (needs `pip install wandb`); null: off."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes to `<run>/wandb/` only, nothing leaves the machine (`wandb sync` later); online uploads."""
+    no_progress_minutes: float = Field(15.0, gt=0)
+    """Alert rules (`shardline observe render`): a run that finished no step for this long is stuck."""
+
+
+class CostSpec(Section):
+    """Prices for the cost shown by `shardline plan`, step records and the summary (cost.py)."""
+
+    gpu: str | None = None
+    """Price-table row (h100, h200, b200, a100, l4, or a row of `prices`); null: the device the run uses."""
+    provisioning: Provisioning = "on-demand"
+    usd_per_device_hour: float | None = Field(None, ge=0)
+    """$ per device-hour, overriding the table; a CPU run is priced only with this (a device is a rank)."""
+    prices: dict[str, dict[Provisioning, float]] = {}
+    """Overrides or extends the price table, $/GPU-hour: {h100: {spot: 2.9}, my-gpu: {on-demand: 1.5}}."""
+    assumed_mfu: float = Field(0.4, gt=0, le=1)
+    """MFU `shardline plan` assumes for the projected step time when no measured run is given (--from-run)."""
 
 
 class JobSpec(Section):
@@ -237,6 +363,8 @@ class JobSpec(Section):
     parallel: ParallelSpec = ParallelSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     launch: LaunchSpec = LaunchSpec()
+    observe: ObserveSpec = ObserveSpec()
+    cost: CostSpec = CostSpec()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> JobSpec:

@@ -34,6 +34,7 @@ class LaunchRecord(BaseModel):
     """Kubernetes context (None: the kubeconfig's current context)."""
     objects: list[dict[str, str]] = []
     """Kubernetes objects created: apiVersion, kind, name."""
+    nnodes: int = 1
     job_id: str | None = None
     """Engine job id (Slurm job id, Ray submission id)."""
 

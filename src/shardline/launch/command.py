@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardline.launch.elastic import torchrun_node_flags
 from shardline.spec import JobSpec
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -30,6 +31,6 @@ def torchrun_policy_flags(spec: JobSpec) -> list[str]:
 def node_torchrun_command(spec: JobSpec, spec_path: Path | str, task: str = "train",
                           python: str = "python") -> list[str]:
     """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment."""
-    return [python, "-m", "torch.distributed.run", f"--nnodes={spec.launch.nnodes}",
+    return [python, "-m", "torch.distributed.run", *torchrun_node_flags(spec),
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]

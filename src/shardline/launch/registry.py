@@ -14,8 +14,26 @@ def _kubernetes(target: str) -> Callable:
     return make
 
 
+def _slurm():
+    from shardline.launch.slurm import SlurmBackend
+
+    return SlurmBackend()
+
+
+def _ray(target: str) -> Callable:
+    def make():
+        from shardline.launch.ray import RayBackend, RayJobBackend
+
+        return RayBackend() if target == "ray" else RayJobBackend()
+
+    return make
+
+
 BACKENDS: dict[str, Callable] = {
     "k8s-job": _kubernetes("k8s-job"),
     "jobset": _kubernetes("jobset"),
     "trainjob": _kubernetes("trainjob"),
+    "slurm": _slurm,
+    "ray": _ray("ray"),
+    "rayjob": _ray("rayjob"),
 }

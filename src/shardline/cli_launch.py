@@ -1,0 +1,132 @@
+"""Cluster verbs: render, launch, status, logs, wait, cancel — the same for every target (launch/backend.py)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from shardline.errors import EXIT_OK
+from shardline.launch.backend import JobState, get_backend, load_record, save_record, wait_for
+from shardline.launch.registry import BACKENDS
+from shardline.rundir import new_run_id
+from shardline.spec import JobSpec
+
+TASKS = ("train", "eval", "netcheck")
+
+
+def _with_run_id(spec: JobSpec) -> JobSpec:
+    if spec.run.id is None:
+        spec = spec.model_copy(deep=True)
+        spec.run.id = new_run_id(spec.run.name)
+    return spec
+
+
+def cmd_render(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
+    spec = _with_run_id(resolve(args))
+    files = get_backend(args.target).render(spec, args.task)
+    if args.out is None:
+        for text in files.values():
+            console.print(text, end="", highlight=False, markup=False)
+        return EXIT_OK
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+        console.print(f"wrote {out / name}", highlight=False)
+    return EXIT_OK
+
+
+def cmd_launch(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
+    spec = _with_run_id(resolve(args))
+    backend = get_backend(args.target)
+    if args.dry_run:
+        for name, text in backend.render(spec, args.task).items():
+            console.print(f"# {name}", highlight=False, markup=False)
+            console.print(text, end="", highlight=False, markup=False)
+        return EXIT_OK
+    record = backend.submit(spec, args.task)
+    path = save_record(Path(spec.run.dir) / record.run_id, record)
+    console.print(f"launched [bold]{record.run_id}[/] on {args.target}"
+                  + (f" (namespace {record.namespace})" if record.namespace else "")
+                  + (f" job {record.job_id}" if record.job_id else ""), highlight=False)
+    console.print(f"record: {path}\nnext: shardline status {record.run_id} · shardline logs {record.run_id} --follow"
+                  f" · shardline wait {record.run_id}", highlight=False)
+    return EXIT_OK
+
+
+def print_state(state: JobState, console: Console, title: str) -> None:
+    console.print(f"[bold]{title}[/]: {state.phase}" + (f" · {state.restarts} gang restarts" if state.restarts
+                                                         else ""), highlight=False)
+    for reason in state.reasons:
+        console.print(f"  · {reason}", highlight=False, markup=False)
+    if state.ranks:
+        table = Table(title_justify="left")
+        for col in ("rank", "pod / host", "state", "restarts", "detail"):
+            table.add_column(col)
+        for r in state.ranks:
+            table.add_row(str(r.rank), r.name, r.state, str(r.restarts), r.detail)
+        console.print(table)
+
+
+def cmd_status(args: argparse.Namespace, console: Console) -> int:
+    record = load_record(args.run, args.runs_dir)
+    print_state(get_backend(record.target).status(record), console, f"{record.run_id} ({record.target})")
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace, console: Console) -> int:
+    record = load_record(args.run, args.runs_dir)
+    for line in get_backend(record.target).logs(record, args.rank, args.follow):
+        console.print(line, highlight=False, markup=False)
+    return EXIT_OK
+
+
+def cmd_wait(args: argparse.Namespace, console: Console) -> int:
+    record = load_record(args.run, args.runs_dir)
+    code = wait_for(get_backend(record.target), record, args.timeout, args.poll,
+                    on_change=lambda s: print_state(s, console, record.run_id))
+    console.print({0: "succeeded", 1: "failed", 124: f"timed out after {args.timeout} s"}[code], highlight=False)
+    return code
+
+
+def cmd_cancel(args: argparse.Namespace, console: Console) -> int:
+    record = load_record(args.run, args.runs_dir)
+    get_backend(record.target).cancel(record)
+    console.print(f"cancelled {record.run_id}", highlight=False)
+    return EXIT_OK
+
+
+def add_launch_verbs(verbs, add_spec_args: Callable, resolve: Callable, console: Console) -> None:
+    targets = sorted(BACKENDS)
+    for verb, helptext in (("render", "write the engine's manifests / batch script for a spec (nothing is applied)"),
+                           ("launch", "submit the job to its engine and record where it runs")):
+        p = verbs.add_parser(verb, help=helptext)
+        add_spec_args(p)
+        p.add_argument("--target", required=True, choices=targets)
+        p.add_argument("--task", choices=TASKS, default="train", help="what the worker runs (default train)")
+        if verb == "render":
+            p.add_argument("--out", help="directory for the files (default: print)")
+            p.set_defaults(func=lambda a: cmd_render(a, resolve, console))
+        else:
+            p.add_argument("--dry-run", action="store_true", help="print every object that would be applied")
+            p.set_defaults(func=lambda a: cmd_launch(a, resolve, console))
+
+    def run_parser(verb: str, helptext: str, func: Callable):
+        p = verbs.add_parser(verb, help=helptext)
+        p.add_argument("run", help="run directory or run id printed by `launch`")
+        p.add_argument("--runs-dir", default="runs", help="where run ids are looked up (default runs)")
+        p.set_defaults(func=lambda a: func(a, console))
+        return p
+
+    run_parser("status", "where a launched run is: phase, why it waits, each rank's pod/host", cmd_status)
+    p = run_parser("logs", "print a launched run's logs, lines prefixed with the rank", cmd_logs)
+    p.add_argument("--rank", type=int, help="one rank only (default: all)")
+    p.add_argument("--follow", "-f", action="store_true", help="wait for the job to start, then stream")
+    p = run_parser("wait", "block until the run ends: exit 0 succeeded, 1 failed, 124 timed out", cmd_wait)
+    p.add_argument("--timeout", type=float, help="seconds (default: no limit)")
+    p.add_argument("--poll", type=float, default=10.0, help="seconds between status checks")
+    run_parser("cancel", "delete the run's objects / cancel its job", cmd_cancel)

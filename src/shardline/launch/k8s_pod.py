@@ -1,0 +1,206 @@
+"""The training pod, built as typed data from the spec: one container named `node` running the node's torchrun.
+
+Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/k8s_objects.py); only how rank and
+rendezvous host reach the pod differs, and that is passed in as `rank_env`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from shardline.errors import SpecError
+from shardline.launch.command import node_torchrun_command
+from shardline.launch.profiles import get_profile, gpu_network_names, nccl_environment
+from shardline.resolve import spec_hash
+from shardline.spec import JobSpec
+
+SPEC_MOUNT = "/etc/shardline"
+SPEC_PATH = f"{SPEC_MOUNT}/spec.yaml"
+CONTAINER = "node"
+USER_ID = 1000
+NAME_LIMIT = 40
+"""Object names stay short enough that JobSet pod hostnames (`<name>-node-0-<i>`) fit a 63-char DNS label."""
+GCSFUSE_WRITE_OPTIONS = ("implicit-dirs", "metadata-cache:ttl-secs:60", "metadata-cache:negative-ttl-secs:0",
+                         "write:enable-streaming-writes:true")
+GCSFUSE_READ_OPTIONS = ("implicit-dirs", "metadata-cache:ttl-secs:-1", "metadata-cache:stat-cache-max-size-mb:-1",
+                        "metadata-cache:type-cache-max-size-mb:-1", "file-system:kernel-list-cache-ttl-secs:-1",
+                        "file-cache:max-size-mb:-1", "file-cache:cache-file-for-range-read:true",
+                        "file-cache:enable-parallel-downloads:true")
+
+
+def object_name(spec: JobSpec) -> str:
+    """Objects are named after the run id (unique per launch), shortened with a hash when too long."""
+    run_id = spec.run.id or spec.run.name
+    if len(run_id) <= NAME_LIMIT:
+        return run_id
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return f"{run_id[:NAME_LIMIT - 9].rstrip('-')}-{digest}"
+
+
+def labels(spec: JobSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "shardline", "app.kubernetes.io/managed-by": "shardline",
+            "shardline.dev/run-name": spec.run.name, "shardline.dev/run-id": object_name(spec),
+            "shardline.dev/spec-hash": spec_hash(spec)[:16]}
+
+
+def image_ref(spec: JobSpec) -> str:
+    image = spec.launch.image
+    if not image:
+        raise SpecError("launch.image", "is not set", "build the image from the project's Dockerfile, push it, and "
+                        "set launch.image (and launch.image_digest to pin it)")
+    if spec.launch.image_digest:
+        repo = image.split("@")[0]
+        if ":" in repo.rsplit("/", 1)[-1]:
+            repo = repo.rsplit(":", 1)[0]
+        return f"{repo}@{spec.launch.image_digest}"
+    return image
+
+
+def node_command(spec: JobSpec, task: str) -> list[str]:
+    """Wait for the rendezvous host's DNS record, then the one torchrun line (DESIGN.md §4)."""
+    return ["python", "-m", "shardline.launch.wait_rendezvous", "--",
+            *node_torchrun_command(spec, SPEC_PATH, task)]
+
+
+def container_env(spec: JobSpec, rank_env: list[dict]) -> list[dict]:
+    k = spec.launch.kubernetes
+    env = list(rank_env)
+    env += [{"name": n, "value": v} for n, v in nccl_environment(get_profile(spec.launch.profile)).items()]
+    env += [{"name": "SHARDLINE_IMAGE", "value": image_ref(spec)},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "TOKENIZERS_PARALLELISM", "value": "false"}]
+    if spec.launch.image_digest:
+        env.append({"name": "SHARDLINE_IMAGE_DIGEST", "value": spec.launch.image_digest})
+    for name, ref in sorted(k.secret_env.items()):
+        env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key}}})
+    return env
+
+
+def resources(spec: JobSpec) -> dict:
+    k = spec.launch.kubernetes
+    amounts: dict[str, str] = {}
+    if k.gpu_resource:
+        amounts[k.gpu_resource] = str(spec.parallel.nproc_per_node)
+    if k.cpu:
+        amounts["cpu"] = k.cpu
+    if k.memory:
+        amounts["memory"] = k.memory
+    limits = {r: v for r, v in amounts.items() if r == k.gpu_resource}  # extended resources need limit = request
+    return {"requests": amounts, "limits": limits} if amounts else {}
+
+
+def _storage_volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
+    st = spec.launch.kubernetes.storage
+    if st.kind == "none":
+        return [], []
+    if st.kind == "pvc":
+        if not st.claim:
+            raise SpecError("launch.kubernetes.storage.claim", "is required for storage kind pvc",
+                            "name a ReadWriteMany PersistentVolumeClaim in the job's namespace")
+        source = {"persistentVolumeClaim": {"claimName": st.claim}}
+        return ([{"name": "storage", **source}, {"name": "storage-read", **source}],
+                [{"name": "storage", "mountPath": st.mount_path},
+                 {"name": "storage-read", "mountPath": st.read_path, "readOnly": True}])
+    if not st.bucket:
+        raise SpecError("launch.kubernetes.storage.bucket", "is required for storage kind gcsfuse",
+                        "name the GCS bucket that holds runs, data and weights")
+    owner = f"uid={USER_ID},gid={USER_ID}"
+
+    def fuse(name: str, options: tuple[str, ...], read_only: bool, extra: dict) -> dict:
+        attrs = {"bucketName": st.bucket, "mountOptions": ",".join((*options, owner)), **extra}
+        return {"name": name, "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": read_only,
+                                      "volumeAttributes": attrs}}
+
+    return ([fuse("storage", GCSFUSE_WRITE_OPTIONS, False, {}),
+             fuse("storage-read", GCSFUSE_READ_OPTIONS, True, {"gcsfuseMetadataPrefetchOnMount": "true",
+                                                                "fileCacheForRangeRead": "true"})],
+            [{"name": "storage", "mountPath": st.mount_path},
+             {"name": "storage-read", "mountPath": st.read_path, "readOnly": True}])
+
+
+def volumes_and_mounts(spec: JobSpec, config_map: str) -> tuple[list[dict], list[dict]]:
+    k = spec.launch.kubernetes
+    volumes = [{"name": "spec", "configMap": {"name": config_map}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
+    mounts = [{"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    for lib in get_profile(spec.launch.profile).host_libraries:
+        volumes.append({"name": lib.name, "hostPath": {"path": lib.host_path}})
+        mounts.append({"name": lib.name, "mountPath": lib.mount_path, "readOnly": True})
+    storage_volumes, storage_mounts = _storage_volumes(spec)
+    return volumes + storage_volumes, mounts + storage_mounts
+
+
+def pod_annotations(spec: JobSpec) -> dict[str, str]:
+    k = spec.launch.kubernetes
+    profile = get_profile(spec.launch.profile)
+    out: dict[str, str] = {}
+    if profile.gpu_nics:
+        names = gpu_network_names(profile, k.gpu_networks)
+        if len(names) != profile.gpu_nics:
+            raise SpecError("launch.kubernetes.gpu_networks", f"has {len(names)} names but profile "
+                            f"{profile.name} has {profile.gpu_nics} GPU NICs", "list one network per GPU NIC")
+        interfaces = [{"interfaceName": "eth0", "network": "default"}]
+        for i, net in enumerate([*profile.extra_networks, *names]):
+            interfaces.append({"interfaceName": f"eth{i + 1}", "network": net})
+        out["networking.gke.io/default-interface"] = "eth0"
+        out["networking.gke.io/interfaces"] = json.dumps(interfaces)
+    if k.storage.kind == "gcsfuse":
+        out["gke-gcsfuse/volumes"] = "true"
+        for r in ("cpu", "memory", "ephemeral-storage"):  # "0": the sidecar may use what the node has
+            out[f"gke-gcsfuse/{r}-limit"] = "0"
+    if k.topology:
+        out[f"kueue.x-k8s.io/podset-{k.topology_mode}-topology"] = k.topology
+    return out
+
+
+def node_selector(spec: JobSpec) -> dict[str, str]:
+    profile = get_profile(spec.launch.profile)
+    out = {"cloud.google.com/gke-accelerator": profile.accelerator} if profile.accelerator else {}
+    return out | spec.launch.kubernetes.node_selector
+
+
+def tolerations(spec: JobSpec) -> list[dict]:
+    k = spec.launch.kubernetes
+    out = [t.model_dump(exclude_none=True) for t in k.tolerations]
+    if k.gpu_resource and not any(t.key == k.gpu_resource for t in k.tolerations):
+        out.append({"key": k.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    return out
+
+
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID, "fsGroup": USER_ID,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None) -> dict:
+    """A complete pod spec for one node of the job."""
+    k = spec.launch.kubernetes
+    volumes, mounts = volumes_and_mounts(spec, config_map)
+    container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task),
+                 "env": container_env(spec, rank_env), "volumeMounts": mounts,
+                 "securityContext": CONTAINER_SECURITY}
+    if res := resources(spec):
+        container["resources"] = res
+    if k.storage.kind != "none":
+        container["workingDir"] = k.storage.mount_path
+    out = {"restartPolicy": "Never", "serviceAccountName": k.service_account,
+           "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
+           "terminationGracePeriodSeconds": spec.launch.grace_seconds + 30,
+           "containers": [container], "volumes": volumes}
+    if subdomain:
+        out["subdomain"] = subdomain
+    if k.priority_class:
+        out["priorityClassName"] = k.priority_class
+    if selector := node_selector(spec):
+        out["nodeSelector"] = selector
+    if tol := tolerations(spec):
+        out["tolerations"] = tol
+    return out
+
+
+def pod_template(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None) -> dict:
+    meta: dict = {"labels": labels(spec)}
+    if ann := pod_annotations(spec):
+        meta["annotations"] = ann
+    return {"metadata": meta, "spec": pod_spec(spec, task, config_map, rank_env, subdomain)}
