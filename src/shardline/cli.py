@@ -83,7 +83,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec, run_dir = create_run(spec)
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     _prepare_with_progress(spec)
-    return run_local(spec, run_dir / "spec.yaml", "train")
+    code = run_local(spec, run_dir / "spec.yaml", "train")
+    if spec.observe.report:  # rank 0 wrote it unless the workers died first; never changes the exit code
+        from shardline.observe.report import report_is_current, write_report_safely
+
+        if not report_is_current(run_dir):
+            write_report_safely(run_dir, lambda m: console.print(m, highlight=False, markup=False))
+    return code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -104,6 +110,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export_run(Path(args.run_dir), Path(args.out), step=args.step, merge_lora=args.merge_lora)
     console.print(f"exported to {out}", highlight=False)
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from shardline.observe.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "spec.yaml").is_file():
+        raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
+    console.print(f"report: {write_report(run_dir)}", highlight=False)
+    return EXIT_OK
+
+
+def cmd_observe_render(args: argparse.Namespace) -> int:
+    from shardline.observe.render import render
+
+    for path in render(_resolve(args), Path(args.out)):
+        console.print(f"wrote {path}", highlight=False)
     return EXIT_OK
 
 
@@ -137,6 +161,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     share = f" ({p.nproc_per_node} processes share the host)" if plan.device.kind == "cpu" else ""
     table.add_row(f"capacity{share}", gib(plan.capacity_bytes))
     console.print(table)
+    from shardline.cost import plan_cost_lines
+
+    for line in plan_cost_lines(spec, plan.device.kind, plan.device.name,
+                                Path(args.from_run) if args.from_run else None):
+        console.print(line, highlight=False, markup=False)
     if plan.host_offload_bytes:
         console.print(f"host memory for offloaded state: {gib(plan.host_offload_bytes)} GiB per rank, "
                       f"{gib(plan.host_offload_bytes * (p.nproc_per_node or 1))} GiB per node", highlight=False)
@@ -155,6 +184,61 @@ def cmd_plan(args: argparse.Namespace) -> int:
             console.print(f"or, without offload ({gib(other.plan.total_bytes)} GiB): {other.command_line}",
                           highlight=False, markup=False)
     return EXIT_OK
+
+
+def cmd_cluster_bootstrap(args: argparse.Namespace) -> int:
+    from shardline.ops.cluster_bootstrap import BootstrapOptions, local_queue_name, write_bootstrap
+
+    spec = _resolve(args)
+    opts = BootstrapOptions(gpus=args.gpus, cpu=args.cpu, memory=args.memory, dws=args.dws, spot=args.spot,
+                            priority_classes=args.priority_classes, cluster_queue=args.cluster_queue,
+                            bind_launcher=tuple(args.bind_launcher))
+    path = write_bootstrap(spec, opts, Path(args.out))
+    console.print(f"wrote {path}; apply with: kubectl apply --server-side -f {path}", highlight=False)
+    if spec.launch.kubernetes.queue is None:
+        console.print(f"jobs use this queue once the spec says launch.kubernetes.queue: {local_queue_name(spec)}",
+                      highlight=False)
+    return EXIT_OK
+
+
+def cmd_cluster_plan_gke(args: argparse.Namespace) -> int:
+    from shardline.ops.gke_plan import GkePlanOptions, write_plan
+
+    if args.profile:
+        args.overrides = [*args.overrides, f"launch.profile={args.profile}"]
+    opts = GkePlanOptions(project=args.project, zone=args.zone, region=args.region, cluster=args.cluster,
+                          max_nodes=args.max_nodes, dws=args.dws, spot=args.spot)
+    paths = write_plan(_resolve(args), opts, Path(args.out))
+    console.print("wrote " + ", ".join(str(p) for p in paths) + "; review, then run setup.sh", highlight=False)
+    return EXIT_OK
+
+
+def _run_ops_task(args: argparse.Namespace, task: str, settings: dict[str, object]) -> int:
+    from shardline.ops.tasks import run_task_locally
+
+    overrides = [f"launch.{task}.{k}={v}" for k, v in settings.items() if v is not None]
+    if args.nproc:  # the task trains nothing: keep the batch valid for whatever world size is asked for
+        overrides += ["train.micro_batch_size=1", f"train.global_batch_size={args.nproc}"]
+    args.overrides = [*overrides, *args.overrides]
+    spec = _resolve(args)
+    if task == "netcheck":
+        from shardline.ops.netcheck import message_sizes
+
+        cfg = spec.launch.netcheck
+        message_sizes(cfg.min_bytes, cfg.max_bytes or cfg.min_bytes, cfg.factor)  # bad sizes fail here, not per rank
+    return run_task_locally(spec, task, Path(args.json) if args.json else None)
+
+
+def cmd_netcheck(args: argparse.Namespace) -> int:
+    ops = f"[{args.ops}]" if args.ops else None
+    return _run_ops_task(args, "netcheck", {
+        "min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor, "iters": args.iters,
+        "warmup": args.warmup, "expect_busbw_gbps": args.expect_busbw, "ops": ops})
+
+
+def cmd_gpucheck(args: argparse.Namespace) -> int:
+    return _run_ops_task(args, "gpucheck", {"seconds": args.seconds, "straggler_threshold": args.straggler_threshold,
+                                            "min_peak_fraction": args.min_peak_fraction})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +264,68 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p)
     p.add_argument("--device", help="h100, h200, b200, a100, l4 or cpu (default: this machine's device)")
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table)")
+    p.add_argument("--from-run", metavar="RUN_DIR", help="project the cost from this run's measured throughput")
     p.set_defaults(func=cmd_plan)
+    p = verbs.add_parser("report", help="write RUN_DIR/report/: one HTML page with plots, manifest and evaluation")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_report)
+    observe = verbs.add_parser("observe", help="monitoring assets").add_subparsers(dest="observe_verb",
+                                                                                   required=True)
+    p = observe.add_parser("render", help="write Prometheus alert rules, a Grafana dashboard and a scrape config")
+    _add_spec_args(p)
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_observe_render)
+    p = verbs.add_parser("netcheck", help="collective bandwidth sweep (nccl-tests style) with a pass/fail verdict")
+    _add_spec_args(p)
+    p.add_argument("--json", metavar="FILE", help="write the result (one record per op × size × placement)")
+    p.add_argument("--min-bytes", type=int, help="smallest message (default 1 MiB)")
+    p.add_argument("--max-bytes", type=int, help="largest message (default 8 GiB on GPU, 64 MiB on CPU)")
+    p.add_argument("--factor", type=int, help="size multiplier between steps (default 2)")
+    p.add_argument("--iters", type=int, help="timed iterations per size (default 20)")
+    p.add_argument("--warmup", type=int, help="untimed iterations per size (default 5)")
+    p.add_argument("--ops", help="comma-separated: all_reduce,all_gather,reduce_scatter,all_to_all,broadcast")
+    p.add_argument("--expect-busbw", type=float, metavar="GBPS",
+                   help="pass threshold: all_gather busbw at the largest size (default: launch.profile's)")
+    p.set_defaults(func=cmd_netcheck)
+    p = verbs.add_parser("gpucheck", help="GPU health (NVML), bf16 matmul burn-in, memory bandwidth, stragglers")
+    _add_spec_args(p)
+    p.add_argument("--json", metavar="FILE", help="write the per-rank result")
+    p.add_argument("--seconds", type=float, help="duration of each measurement per device (default 5)")
+    p.add_argument("--straggler-threshold", type=float, help="flag ranks this fraction below the median (0.1)")
+    p.add_argument("--min-peak-fraction", type=float, help="fail a GPU below this fraction of its peak (0.5)")
+    p.set_defaults(func=cmd_gpucheck)
+    cluster = verbs.add_parser("cluster", help="cluster admin: Kueue/RBAC bootstrap, GKE setup plans")
+    cluster = cluster.add_subparsers(dest="cluster_verb", required=True)
+    p = cluster.add_parser("bootstrap", help="write Kueue queues, DWS admission check, service account and RBAC")
+    _add_spec_args(p)
+    p.add_argument("--out", required=True, help="directory for bootstrap.yaml")
+    p.add_argument("--gpus", type=int, help="GPU quota per flavor (default: the spec's job)")
+    p.add_argument("--cpu", help="CPU quota per flavor, e.g. 448 (default: GPU nodes × the profile's vCPUs)")
+    p.add_argument("--memory", help="memory quota per flavor, e.g. 7936Gi (default: GPU nodes × node memory)")
+    p.add_argument("--dws", action="store_true", help="DWS flex-start flavor gated by a ProvisioningRequest check")
+    p.add_argument("--spot", action="store_true", help="spot-VM flavor (after DWS when both are given)")
+    p.add_argument("--priority-classes", action="store_true", help="Kueue shardline-low|medium|high priorities")
+    p.add_argument("--cluster-queue", default="shardline", help="ClusterQueue name (default: shardline)")
+    p.add_argument("--bind-launcher", action="append", default=[], metavar="SUBJECT",
+                   help="bind the shardline-launcher Role: user:NAME, group:NAME, serviceaccount:[NS/]NAME")
+    p.set_defaults(func=cmd_cluster_bootstrap)
+    plan = cluster.add_parser("plan", help="reviewable scripts that create a cluster")
+    p = plan.add_subparsers(dest="plan_target", required=True).add_parser(
+        "gke", help="setup.sh/teardown.sh: VPCs, GKE cluster, DWS + spot GPU pools, Kueue, JobSet, NCCL installer")
+    _add_spec_args(p)
+    p.add_argument("--out", required=True, help="directory for setup.sh, teardown.sh and bootstrap.yaml")
+    p.add_argument("--project", required=True, help="GCP project id")
+    p.add_argument("--zone", required=True, help="zone of the GPU nodes, e.g. us-central1-b")
+    p.add_argument("--region", help="region of the cluster (default: the zone's region)")
+    p.add_argument("--cluster", default="shardline", help="GKE cluster name (default: shardline)")
+    p.add_argument("--profile", help="machine profile a3-high|a3-mega|a3-ultra|a4 (default: launch.profile)")
+    p.add_argument("--max-nodes", type=int, help="most GPU nodes per pool (default: launch.nnodes)")
+    p.add_argument("--dws", action=argparse.BooleanOptionalAction, default=True, help="DWS flex-start pool")
+    p.add_argument("--spot", action=argparse.BooleanOptionalAction, default=True, help="spot-VM pool")
+    p.set_defaults(func=cmd_cluster_plan_gke)
+    from shardline.cli_launch import add_launch_verbs
+
+    add_launch_verbs(verbs, _add_spec_args, _resolve, console)
     config = verbs.add_parser("config", help="inspect specs").add_subparsers(dest="config_verb", required=True)
     p = config.add_parser("show", help="print the resolved spec")
     _add_spec_args(p)

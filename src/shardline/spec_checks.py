@@ -73,3 +73,11 @@ def check_combinations(spec: JobSpec) -> None:
             "'flash_attention_2' is selected but the flash-attn package is not installed",
             "pip install flash-attn on a CUDA machine, or use 'sdpa'",
         )
+    from shardline.cost import check_cost
+    from shardline.observe.trackers import check_observe
+
+    check_observe(spec)
+    check_cost(spec)
+    from shardline.launch.elastic import check_elastic
+
+    check_elastic(spec)

@@ -1,6 +1,6 @@
 """The one worker entry point every launcher starts (DESIGN.md §4):
 
-    torchrun <rendezvous flags> -m shardline.worker --spec <resolved spec.yaml> [--task train|eval]
+    torchrun <rendezvous flags> -m shardline.worker --spec <resolved spec.yaml> [--task train|eval|netcheck|gpucheck]
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
 from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
+from shardline.launch.elastic import allowed_world_sizes
+from shardline.observe.session import observing
+from shardline.ops.tasks import OPS_TASKS, run_task
 from shardline.rundir import create_run, read_spec, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.train.distributed import DistContext, distributed
@@ -44,7 +47,7 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
     run_dir = run_path(spec)
     stop = StopRequest().install()  # before the process group: a signal during setup is not lost
     with distributed() as ctx:
-        if ctx.world != spec.world_size:
+        if ctx.world not in allowed_world_sizes(spec):  # elastic jobs (launch.min_nnodes) allow a range
             raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
                             f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
         if ctx.is_main and not (run_dir / "spec.yaml").exists():
@@ -65,24 +68,28 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
         if ctx.is_main:
             update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world,
                             checkpoint_location=trainer.checkpointer.store.location)
-        try:
-            trainer.fit()
-        except Preempted:
+        with observing(spec, run_dir, trainer, console):  # rank 0: cost, /metrics, trackers; the report at the end
+            try:
+                trainer.fit()
+            except Preempted:
+                if ctx.is_main:
+                    update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
+                return EXIT_PREEMPTED
             if ctx.is_main:
-                update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
-            return EXIT_PREEMPTED
-        if ctx.is_main:
-            update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
+                update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
     return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardline.worker")
     parser.add_argument("--spec", required=True, type=Path, help="resolved spec.yaml of the run")
-    parser.add_argument("--task", choices=["train", "eval"], default="train")
+    parser.add_argument("--task", choices=["train", "eval", *OPS_TASKS], default="train")
+    parser.add_argument("--out", type=Path, help="netcheck/gpucheck JSON result (default: <run dir>/<task>.json)")
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
     try:
+        if args.task in OPS_TASKS:
+            return run_task(read_spec(args.spec), args.task, console, args.out)
         return run(read_spec(args.spec), args.task, console)
     except ShardlineError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)

@@ -40,7 +40,10 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
 
 @contextmanager
 def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
-    """Join the process group torchrun (or a single-process run) describes; tear it down on exit."""
+    """Join the process group torchrun (or a single-process run) describes; tear it down on exit.
+
+    When the group already exists (Ray Train creates it before calling the worker), use it and leave
+    its teardown to its owner."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -54,6 +57,9 @@ def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if dist.is_initialized():
+        yield DistContext(dist.get_rank(), local_rank, dist.get_world_size(), device)
+        return
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(timeout),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

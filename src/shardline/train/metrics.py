@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,23 +48,42 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl and prints the human view; only rank 0 makes one."""
+    """Appends records to metrics.jsonl and prints the human view; only rank 0 makes one.
+
+    `cost` (a `shardline.cost.CostMeter`) adds the cost fields to train records; each of `sinks`
+    (Prometheus, TensorBoard, W&B: shardline.observe) gets every record as written. A sink that raises is
+    logged and dropped: observing a run must never stop it."""
 
     def __init__(self, path: Path, console: Console) -> None:
         self.path = path
         self.console = console
+        self.cost = None
+        self.sinks: list[Callable[[str, dict], None]] = []
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, kind: str, record: dict) -> None:
+    def write(self, kind: str, record: dict) -> dict:
+        if kind == "train" and self.cost is not None:
+            record = record | self.cost.on_step(record)
+        line = {"kind": kind, "time": round(time.time(), 3), **record}
         with self.path.open("a") as f:
-            f.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **record}) + "\n")
+            f.write(json.dumps(line) + "\n")
+        for sink in list(self.sinks):
+            try:
+                sink(kind, line)
+            except Exception:
+                logging.getLogger("shardline").exception("metrics sink %r failed; dropped", sink)
+                self.sinks.remove(sink)
+        return line
 
     def train(self, r: TrainRecord, max_steps: int) -> None:
-        self.write("train", asdict(r))
+        line = self.write("train", asdict(r))
+        cost = ""
+        if "cost_usd_step" in line:
+            cost = f"  ${line['cost_usd_step']:.3g}/step ${line.get('cost_usd_per_1m_tokens', 0):.3g}/1M tok"
         self.console.print(
             f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
             f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
             f"MFU {100 * r.mfu:5.1f}%  step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
-            f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB",
+            f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB{cost}",
             highlight=False,
         )

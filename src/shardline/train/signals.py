@@ -8,6 +8,7 @@ sends SIGUSR1 `--signal=B:USR1@<grace>` before the time limit or a preemption.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -21,6 +22,8 @@ class StopRequest:
         self.received_at: float | None = None
 
     def install(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Ray Train runs the loop in a worker thread; Ray itself handles worker failures
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self

@@ -298,6 +298,12 @@ class Trainer:
         self._flush_checkpoint_events()
         summary = self.summarize(records, wall, val_loss)
         summary |= self.evaluate_sql()
+        if self.metrics and self.metrics.cost is not None:  # after the SQL eval: its device time is paid too
+            from shardline.observe.session import summary_line
+
+            summary |= self.metrics.cost.summary()
+            if line := summary_line(summary):
+                self._say(line)
         if self.ctx.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

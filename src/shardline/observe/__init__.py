@@ -1,0 +1,1 @@
+"""Observability: the Prometheus endpoint, experiment trackers, dashboards and alert rules, the run report."""

@@ -1,0 +1,361 @@
+"""The run report: `runs/<id>/report/index.html` plus one PNG per plot, from the run directory alone.
+
+The page is self-contained (the plots are embedded as data URIs, no script, no external asset), so it
+can be mailed or opened from a bucket; the PNGs sit beside it for slides and tickets. It reads only the
+run directory contract (DESIGN.md §2): metrics.jsonl, manifest.json, summary.json, eval.json, spec.yaml.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardline.errors import ShardlineError
+
+log = logging.getLogger("shardline")
+GiB = 2**30
+
+
+@dataclass
+class RunRecords:
+    """metrics.jsonl split by kind; `segments` are the train records of each attempt (a resume starts one)."""
+
+    segments: list[list[dict]] = field(default_factory=lambda: [[]])
+    evals: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)  # stall records, with save_s merged from commits
+    resumes: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    setup: dict = field(default_factory=dict)
+
+    @property
+    def train(self) -> list[dict]:
+        return [r for seg in self.segments for r in seg]
+
+
+def read_records(metrics_file: Path) -> RunRecords:
+    out = RunRecords()
+    saves: dict[int, float] = {}
+    with metrics_file.open() as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a killed attempt
+            kind, event = r.get("kind"), r.get("event")
+            if kind == "train":
+                seg = out.segments[-1]
+                if seg and r["step"] <= seg[-1]["step"]:
+                    out.segments.append([])  # a restart that resumed from an earlier step
+                out.segments[-1].append(r)
+            elif kind == "eval":
+                out.evals.append(r)
+            elif event == "checkpoint" or (kind == "checkpoint" and "stall_s" in r):
+                out.checkpoints.append(dict(r))
+            elif event == "checkpoint_committed":
+                saves[r["step"]] = r["save_s"]
+            elif event == "resume":
+                out.resumes.append(r)
+                if out.segments[-1]:
+                    out.segments.append([])
+            elif event == "setup":
+                out.setup = r
+            if kind == "event" and event not in ("checkpoint", "checkpoint_committed", "setup"):
+                out.events.append(r)
+    for c in out.checkpoints:
+        c["save_s"] = saves.get(c["step"])
+    out.segments = [s for s in out.segments if s] or [[]]
+    return out
+
+
+# ---- plots ---------------------------------------------------------------------------------------------
+def _figure(title: str):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 3.4), dpi=110)
+    fig.subplots_adjust(left=0.11, right=0.9, top=0.9, bottom=0.14)  # fixed: constrained layout doubles the time
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.grid(alpha=0.3)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def _mark_resumes(ax, recs: RunRecords) -> None:
+    for i, r in enumerate(recs.resumes):
+        ax.axvline(r["step"], color="tab:red", ls="--", lw=1, label="resume" if i == 0 else None)
+
+
+def _series(seg: list[dict], key: str, scale: float = 1.0) -> tuple[list, list]:
+    pts = [(r["step"], r[key] * scale) for r in seg if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _lines(ax, recs: RunRecords, key: str, label: str, color: str, scale: float = 1.0) -> None:
+    for i, seg in enumerate(recs.segments):
+        x, y = _series(seg, key, scale)
+        ax.plot(x, y, color=color, lw=1.4, label=label if i == 0 else None)
+
+
+def plot_loss(recs: RunRecords):
+    fig, ax = _figure("loss")
+    _lines(ax, recs, "loss", "train loss", "tab:blue")
+    val = [(r["step"], r["val_loss"]) for r in recs.evals if r.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", color="tab:orange", label="validation loss")
+    _mark_resumes(ax, recs)
+    ax.set_ylabel("loss")
+    ax.legend(loc="upper right")
+    return fig
+
+
+def plot_throughput(recs: RunRecords):
+    fig, ax = _figure("throughput and MFU")
+    _lines(ax, recs, "tokens_per_s_per_device", "tokens/s per device", "tab:green")
+    ax.set_ylabel("tokens/s per device")
+    right = ax.twinx()
+    for i, seg in enumerate(recs.segments):  # dashed: MFU is tokens/s × a constant, the lines coincide
+        x, y = _series(seg, "mfu", 100)
+        right.plot(x, y, color="tab:purple", lw=1.2, ls="--", label="MFU" if i == 0 else None)
+    right.set_ylabel("MFU %")
+    _mark_resumes(ax, recs)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="lower right")
+    return fig
+
+
+def plot_step_time(recs: RunRecords):
+    fig, ax = _figure("step time breakdown")
+    steps = [r["step"] for r in recs.train]
+    wait = [r["data_wait_s"] for r in recs.train]
+    compute = [max(0.0, r["step_time_s"] - r["data_wait_s"]) for r in recs.train]
+    ax.bar(steps, compute, width=1.0, color="tab:blue", label="compute + communication")
+    ax.bar(steps, wait, width=1.0, bottom=compute, color="tab:orange", label="data wait")
+    top = {s: c + w for s, c, w in zip(steps, compute, wait, strict=True)}
+    stalls = [(c["step"], c["stall_s"]) for c in recs.checkpoints]
+    if stalls:
+        ax.bar([s for s, _ in stalls], [v for _, v in stalls], bottom=[top.get(s, 0.0) for s, _ in stalls],
+               width=1.0, color="tab:red", label="checkpoint stall (after the step)")
+    ax.set_ylabel("seconds")
+    ax.legend(loc="upper right")
+    return fig
+
+
+def plot_memory(recs: RunRecords):
+    fig, ax = _figure("peak memory (rank 0)")
+    _lines(ax, recs, "mem_peak_bytes", "measured peak", "tab:blue", scale=1 / GiB)
+    planned = recs.setup.get("planned_peak_bytes")
+    if planned:
+        ax.axhline(planned / GiB, color="tab:gray", ls=":", label="planned (shardline plan)")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right")
+    return fig
+
+
+def plot_checkpoints(recs: RunRecords):
+    fig, ax = _figure("checkpoints: training stall and time to commit")
+    if recs.checkpoints:  # one pair of bars per checkpoint, in the order they were taken
+        n = len(recs.checkpoints)
+        ax.bar([i - 0.2 for i in range(n)], [c["stall_s"] for c in recs.checkpoints], width=0.4,
+               color="tab:red", label="training stalled")
+        ax.bar([i + 0.2 for i in range(n)], [c.get("save_s") or 0 for c in recs.checkpoints], width=0.4,
+               color="tab:gray", label="save → COMMITTED")
+        every = max(1, n // 20)
+        ax.set_xticks(range(0, n, every), [str(c["step"]) for c in recs.checkpoints][::every])
+        ax.set_xlabel("checkpoint at step")
+        tallest = max(max(c["stall_s"], c.get("save_s") or 0) for c in recs.checkpoints)
+        ax.set_ylim(0, 1.3 * tallest or 1)  # room for the legend above the bars
+        ax.legend(loc="upper left", ncols=2)
+    else:
+        ax.text(0.5, 0.5, "no checkpoints recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel("seconds")
+    return fig
+
+
+def plot_cost(recs: RunRecords):
+    fig, ax = _figure("cost")
+    if any(r.get("cost_usd") is not None for r in recs.train):
+        _lines(ax, recs, "cost_usd", "run cost so far ($)", "tab:brown")
+        ax.set_ylabel("US dollars")
+        right = ax.twinx()
+        _lines(right, recs, "cost_usd_per_1m_tokens", "$ per 1M tokens", "tab:olive")
+        right.set_ylabel("$ per 1M tokens")
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no price: set cost.usd_per_device_hour or cost.gpu", ha="center", va="center",
+                transform=ax.transAxes)
+    _mark_resumes(ax, recs)
+    return fig
+
+
+PLOTS: dict[str, tuple[str, Callable]] = {
+    "loss.png": ("Loss and validation loss", plot_loss),
+    "throughput.png": ("Tokens/s per device and MFU", plot_throughput),
+    "step_time.png": ("Step-time breakdown", plot_step_time),
+    "memory.png": ("Memory", plot_memory),
+    "checkpoints.png": ("Checkpoints", plot_checkpoints),
+    "cost.png": ("Cost", plot_cost),
+}
+
+
+# ---- the page ------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float) and value > 1e9:  # a Unix time
+        from datetime import UTC, datetime
+
+        return datetime.fromtimestamp(value, UTC).isoformat(timespec="seconds")
+    if isinstance(value, float):
+        return f"{value:,.6g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in rows
+                   if v is not None)
+    return f"<table>{body}</table>"
+
+
+def _grid(header: list[str], rows: list[list[object]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1100px;color:#222}
+h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}th,td{border:1px solid #ddd;padding:3px 8px;
+text-align:left;vertical-align:top}th{background:#f4f4f4}.plots{display:grid;grid-template-columns:1fr 1fr;gap:12px}
+figure{margin:0}figure img{width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}
+pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto;max-height:400px}.ok{color:#080}.bad{color:#b00}"""
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `<run_dir>/report/index.html` and the PNGs; returns the page's path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    metrics_file = run_dir / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise ShardlineError(str(run_dir), "has no metrics.jsonl", "pass a run directory that has trained")
+    recs = read_records(metrics_file)
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    figures = []
+    for name, (caption, plot) in PLOTS.items():
+        fig = plot(recs)
+        FigureCanvasAgg(fig)
+        fig.savefig(out / name)
+        data = base64.b64encode((out / name).read_bytes()).decode()
+        figures.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+                       f"<figcaption>{html.escape(caption)} ({name})</figcaption></figure>")
+    page = out / "index.html"
+    tmp = out / "index.html.tmp"
+    tmp.write_text(_page(run_dir, recs, figures))
+    tmp.replace(page)
+    return page
+
+
+def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
+    manifest = _read_json(run_dir / "manifest.json")
+    summary = _read_json(run_dir / "summary.json")
+    evaluation = _read_json(run_dir / "eval.json")
+    train = recs.train
+    last = train[-1] if train else {}
+    status = manifest.get("status", "unknown")
+    cls = "ok" if status == "finished" else "bad"
+    sql = [r for r in recs.evals if r.get("sql_execution_accuracy") is not None]
+    headline = _table([
+        ("status", f"{status} (exit code {manifest.get('exit_code')})"),
+        ("steps", last.get("step")), ("final loss", last.get("loss")),
+        ("validation loss", summary.get("val_loss") or next((r["val_loss"] for r in reversed(recs.evals)
+                                                              if "val_loss" in r), None)),
+        ("SQL execution accuracy", f"{100 * sql[-1]['sql_execution_accuracy']:.1f}% of {sql[-1].get('n')}"
+         if sql else None),
+        ("mean tokens/s per device", summary.get("mean_tokens_per_s_per_device")),
+        ("mean MFU", f"{100 * summary['mean_mfu']:.2f}% of {summary.get('peak_tflops', 0):.4g} TFLOP/s "
+         f"({summary.get('peak_source')})" if "mean_mfu" in summary else None),
+        ("peak memory", f"{summary['mem_peak_bytes'] / GiB:.2f} GiB" if summary.get("mem_peak_bytes") else None),
+        ("wall time (training loop)", f"{summary['wall_time_s']:.1f} s" if "wall_time_s" in summary else None),
+        ("checkpoint stall total", summary.get("checkpoint_stall_s_total")),
+        ("resumes", len(recs.resumes)),
+        ("cost", _cost_text(summary, last)),
+    ])
+    versions = manifest.get("versions") or {}
+    manifest_rows = [(k, manifest.get(k)) for k in ("run_id", "start_time", "end_time", "host", "world_size",
+                                                     "git_commit", "spec_hash", "dataset_version", "image",
+                                                     "image_digest", "checkpoint_location", "metrics_url")]
+    manifest_rows += [(f"version: {k}", v) for k, v in versions.items()]
+    ckpt_rows = [[c["step"], c["stall_s"], c.get("save_s"), c.get("blocking"), c.get("location")]
+                 for c in recs.checkpoints]
+    resume_rows = [[r["step"], r.get("world"), r.get("rng_restored"), r.get("location")] for r in recs.resumes]
+    samples = evaluation.get("samples") or []
+    sample_rows = [["✓" if s.get("match") else "✗", s.get("question"), s.get("gold"), s.get("pred")]
+                   for s in samples[:10]]
+    spec_text = (run_dir / "spec.yaml").read_text() if (run_dir / "spec.yaml").is_file() else ""
+    title = html.escape(manifest.get("run_id") or run_dir.name)
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title} · shardline report</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{title} <span class='{cls}'>{html.escape(status)}</span></h1>",
+        "<h2>Summary</h2>", headline,
+        "<h2>Plots</h2>", f"<div class='plots'>{''.join(figures)}</div>",
+        "<h2>Final evaluation</h2>",
+        _grid(["", "question", "gold", "prediction"], sample_rows) if sample_rows
+        else "<p>no SQL evaluation in this run (train.eval_examples = 0)</p>",
+        "<h2>Checkpoints</h2>",
+        _grid(["step", "stall s", "save s", "blocking", "location"], ckpt_rows) if ckpt_rows else "<p>none</p>",
+        "<h2>Resumes</h2>",
+        _grid(["step", "world", "RNG restored", "from"], resume_rows) if resume_rows else "<p>none</p>",
+        "<h2>Manifest</h2>", _table(manifest_rows),
+        f"<h2>Spec</h2><details><summary>spec.yaml</summary><pre>{html.escape(spec_text)}</pre></details>",
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def _cost_text(summary: dict, last: dict) -> str:
+    if summary.get("cost_usd_total") is not None:
+        per_m = summary.get("cost_usd_per_1m_tokens")
+        per_m = f", ${per_m:.4g} per 1M tokens" if per_m is not None else ""
+        return (f"${summary['cost_usd_total']:.4g}{per_m} at ${summary['usd_per_device_hour']:.4g}/device-hour × "
+                f"{summary.get('cost_devices')} devices ({summary.get('price_source')})")
+    if last.get("cost_usd") is not None:
+        return f"${last['cost_usd']:.4g} up to step {last['step']}"
+    return "not tracked (no price: set cost.usd_per_device_hour or cost.gpu)"
+
+
+def write_report_safely(run_dir: Path, say: Callable[[str], None]) -> Path | None:
+    """`write_report`, but a failure is logged and printed, never raised: the report never fails a run."""
+    try:
+        page = write_report(run_dir)
+    except Exception as e:
+        log.exception("run report not written")
+        say(f"warning: run report not written: {e}")
+        return None
+    say(f"report: {page}")
+    return page
+
+
+def report_is_current(run_dir: Path) -> bool:
+    """The report exists and is newer than everything it shows."""
+    page = run_dir / "report" / "index.html"
+    if not page.is_file():
+        return False
+    sources = [run_dir / n for n in ("metrics.jsonl", "manifest.json", "summary.json", "eval.json")]
+    return all(page.stat().st_mtime >= s.stat().st_mtime for s in sources if s.is_file())

@@ -1,0 +1,81 @@
+"""A local Ray head on loopback for tests: `ray start --head --block` in a new session, stopped by its PIDs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import free_port
+
+
+class RayHead:
+    """`with RayHead(tmp) as head:` — head.address is the Jobs API URL."""
+
+    def __init__(self, root: Path, cpus: int = 2) -> None:
+        self.root, self.cpus = root, cpus
+        self.proc: subprocess.Popen | None = None
+        self.dashboard_port = free_port()
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
+                        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+
+    def __enter__(self) -> RayHead:
+        ray = Path(sys.executable).parent / "ray"
+        # Ray's session directory needs a short path (unix socket names are limited to 107 bytes)
+        self.temp = Path(f"/tmp/shardline-ray-{os.getpid()}-{self.dashboard_port}")
+        cmd = [str(ray), "start", "--head", "--block", f"--port={free_port()}", "--node-ip-address=127.0.0.1",
+               "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", f"--num-cpus={self.cpus}",
+               "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.temp}"]
+        self.log = (self.root / "ray-head.log").open("w")
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float = 120) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited: {(self.root / 'ray-head.log').read_text()[-3000:]}")
+            try:
+                JobSubmissionClient(self.address).list_jobs()
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.5)
+        raise TimeoutError(f"Ray Jobs API not up at {self.address}")
+
+    def _session(self) -> list[int]:
+        """Every process of the session our head started (Ray gives actors their own process groups)."""
+        out = subprocess.run(["ps", "-eo", "pid=,sess="], capture_output=True, text=True).stdout
+        return [int(pid) for pid, sess in (line.split() for line in out.splitlines()) if int(sess) == self.proc.pid]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+        deadline = time.monotonic() + 5
+        while self._session() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in self._session():  # Ray's state is disposable here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.log.close()
+        self.proc = None
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

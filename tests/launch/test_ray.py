@@ -1,0 +1,198 @@
+"""Ray backends: the job entrypoint, the KubeRay RayJob against its CRD, and a real local Ray cluster that
+trains under TorchTrainer, loses a worker, restarts from the checkpoint and finishes."""
+
+import functools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from shardline.errors import SpecError
+from shardline.launch.backend import get_backend, wait_for
+from shardline.resolve import load_spec
+from tests.conftest import read_metrics, small_overrides
+
+CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "crds"
+
+
+def _strict(schema: dict) -> dict:
+    """The CRD's schema with unknown fields rejected (the API server would prune them silently)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def _rayjob_validator() -> jsonschema.Draft7Validator:
+    crd = yaml.load((CRDS / "ray.io_rayjobs.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def test_ray_job_entrypoint_carries_the_resolved_spec_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files = get_backend("ray").render(load_spec("tiny", ["launch.profile=a4", "run.dir=runs"]))
+    cmd = shlex.split(files["entrypoint.sh"].splitlines()[-1])
+    assert cmd[:4] == ["exec", "python", "-m", "shardline.launch.ray_train"] and cmd[-2:] == ["--task", "train"]
+    spec = json.loads(cmd[cmd.index("--spec-json") + 1])
+    assert spec["run"]["dir"] == str(tmp_path / "runs") and spec["run"]["id"].startswith("tiny-")
+    env = yaml.safe_load(files["runtime_env.yaml"])["env_vars"]
+    assert env["NCCL_NET"] == "gIB" and env["LD_LIBRARY_PATH"].startswith("/usr/local/nvidia")
+
+
+def test_rayjob_validates_against_the_kuberay_crd_with_gpu_worker_groups():
+    spec = load_spec("llama-3.1-70b-fsdp", ["run.id=big", "launch.image=us-docker.pkg.dev/p/r/shardline:1",
+                                            "launch.image_digest=sha256:" + "a" * 64, "launch.profile=a3-ultra",
+                                            "launch.kubernetes.queue=team-a", "launch.ray.ray_version=2.49.1",
+                                            "launch.kubernetes.storage.kind=pvc",
+                                            "launch.kubernetes.storage.claim=shared"])
+    configmap, rayjob = yaml.safe_load_all(get_backend("rayjob").render(spec)["rayjob.yaml"])
+    _rayjob_validator().validate(rayjob)
+    assert configmap["kind"] == "ConfigMap" and yaml.safe_load(configmap["data"]["spec.yaml"])["run"]["id"] == "big"
+    js = rayjob["spec"]
+    assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" and "suspend" not in js  # Kueue's
+    assert js["entrypoint"] == "python -m shardline.launch.ray_train --spec /etc/shardline/spec.yaml --task train"
+    cluster = js["rayClusterSpec"]
+    assert cluster["rayVersion"] == "2.49.1" and cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    group = cluster["workerGroupSpecs"][0]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == spec.launch.nnodes == 2
+    pod = group["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "us-docker.pkg.dev/p/r/shardline@sha256:" + "a" * 64
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8" and c["workingDir"] == "/mnt/shardline"
+    assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h200-141gb"
+    assert {"name": "NCCL_NET", "value": "gIB"} in c["env"]
+    assert "networking.gke.io/interfaces" in group["template"]["metadata"]["annotations"]  # RDMA NICs per pod
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert "nodeSelector" not in head and "nvidia.com/gpu" not in head["containers"][0]["resources"]["requests"]
+    assert yaml.safe_load(js["runtimeEnvYAML"])["env_vars"]["NCCL_IB_TC"] == "52"
+
+
+def test_rayjob_needs_an_image_and_rejects_unknown_fields_in_the_schema_check():
+    with pytest.raises(SpecError, match="launch.image"):
+        get_backend("rayjob").render(load_spec("tiny", ["run.id=x"]))
+    rayjob = list(yaml.safe_load_all(get_backend("rayjob").render(
+        load_spec("tiny", ["run.id=x", "launch.image=img:1", "launch.ray.gpus_per_worker=0"]))["rayjob.yaml"]))[1]
+    assert "resources" not in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "containers"][0]
+    _rayjob_validator().validate(rayjob)
+    rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replica"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        _rayjob_validator().validate(rayjob)
+
+
+class FakeApi:
+    """The Kubernetes launcher's Api with a RayJob whose status the test sets."""
+
+    def __init__(self):
+        self.objects, self.deleted, self.status = {}, [], {}
+
+    def __call__(self, context):
+        return self
+
+    def create(self, obj):
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = obj
+
+    def get(self, api_version, kind, namespace, name):
+        obj = self.objects.get((kind, name))
+        return obj and {**obj, "status": self.status}
+
+    def delete(self, api_version, kind, namespace, name):
+        self.deleted.append((kind, name))
+
+    def list_pods(self, namespace, selector):
+        assert selector.startswith("job-name=")
+        return [{"metadata": {"name": "submitter-abc", "creationTimestamp": "2026-01-01T00:00:00Z"}}]
+
+    def pod_log(self, namespace, pod, container, follow):
+        assert (pod, container) == ("submitter-abc", "ray-job-submitter")
+        yield from ["(RayTrainWorker pid=1) step 1/8", "shardline: run x finished under Ray Train"]
+
+
+def test_rayjob_submit_status_logs_and_cancel_through_the_kubernetes_api():
+    from shardline.launch.ray import RayJobBackend
+
+    api = FakeApi()
+    backend = RayJobBackend(api_factory=api, poll_s=0)
+    record = backend.submit(load_spec("tiny", ["launch.image=img:1", "launch.ray.gpus_per_worker=0",
+                                               "launch.kubernetes.queue=q"]))
+    assert record.run_id.startswith("tiny-") and [o["kind"] for o in record.objects] == ["ConfigMap", "RayJob"]
+    state = backend.status(record)
+    assert state.phase == "queued"
+    api.status = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+    assert backend.status(record).phase == "running"
+    api.status = {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed", "failed": 1}
+    state = backend.status(record)
+    assert state.phase == "failed" and "Ray job FAILED: AppFailed" in state.reasons[0] and state.restarts == 1
+    api.status = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    assert wait_for(backend, record, timeout_s=5, poll_s=0) == 0
+    assert list(backend.logs(record, None, follow=True))[-1] == "shardline: run x finished under Ray Train"
+    backend.cancel(record)
+    assert api.deleted == [("RayJob", record.objects[1]["name"]), ("ConfigMap", record.objects[0]["name"])]
+
+
+# ---- a real Ray cluster on loopback -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    pytest.importorskip("ray.train")
+    pytest.importorskip("ray.dashboard.modules.job")
+    from tests.launch.ray_cluster import RayHead
+
+    with RayHead(tmp_path_factory.mktemp("ray")) as head:
+        yield head
+
+
+def _train_workers(head) -> list[int]:
+    """PIDs of this cluster's Ray Train worker actors (in the session our head started)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sess=,args="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, sess, args = line.split(None, 2)
+        if int(sess) == head.proc.pid and args.startswith("ray::RayTrainWorker"):
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.slow
+def test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes(ray_head, session_dir, prepared,
+                                                                             tmp_path):
+    spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
+                              "parallel.nproc_per_node=2", f"launch.ray.address={ray_head.address}",
+                              "launch.ray.gpus_per_worker=0", "launch.ray.max_failures=1",
+                              "observe.metrics_port=null", "train.max_steps=12", "checkpoint.every_steps=3"])
+    backend = get_backend("ray")
+    record = backend.submit(spec)
+    run = Path(record.objects[0]["runDir"])
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step-00000003" / "COMMITTED").exists():
+        assert time.monotonic() < deadline, "\n".join(backend.logs(record, None, False))[-4000:]
+        assert backend.status(record).phase in ("queued", "running")
+        time.sleep(0.5)
+    victims = _train_workers(ray_head)
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    code = wait_for(backend, record, timeout_s=300, poll_s=1)
+    logs = "\n".join(backend.logs(record, None, False))
+    assert code == 0, logs[-5000:]
+    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resumes and resumes[0]["step"] >= 3 and resumes[0]["world"] == 2
+    steps = {r["step"] for r in read_metrics(run, "train")}
+    assert steps == set(range(1, 13))
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+    state = backend.status(record)
+    assert state.phase == "succeeded" and state.restarts == len(resumes) >= 1
+    assert "finished under Ray Train" in logs
+    assert any(line.startswith("[rank 1]") for line in backend.logs(record, 1, False))

@@ -1,0 +1,100 @@
+"""The run report from a run directory alone: resumes split the curves, missing files never break it."""
+
+import json
+from pathlib import Path
+
+from PIL import Image
+
+from shardline.cli import main
+from shardline.observe.report import PLOTS, read_records, report_is_current, write_report, write_report_safely
+from shardline.rundir import write_manifest
+
+
+def _train(step: int, **kw) -> dict:
+    return {"kind": "train", "time": 1000.0 + step, "step": step, "loss": 3.0 / step, "lr": 1e-3, "grad_norm": 1.0,
+            "tokens": 500, "tokens_total": 1000, "step_time_s": 0.5, "data_wait_s": 0.05,
+            "tokens_per_s_per_device": 1000.0 + step, "tflops_per_device": 0.1, "mfu": 0.2, "mem_peak_bytes": 2**30,
+            **kw}
+
+
+def _crashed_then_resumed_run(tmp_path: Path) -> Path:
+    """Steps 1-6 with a checkpoint at 4, killed, resumed from 4, steps 5-8 — and no summary or eval."""
+    run = tmp_path / "tiny-20260101-000000"
+    run.mkdir()
+    (run / "spec.yaml").write_text("run: {name: tiny}\n")
+    records = [{"kind": "event", "event": "setup", "peak_tflops": 1.0, "world": 2, "planned_peak_bytes": 2**30}]
+    records += [_train(s, cost_usd=0.01 * s, cost_usd_per_1m_tokens=5.0) for s in range(1, 5)]
+    records += [{"kind": "event", "event": "checkpoint", "step": 4, "stall_s": 0.3, "blocking": False},
+                {"kind": "event", "event": "checkpoint_committed", "step": 4, "save_s": 0.7},
+                {"kind": "eval", "step": 4, "val_loss": 0.9}]
+    records += [_train(s) for s in (5, 6)]
+    records += [{"kind": "event", "event": "resume", "step": 4, "world": 2, "rng_restored": True, "location": "x"}]
+    records += [_train(s) for s in (5, 6, 7, 8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tr')
+    write_manifest(run, {"run_id": run.name, "status": "running", "versions": {"torch": "2.13.0"}})
+    return run
+
+
+def test_resumes_split_the_curves_into_attempts(tmp_path):
+    recs = read_records(_crashed_then_resumed_run(tmp_path) / "metrics.jsonl")
+    assert [[r["step"] for r in seg] for seg in recs.segments] == [[1, 2, 3, 4, 5, 6], [5, 6, 7, 8]]
+    assert [c["step"] for c in recs.checkpoints] == [4] and recs.checkpoints[0]["save_s"] == 0.7
+    assert [r["step"] for r in recs.resumes] == [4] and recs.evals[0]["val_loss"] == 0.9
+
+
+def test_report_of_a_crashed_resumed_run_renders_every_plot(tmp_path):
+    run = _crashed_then_resumed_run(tmp_path)
+    page = write_report(run)
+    html = page.read_text()
+    assert html.count("data:image/png;base64,") == len(PLOTS) and "<script" not in html
+    assert "running" in html and "2.13.0" in html and "Resumes" in html and "no SQL evaluation" in html
+    for name in PLOTS:
+        with Image.open(run / "report" / name) as im:
+            assert im.size == (880, 374) and len(im.getcolors(1 << 20) or []) > 20, name
+    assert report_is_current(run)
+    (run / "metrics.jsonl").touch()
+    import os
+
+    os.utime(run / "metrics.jsonl", (page.stat().st_mtime + 5,) * 2)
+    assert not report_is_current(run)
+
+
+def test_report_cli_and_failures_that_never_raise(tmp_path, capsys):
+    run = _crashed_then_resumed_run(tmp_path)
+    assert main(["report", str(run)]) == 0 and "index.html" in capsys.readouterr().out
+    assert main(["report", str(tmp_path)]) == 2 and "not a run directory" in capsys.readouterr().out
+    said = []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert write_report_safely(empty, said.append) is None and "no metrics.jsonl" in said[0]
+
+
+def _train_with_fake_workers(monkeypatch, session_dir, name: str, worker, *extra: str) -> tuple[int, Path]:
+    import shardline.launch.local as local
+    from tests.conftest import small_overrides
+
+    monkeypatch.setattr(local, "run_local", lambda spec, spec_path, task: worker(spec_path.parent))
+    args = [a for o in [*small_overrides(session_dir / "runs"), f"run.name={name}", "parallel.nproc_per_node=1",
+                                  *extra]
+            for a in ("--set", o)]
+    code = main(["train", *args])
+    (run,) = [p for p in (session_dir / "runs").iterdir() if p.name.startswith(f"{name}-")]
+    return code, run
+
+
+def test_train_writes_the_report_when_the_workers_died_and_keeps_their_exit_code(monkeypatch, session_dir, prepared):
+    def crashed(run_dir: Path) -> int:  # the workers wrote two steps, then died before rank 0's report
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(_train(s)) + "\n" for s in (1, 2)))
+        return 1
+
+    code, run = _train_with_fake_workers(monkeypatch, session_dir, "crashed", crashed)
+    assert code == 1 and (run / "report" / "index.html").is_file()
+
+
+def test_observe_report_false_writes_no_report(monkeypatch, session_dir, prepared):
+    def crashed(run_dir: Path) -> int:
+        (run_dir / "metrics.jsonl").write_text(json.dumps(_train(1)) + "\n")
+        return 1
+
+    code, run = _train_with_fake_workers(monkeypatch, session_dir, "noreport", crashed, "observe.report=false")
+    assert code == 1 and not (run / "report").exists()

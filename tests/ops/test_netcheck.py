@@ -1,0 +1,94 @@
+"""netcheck: nccl-tests bus-bandwidth arithmetic, the correctness check, the verdict, and a real 2-process sweep."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardline.errors import SpecError
+from shardline.ops import netcheck
+from shardline.ops.netcheck import Record, bandwidths, element_count, evaluate, expected_busbw, measure, message_sizes
+from shardline.resolve import load_spec
+from tests.conftest import run_cli
+
+
+def test_busbw_matches_hand_computed_nccl_tests_factors():
+    # 1 GB in 10 ms is 100 GB/s of algorithm bandwidth; the bus factor depends on the op and world size
+    assert bandwidths("all_reduce", 10**9, 0.01, 4) == pytest.approx((100.0, 150.0))       # 2(n-1)/n = 1.5
+    assert bandwidths("all_gather", 10**9, 0.01, 8) == pytest.approx((100.0, 87.5))        # (n-1)/n = 7/8
+    assert bandwidths("reduce_scatter", 10**9, 0.01, 2) == pytest.approx((100.0, 50.0))    # 1/2
+    assert bandwidths("all_to_all", 10**9, 0.01, 16) == pytest.approx((100.0, 93.75))      # 15/16
+    assert bandwidths("broadcast", 10**9, 0.01, 16) == pytest.approx((100.0, 100.0))       # 1
+    # the seeds' A4 figure: 8 GB all_gather across 16 GPUs at ~376 GB/s busbw is ~401 GB/s algbw, 21.4 ms
+    algbw, busbw = bandwidths("all_gather", 8 * 10**9, 0.021393, 16)
+    assert algbw == pytest.approx(373.95, rel=1e-3) and busbw == pytest.approx(350.58, rel=1e-3)
+
+
+def test_sizes_step_by_factor_and_buffers_split_evenly_across_ranks():
+    assert message_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    assert message_sizes(1000, 1999, 2) == [1000]
+    with pytest.raises(SpecError, match="min_bytes"):
+        message_sizes(4096, 1024, 2)
+    assert element_count("all_reduce", 1000, 3) == 250
+    assert element_count("all_gather", 1000, 3) == 249       # multiple of the world size
+    assert element_count("all_to_all", 4, 8) == 8            # at least one element per rank
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"])
+def test_every_op_and_placement_checks_clean_in_process(ctx, op):
+    for placement in netcheck.placements(op):
+        rec = measure(op, placement, 4096, warmup=1, iters=2, device=ctx.device)
+        assert rec.wrong == 0 and rec.bytes == 4096 and rec.time_us > 0
+        assert rec.algbw_gbps == pytest.approx(rec.bytes / rec.time_us / 1e3)
+
+
+def test_a_collective_that_returns_wrong_data_is_counted(ctx, monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=dist.ReduceOp.SUM: t.mul_(2) if t.dtype == torch.float32
+                        else None)
+    rec = measure("all_reduce", "in-place", 4096, warmup=0, iters=1, device=ctx.device)
+    assert rec.wrong == 1024  # every element doubled instead of summed over one rank
+
+
+def _rec(op, nbytes, busbw, wrong=0, placement="out-of-place"):
+    return Record(op, placement, nbytes, nbytes // 4, 1.0, busbw, busbw, wrong)
+
+
+def test_verdict_checks_all_gather_at_the_largest_size_against_90_percent_of_expected():
+    records = [_rec("all_gather", 1 << 20, 10.0), _rec("all_gather", 1 << 30, 170.0), _rec("all_reduce", 1 << 30, 1.0)]
+    assert evaluate(records, 185.0).passed            # 170 ≥ 0.9 × 185 = 166.5; all_reduce is not the yardstick
+    failed = evaluate(records, 200.0)
+    assert not failed.passed and failed.measured_busbw_gbps == 170.0 and "below 90%" in failed.reasons[0]
+    assert evaluate(records, None).passed             # no threshold: report only
+    wrong = evaluate([*records, _rec("broadcast", 1 << 20, 5.0, wrong=3, placement="in-place")], None)
+    assert not wrong.passed and wrong.wrong == 3 and "broadcast in-place" in wrong.reasons[0]
+    only_reduce = evaluate([_rec("all_reduce", 1 << 30, 100.0), _rec("broadcast", 1 << 30, 300.0)], 150.0)
+    assert not only_reduce.passed                      # without all_gather every op's largest size is checked
+
+
+def test_expected_busbw_comes_from_the_profile_unless_overridden(tmp_path):
+    assert expected_busbw(load_spec("tiny", ["launch.profile=a3-mega"])) == 185.0
+    assert expected_busbw(load_spec("tiny", ["launch.profile=a4"])) == 370.0
+    assert expected_busbw(load_spec("tiny", ["launch.profile=a4", "launch.netcheck.expect_busbw_gbps=12"])) == 12.0
+    assert expected_busbw(load_spec("tiny")) is None
+
+
+@pytest.mark.slow
+def test_two_process_sweep_prints_tables_writes_json_and_fails_an_unreachable_threshold(tmp_path):
+    out = tmp_path / "net.json"
+    res = run_cli("netcheck", "--nproc", "2", "--min-bytes", "1024", "--max-bytes", "65536", "--factor", "8",
+                  "--iters", "3", "--warmup", "1", "--expect-busbw", "10000", "--json", str(out), timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        assert f"{op} · 2 ranks" in res.stdout
+    assert "FAIL" in res.stdout and "below 90% of the expected 10000 GB/s" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 2 and doc["backend"] == "gloo" and doc["passed"] is False and doc["wrong"] == 0
+    records = doc["records"]
+    assert len(records) == 3 * 9  # sizes 1K, 8K, 64K × (4 ops in and out of place + all_to_all out of place)
+    factors = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "broadcast": 1.0}
+    for r in records:
+        assert r["wrong"] == 0
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factors[r["op"]])
+    assert {(r["op"], r["bytes"]) for r in records if r["placement"] == "in-place"} >= {("all_reduce", 65536)}
