@@ -15,7 +15,7 @@ from shardline.launch.registry import BACKENDS
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
 
-TASKS = ("train", "eval", "netcheck")
+TASKS = ("train", "eval", "netcheck", "gpucheck")
 
 
 def _with_run_id(spec: JobSpec) -> JobSpec:
