@@ -35,7 +35,8 @@ def _pod(objs: list[dict]) -> dict:
 def test_every_target_validates_strictly_with_all_options(target):
     objs = _render(target, "launch.profile=a4", "launch.kubernetes.queue=team-a",
                    "launch.kubernetes.workload_priority_class=high", "launch.kubernetes.priority_class=train",
-                   "launch.kubernetes.max_run_seconds=7200", "launch.kubernetes.topology=cloud.google.com/gce-topology-block",
+                   "launch.kubernetes.max_run_seconds=7200",
+                   "launch.kubernetes.topology=cloud.google.com/gce-topology-block",
                    "launch.kubernetes.cpu=200", "launch.kubernetes.memory=1800Gi",
                    "launch.image_digest=sha256:" + "b" * 64)
     validate_all(objs)
