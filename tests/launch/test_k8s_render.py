@@ -83,6 +83,7 @@ def test_pod_spec_carries_the_kubernetes_settings():
     assert pod["metadata"]["annotations"]["kueue.x-k8s.io/podset-required-topology"] == "rack"
     assert pod["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
     assert c["workingDir"] == "/mnt/shardline"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9405"
 
 
 def test_profiles_and_networks_shape_the_multi_nic_annotation():

@@ -151,6 +151,10 @@ def pod_annotations(spec: JobSpec) -> dict[str, str]:
             out[f"gke-gcsfuse/{r}-limit"] = "0"
     if k.topology:
         out[f"kueue.x-k8s.io/podset-{k.topology_mode}-topology"] = k.topology
+    if spec.observe.metrics_port:  # rank 0 serves /metrics; other ranks' pods answer nothing there
+        from shardline.observe.prometheus import scrape_annotations
+
+        out |= scrape_annotations(spec.observe.metrics_port)
     return out
 
 
