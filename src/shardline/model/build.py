@@ -68,7 +68,15 @@ def build_model(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int],
     return model
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The Hugging Face causal LM itself: `model`, or the model inside a peft wrapper.
+
+    peft injects its adapters into this module's layers in place and reaches it through `__call__` for both
+    `forward` and `generate`, so module hooks placed on it (FSDP's root all-gather) run on every path.
+    """
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated transformer blocks (works through a peft wrapper)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model.layers
+    return causal_lm(model).model.layers

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardline.model.build import decoder_layers
+from shardline.model.build import causal_lm, decoder_layers
 from shardline.spec import ParallelSpec, Precision
 
 # Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
@@ -74,5 +74,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
         shard(layer, reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in
     # forward and first in backward, so resharding it after forward would only add an all-gather.
-    shard(model, reshard_after_forward=False)
+    # With LoRA the root is the causal LM inside the peft wrapper, not the wrapper: peft's `generate` calls
+    # the inner model's `generate`, which never enters the wrapper's forward, so FSDP hooks on the wrapper
+    # would leave the embedding sharded during generation. Parameter names are unchanged either way.
+    shard(causal_lm(model), reshard_after_forward=False)
     return model
