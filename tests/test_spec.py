@@ -90,3 +90,16 @@ def test_local_train_refuses_multi_node_spec_before_starting(tmp_path):
     out = run_cli("train", "llama-3.1-70b-fsdp", "--set", f"run.dir={tmp_path}")
     assert out.returncode == 2 and "launch.nnodes" in out.stdout
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("max_steps", "warmup"), [(1, 0), (2, 0), (20, 1), (300, 15), (2000, 100)])
+def test_default_warmup_scales_with_max_steps_so_short_runs_are_valid(max_steps, warmup):
+    spec = load_spec("tiny", [f"train.max_steps={max_steps}"])
+    assert spec.train.warmup_steps == warmup
+    assert yaml.safe_load(spec_to_yaml(spec))["train"]["warmup_steps"] == warmup  # resumes keep it fixed
+
+
+def test_explicit_warmup_longer_than_the_run_is_refused_with_the_default_named():
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["train.max_steps=2", "train.warmup_steps=5"])
+    assert e.value.where == "train.warmup_steps" and "5% of max_steps" in e.value.fix

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 Precision = Literal["bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
+WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
 ActivationCheckpointing = Literal["none", "full", "selective"]
 
 
@@ -105,7 +106,8 @@ class TrainSpec(Section):
     seq_len: int = Field(256, ge=16)
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear warmup steps; None: 5% of max_steps, rounded down (written out in the resolved spec)."""
     weight_decay: float = Field(0.1, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
     precision: Precision = "bf16"
@@ -116,6 +118,12 @@ class TrainSpec(Section):
     eval_examples: int = Field(200, ge=0)
     """Test examples to generate SQL for at the end (0 skips the execution-accuracy eval)."""
     eval_max_new_tokens: int = Field(96, ge=1)
+
+    @model_validator(mode="after")
+    def _scale_warmup(self) -> TrainSpec:
+        if self.warmup_steps is None:  # a fixed default would make every short run invalid
+            self.warmup_steps = self.max_steps * WARMUP_PERCENT // 100
+        return self
 
 
 class ParallelSpec(Section):

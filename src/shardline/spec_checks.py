@@ -56,7 +56,7 @@ def check_combinations(spec: JobSpec) -> None:
         raise SpecError(
             "train.warmup_steps",
             f"{t.warmup_steps} is not below train.max_steps={t.max_steps}",
-            "use fewer warmup steps than total steps",
+            "use fewer warmup steps than total steps, or leave train.warmup_steps unset (5% of max_steps)",
         )
     if spec.data.prompt_format == "chat" and spec.model.path is None and spec.model.tokenizer is None:
         raise SpecError(
