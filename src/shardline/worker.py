@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
-from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
+from shardline.failures import WorkerFailure, write_failure
 from shardline.launch.elastic import allowed_world_sizes
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
@@ -47,37 +49,74 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
     run_dir = run_path(spec)
     stop = StopRequest().install()  # before the process group: a signal during setup is not lost
     with distributed() as ctx:
-        if ctx.world not in allowed_world_sizes(spec):  # elastic jobs (launch.min_nnodes) allow a range
-            raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
-                            f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
-        if ctx.is_main and not (run_dir / "spec.yaml").exists():
-            create_run(spec)  # cluster launches: the run directory lives on storage only the pods can write
-        dist.barrier()
-        _setup_logging(run_dir, ctx.rank)
-        data = prepare_once_per_node(spec, ctx)
-        trainer = Trainer(spec, ctx, data, run_dir, console, stop)
-        if task == "eval":
-            step = trainer.checkpointer.store.latest()
-            if step is None:
-                raise ShardlineError(trainer.checkpointer.store.location, "has no committed checkpoint",
-                                     "train the run first")
-            trainer.load_checkpoint(step, with_optimizer=False)
-            trainer.validate()
-            trainer.evaluate_sql()
-            return EXIT_OK
-        if ctx.is_main:
-            update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world,
-                            checkpoint_location=trainer.checkpointer.store.location)
-        with observing(spec, run_dir, trainer, console):  # rank 0: cost, /metrics, trackers; the report at the end
-            try:
-                trainer.fit()
-            except Preempted:
-                if ctx.is_main:
-                    update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
-                return EXIT_PREEMPTED
-            if ctx.is_main:
-                update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
+        trainer: Trainer | None = None
+        try:
+            if ctx.world not in allowed_world_sizes(spec):  # elastic jobs (launch.min_nnodes) allow a range
+                raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
+                                f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
+            if ctx.is_main and not (run_dir / "spec.yaml").exists():
+                create_run(spec)  # cluster launches: the run directory lives on storage only the pods can write
+            dist.barrier()
+            _setup_logging(run_dir, ctx.rank)
+            data = prepare_once_per_node(spec, ctx)
+            trainer = Trainer(spec, ctx, data, run_dir, console, stop)
+            if task == "eval":
+                return _evaluate(trainer)
+            return _train(trainer, spec, data, run_dir, console)
+        except Exception as e:  # noqa: BLE001 - every failure is recorded once, then the process exits
+            return _record_failure(e, spec, task, ctx, run_dir, trainer)
+
+
+def _evaluate(trainer: Trainer) -> int:
+    trainer.phase = "evaluation"
+    step = trainer.checkpointer.store.latest()
+    if step is None:
+        raise ShardlineError(trainer.checkpointer.store.location, "has no committed checkpoint", "train the run first")
+    trainer.load_checkpoint(step, with_optimizer=False)
+    trainer.validate()
+    trainer.evaluate_sql()
     return EXIT_OK
+
+
+def _train(trainer: Trainer, spec: JobSpec, data: PreparedData, run_dir: Path, console: Console) -> int:
+    ctx = trainer.ctx
+    if ctx.is_main:
+        update_manifest(run_dir, status="running", dataset_version=data.version, world_size=ctx.world,
+                        checkpoint_location=trainer.checkpointer.store.location)
+    with observing(spec, run_dir, trainer, console):  # rank 0: cost, /metrics, trackers; the report at the end
+        try:
+            trainer.fit()
+        except Preempted:
+            if ctx.is_main:
+                update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
+            return EXIT_PREEMPTED
+        if ctx.is_main:
+            update_manifest(run_dir, status="finished", exit_code=EXIT_OK, end_time=time.time())
+    return EXIT_OK
+
+
+def _record_failure(error: Exception, spec: JobSpec, task: str, ctx: DistContext, run_dir: Path,
+                    trainer: Trainer | None) -> int:
+    """Traceback to this rank's log, a failure record for the launcher's one message; bad input exits 2."""
+    log = run_dir / "logs" / f"rank-{ctx.rank}.log"
+    if not logging.getLogger("shardline").handlers:  # failed before logging was set up
+        _setup_logging(run_dir, ctx.rank)
+    logging.getLogger("shardline").error("failed", exc_info=error)
+    committed = location = None
+    if trainer is not None:
+        try:
+            committed = trainer.checkpointer.store.latest()
+            location = trainer.checkpointer.store.path(committed) if committed is not None else None
+        except Exception:  # noqa: BLE001 - an unreachable store must not hide the original error
+            pass
+    message = f"{error.problem} — {error.fix}" if isinstance(error, ShardlineError) else str(error)
+    where = f"{error.where}: " if isinstance(error, ShardlineError) else ""
+    phase = trainer.phase if trainer is not None else ("evaluation" if task == "eval" else "setup")
+    write_failure(run_dir, WorkerFailure(
+        rank=ctx.rank, host=socket.gethostname(), error_type=type(error).__name__, message=where + message,
+        phase=phase, step=trainer.step if trainer is not None else None, max_steps=spec.train.max_steps,
+        committed_step=committed, checkpoint=location, log=str(log), time=time.time()))
+    return EXIT_BAD_INPUT if isinstance(error, ShardlineError) else EXIT_FAILURE
 
 
 def main(argv: list[str] | None = None) -> int:

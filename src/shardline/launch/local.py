@@ -18,7 +18,7 @@ def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> lis
     if spec.launch.nnodes != 1:
         raise SpecError("launch.nnodes", f"{spec.launch.nnodes} nodes cannot run on this machine alone",
                         "use 1 for local runs, or a cluster launcher for multi-node jobs")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "shardline.launch.torchrun", "--standalone",
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]
 

@@ -42,6 +42,7 @@ from shardline.spec import JobSpec
 from shardline.train.checkpoint import Checkpointer
 from shardline.train.distributed import DistContext
 from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
+from shardline.train.faults import maybe_fail
 from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.train.optim import build_optimizer, build_scheduler
 from shardline.train.parallelize import data_parallel_mesh, parallelize
@@ -57,6 +58,8 @@ class Trainer:
                  console: Console, stop: StopRequest | None = None) -> None:
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
         self.console = console
+        self.phase = "setup"
+        """What the run is doing now (`shardline.failures.PHASES`): a failure record names it."""
         self.tokenizer = data.tokenizer()
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
@@ -151,6 +154,8 @@ class Trainer:
         return files
 
     def save_checkpoint(self, blocking: bool = False) -> None:
+        phase, self.phase = self.phase, "checkpoint"
+        maybe_fail("checkpoint", self.ctx.rank, self.step)
         state = training_state(self.model, self.optimizer, self._counters(), self.ctx.rank)
         stall = self.checkpointer.save(self.step, state, self._checkpoint_files(), blocking=blocking)
         self.checkpoint_stalls.append(stall)
@@ -161,6 +166,7 @@ class Trainer:
         self._say(f"checkpoint step {self.step}: training stalled {stall:.2f}s "
                   f"({'written' if blocking or not self.checkpointer.use_async else 'writing in background'})")
         self._flush_checkpoint_events()
+        self.phase = phase
 
     def _flush_checkpoint_events(self) -> None:
         for event in self.checkpointer.events:
@@ -192,6 +198,7 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def train_step(self) -> TrainRecord:
         ctx, start = self.ctx, time.perf_counter()
+        maybe_fail("train_step", ctx.rank, self.step + 1)
         indices = [self.sampler.micro_indices(self.step, k, ctx.rank) for k in range(self.sampler.accum)]
         batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
         self._trace_samples(indices)
@@ -255,18 +262,22 @@ class Trainer:
         raise Preempted(self.step)
 
     def validate(self) -> float:
+        phase, self.phase = self.phase, "validation"
+        maybe_fail("validation", self.ctx.rank, self.step)
         rows = self.data.rows("validation")
         batches = eval_batches(rows, self.spec.train.micro_batch_size, self.ctx.rank, self.ctx.world)
         loss = validation_loss(self.model, batches, self.ctx.device)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss})
         self._say(f"step {self.step}: validation loss {loss:.4f}")
+        self.phase = phase
         return loss
 
     def fit(self) -> dict:
         t, ck = self.spec.train, self.spec.checkpoint
         self.describe()
         self.maybe_resume()
+        self.phase = "training"
         records: list[TrainRecord] = []
         wall = time.perf_counter()
         last_save = time.monotonic()
@@ -346,6 +357,8 @@ class Trainer:
         if n == 0:
             return {}
         examples = self.data.examples("test")[:n]
+        self.phase = "sql_evaluation" if self.phase != "evaluation" else self.phase
+        maybe_fail("sql_evaluation", self.ctx.rank, self.step)
         start = time.perf_counter()
         result = sql_execution_eval(self.model, self.tokenizer, examples, self.spec, self.data.meta["pad_id"],
                                     self.ctx.device)

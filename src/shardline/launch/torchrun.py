@@ -1,0 +1,76 @@
+"""`python -m shardline.launch.torchrun <torchrun arguments>`: torchrun, with failures told once.
+
+The same agent (`torch.distributed.run`): rendezvous, restarts, signal forwarding and exit are unchanged. What
+differs when workers fail: instead of torchrun's `ChildFailedError` traceback and per-rank dump, it prints one
+message built from the workers' failure records (rank, phase, exception, traceback file, last safe checkpoint),
+marks the run failed in its manifest, and exits with the first failed worker's own exit code (torchrun exits 1
+whatever the worker said), so 2 (bad input) and 75 (preempted) reach the engine.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+from shardline.errors import EXIT_FAILURE, EXIT_PREEMPTED
+from shardline.failures import failure_message, read_failures
+
+
+def _run_dir(worker_args: list[str]) -> Path | None:
+    """The run directory of the worker command's `--spec`, when the spec names one."""
+    if "--spec" not in worker_args:
+        return None
+    from shardline.errors import ShardlineError
+    from shardline.rundir import read_spec, run_path
+
+    try:
+        return run_path(read_spec(Path(worker_args[worker_args.index("--spec") + 1])))
+    except (ShardlineError, OSError, ValueError, IndexError):
+        return None
+
+
+def exit_code(error: ChildFailedError) -> int:
+    """The first failed worker's exit code; a worker killed by a signal gives 128 + signal, as a shell does."""
+    _, first = error.get_first_failure()
+    return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
+
+
+def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str:
+    """The one failure message, and the run marked failed (unless it stopped on purpose: preemption)."""
+    failures = read_failures(run_dir, since=started) if run_dir else []
+    recorded = {f.rank for f in failures}
+    unexplained = {rank: f.exitcode for rank, f in error.failures.items()
+                   if rank not in recorded and not (failures and f.exitcode == -signal.SIGTERM)}
+    message = failure_message(failures, unexplained)
+    if run_dir is not None and (run_dir / "manifest.json").exists() and exit_code(error) != EXIT_PREEMPTED:
+        from shardline.rundir import update_manifest
+
+        first = failures[0] if failures else None
+        update_manifest(run_dir, status="failed", exit_code=exit_code(error), end_time=time.time(),
+                        failure={"message": message, "rank": first.rank if first else min(error.failures),
+                                 "phase": first.phase if first else None,
+                                 "error_type": first.error_type if first else None,
+                                 "committed_step": first.committed_step if first else None})
+    return message
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    started = time.time()
+    try:
+        run(args)
+    except ChildFailedError as e:
+        code = exit_code(e)
+        if code != EXIT_PREEMPTED:  # a preempted worker already said what it saved
+            print(f"error: {report(e, _run_dir(list(args.training_script_args)), started)}", file=sys.stderr)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

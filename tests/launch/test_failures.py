@@ -1,0 +1,94 @@
+"""A failed worker is told once: which rank, in what, the exception, where the traceback is, what is safe."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from shardline.failures import WorkerFailure, failure_message, read_failures, write_failure
+from shardline.rundir import read_manifest
+from tests.conftest import REPO, only_run, small_overrides
+
+
+def _train(tmp_path, fault: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", SHARDLINE_FAULT=fault)
+    args = [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=2", "observe.metrics_port=null",
+            "observe.report=false", "launch.grace_seconds=5", *extra]
+    cmd = [sys.executable, "-m", "shardline.cli", "train", "tiny", *[a for kv in args for a in ("--set", kv)]]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc, only_run(tmp_path / "runs")
+
+
+def _no_torchrun_dump(proc: subprocess.CompletedProcess) -> None:
+    both = proc.stdout + proc.stderr
+    assert "ChildFailedError" not in both and "Traceback" not in both, both[-3000:]
+    assert proc.stderr.count("error:") == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_evaluation_failure_after_training_says_training_finished_and_the_checkpoint_is_safe(tmp_path):
+    proc, run_dir = _train(tmp_path, "sql_evaluation:rank=1", "train.eval_examples=4")
+    assert proc.returncode == 1
+    _no_torchrun_dump(proc)
+    message = proc.stderr[proc.stderr.index("error:"):]
+    assert "training finished (step 6 of 6), then rank 1 failed in the final SQL evaluation" in message
+    assert "InjectedFault: injected fault at sql_evaluation (rank 1, step 6)" in message
+    assert "rank 0 then stopped" in message  # its collective lost the peer: a consequence, not a second cause
+    assert "the last checkpoint is safe: step 6" in message
+    log = run_dir / "logs" / "rank-1.log"
+    assert f"traceback: {log}" in message and "Traceback" in log.read_text()
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["exit_code"] == 1
+    assert manifest["failure"]["rank"] == 1 and manifest["failure"]["phase"] == "sql_evaluation"
+
+
+@pytest.mark.slow
+def test_failure_mid_training_names_the_step_and_the_last_committed_checkpoint(tmp_path):
+    proc, run_dir = _train(tmp_path, "train_step:rank=0:step=3", "checkpoint.every_steps=2")
+    assert proc.returncode == 1
+    _no_torchrun_dump(proc)
+    assert "rank 0 failed while training in step 3 of 6: InjectedFault" in proc.stderr
+    assert "the last checkpoint is safe: step 2" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bad_input_found_by_the_workers_exits_2_with_one_message(tmp_path):
+    proc, run_dir = _train(tmp_path, "train_step:rank=1:step=1", "train.max_steps=1", "train.warmup_steps=0")
+    assert proc.returncode == 1
+    eval_proc = subprocess.run([sys.executable, "-m", "shardline.cli", "eval", str(run_dir)], cwd=REPO,
+                               capture_output=True, text=True, timeout=600,
+                               env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert eval_proc.returncode == 2, eval_proc.stderr[-2000:]
+    _no_torchrun_dump(eval_proc)
+    assert "has no committed checkpoint — train the run first" in eval_proc.stderr
+    assert "no checkpoint was committed in this run yet" in eval_proc.stderr
+
+
+def _failure(rank: int, message: str, **kw) -> WorkerFailure:
+    fields = dict(rank=rank, host="h", error_type="RuntimeError", message=message, phase="training", step=4,
+                  max_steps=10, committed_step=None, checkpoint=None, log=f"logs/rank-{rank}.log", time=100.0)
+    return WorkerFailure(**(fields | kw))
+
+
+def test_ranks_with_the_same_error_are_one_line_and_peer_loss_is_not_a_cause():
+    failures = [_failure(1, "Connection closed by peer [127.0.0.1]:5007", time=101.0), _failure(0, "boom"),
+                _failure(2, "boom")]
+    text = failure_message(failures, {})
+    assert text.splitlines()[0] == "ranks 0, 2 failed while training in step 5 of 10: RuntimeError: boom"
+    assert "rank 1 then stopped: a collective lost its peer" in text
+
+
+def test_ranks_that_died_without_a_record_are_named_with_their_signal():
+    text = failure_message([], {3: -signal.SIGKILL, 1: 139})
+    assert "rank 1 exited with code 139 without a failure record" in text
+    assert "rank 3 was killed by SIGKILL (the kernel's OOM killer" in text
+
+
+def test_records_of_an_earlier_attempt_are_not_read(tmp_path):
+    write_failure(tmp_path, _failure(0, "old", time=50.0))
+    write_failure(tmp_path, _failure(1, "new", time=150.0))
+    assert [f.message for f in read_failures(tmp_path, since=100.0)] == ["new"]
+    assert json.loads((tmp_path / "logs" / "failure-rank-1.json").read_text())["message"] == "new"
