@@ -129,7 +129,7 @@ def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec
         chunk = examples[start : start + batch]
         for ex in chunk:
             prompt = encode_prompt(tok, ex.question, ex.context, spec.data.prompt_format)
-            answer = encode_answer(tok, ex.answer)
+            answer = encode_answer(tok, ex.answer, spec.data.prompt_format)
             if len(prompt) + len(answer) > seq_len:
                 dropped[f"{split}:too_long"] += 1
                 continue

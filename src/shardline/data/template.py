@@ -1,7 +1,9 @@
-"""Prompt templates: one example → prompt token ids (no loss) and answer token ids + EOS (loss).
+"""Prompt templates: one example → prompt token ids (no loss) and answer token ids + its end (loss).
 
 Prompt and answer are tokenized separately so the boundary is exact and inference sees the same
-prompt tokens as training.
+prompt tokens as training. The answer ends with what makes the model stop: EOS for the plain template; for
+`chat`, the end-of-turn the tokenizer's own chat template writes after an assistant message (`<|im_end|>`
+for ChatML, `<|eot_id|>` for Llama 3), which need not be the tokenizer's EOS.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.spec import PromptFormat
 
-TEMPLATE_VERSION = "1"
+TEMPLATE_VERSION = "2"
 INSTRUCTION = "Write the SQL query that answers the question, using the schema."
 PLAIN_PROMPT = "### Schema:\n{context}\n### Question:\n{question}\n### SQL:\n"
 CHAT_USER = INSTRUCTION + "\n<SCHEMA>\n{context}\n</SCHEMA>\n<USER_QUERY>\n{question}\n</USER_QUERY>"
@@ -26,6 +28,26 @@ def encode_prompt(tok: PreTrainedTokenizerBase, question: str, context: str, fmt
     return bos + tok.encode(PLAIN_PROMPT.format(context=context, question=question), add_special_tokens=False)
 
 
-def encode_answer(tok: PreTrainedTokenizerBase, answer: str) -> list[int]:
-    """Answer tokens followed by EOS, so the model learns to stop."""
-    return tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
+def encode_answer(tok: PreTrainedTokenizerBase, answer: str, fmt: PromptFormat = "plain") -> list[int]:
+    """Answer tokens followed by the answer's end (`answer_end`), so the model learns to stop."""
+    return tok.encode(answer, add_special_tokens=False) + answer_end(tok, fmt)
+
+
+_PROBE = "\x1fshardline-answer\x1f"
+
+
+def answer_end(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
+    """The token ids that close an answer: EOS (plain), or the chat template's end of an assistant turn."""
+    if fmt != "chat":
+        return [tok.eos_token_id]
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    # What follows the content up to the line break (ChatML: "<|im_end|>\n"; the break is not the model's to say).
+    tail = text[text.rindex(_PROBE) + len(_PROBE):].rstrip()
+    ids = tok.encode(tail, add_special_tokens=False) if tail else []
+    return ids or [tok.eos_token_id]
+
+
+def stop_ids(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
+    """Generation stops at EOS or at the last token of the answer's end."""
+    return sorted({tok.eos_token_id, answer_end(tok, fmt)[-1]})

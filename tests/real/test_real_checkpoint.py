@@ -1,0 +1,251 @@
+"""shardline on a real pretrained checkpoint (SmolLM2-135M-Instruct: tied embeddings, GQA 9/3, ChatML, pad = eos)
+with a user's JSONL text-to-SQL file, checked against plain transformers and peft — code nobody here wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardline.data.generate import generate_splits
+from shardline.data.prepare import PreparedData
+from shardline.data.template import CHAT_USER
+from shardline.spec import ModelSpec
+from tests.conftest import REPO, only_run, read_metrics
+from tests.real.checkpoint import smollm2_dir
+
+pytestmark = pytest.mark.slow
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def real() -> Path:
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def tok(real):
+    return AutoTokenizer.from_pretrained(real)
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory) -> Path:
+    """A user's text-to-SQL file: question / context (CREATE TABLE only, no rows) / answer, no database ids."""
+    path = tmp_path_factory.mktemp("user-data") / "sql.jsonl"
+    splits = generate_splits(7, 48, 8, 8)
+    with path.open("w") as f:
+        for ex in (e for split in splits.values() for e in split):
+            f.write(json.dumps({"question": ex.question, "context": ex.context, "answer": ex.answer}) + "\n")
+    return path
+
+
+def _sets(real: Path, data: Path, root: Path, nproc: int, *extra: str) -> list[str]:
+    values = [f"run.dir={root / 'runs'}", f"data.cache_dir={root / 'prepared'}",
+              f"model.path={real}", f"data.path={data}", "data.prompt_format=chat", "data.train_size=null",
+              "data.validation_size=8", "data.test_size=8", "train.seq_len=384", "train.micro_batch_size=1",
+              "train.global_batch_size=2", "train.lr=1e-4", "train.log_every=1", "train.eval_examples=0",
+              "train.peak_tflops=1", f"parallel.nproc_per_node={nproc}", "observe.metrics_port=null",
+              "observe.report=false", *extra]
+    return [a for v in values for a in ("--set", v)]
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "shardline.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _train(real, data, root, nproc, *extra) -> Path:
+    _cli("train", *_sets(real, data, root, nproc, *extra))
+    return only_run(root / "runs")
+
+
+def _prepared(run_dir: Path) -> PreparedData:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    return PreparedData(run_dir.parents[1] / "prepared" / manifest["dataset_version"])
+
+
+# ---- the expected encoding, from the tokenizer's own chat template ------------------------------------------
+
+def _reference_documents(tok, data: Path) -> dict[tuple[int, ...], int]:
+    """token ids of each example as the chat template renders the whole conversation -> number of prompt tokens.
+
+    The answer's loss span is everything the template puts after the generation prompt up to and including the
+    assistant's end-of-turn token; the line break after it is not part of the answer.
+    """
+    docs = {}
+    for line in data.read_text().splitlines():
+        ex = json.loads(line)
+        user = {"role": "user", "content": CHAT_USER.format(context=ex["context"], question=ex["question"])}
+        prompt = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=True, return_dict=False)
+        full = tok.apply_chat_template([user, {"role": "assistant", "content": ex["answer"]}], tokenize=True,
+                                       return_dict=False)
+        end = full.index(tok.convert_tokens_to_ids("<|im_end|>"), len(prompt))
+        docs[tuple(full[: end + 1])] = len(prompt)
+    return docs
+
+
+def _documents_of_rows(data: PreparedData, rows: list[int]) -> list[tuple[int, ...]]:
+    """Split packed rows back into documents at their position-id restarts."""
+    packed = data.rows("train")
+    docs = []
+    for r in rows:
+        n = int(packed.n_real[r])
+        tokens, positions = np.asarray(packed.tokens[r, :n]), np.asarray(packed.position_ids[r, :n])
+        starts = [*np.flatnonzero(positions == 0).tolist(), n]
+        docs += [tuple(tokens[a:b].tolist()) for a, b in zip(starts, starts[1:], strict=False)]
+    return docs
+
+
+@torch.no_grad()
+def _oracle_loss(model, docs: list[tuple[int, ...]], reference: dict[tuple[int, ...], int]) -> float:
+    """Token-weighted mean of transformers' own causal-LM loss, each example alone and unpacked."""
+    total, count = 0.0, 0
+    for doc in docs:
+        n_prompt = reference[doc]
+        ids = torch.tensor([doc])
+        labels = ids.clone()
+        labels[0, :n_prompt] = IGNORE
+        n = len(doc) - n_prompt
+        total += float(model(input_ids=ids, labels=labels).loss) * n
+        count += n
+    return total / count
+
+
+# ---- tests -------------------------------------------------------------------------------------------------
+
+def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(real, tok, user_file, tmp_path):
+    from shardline.data.prepare import prepare
+    from shardline.resolve import load_spec
+
+    args = _sets(real, user_file, tmp_path, 1)
+    data = prepare(load_spec("tiny", args[1::2]))
+    assert tok.pad_token_id == tok.eos_token_id  # the tokenizer pads with EOS; padding must not hide EOS's loss
+    assert data.meta["pad_id"] != tok.eos_token_id
+    reference = _reference_documents(tok, user_file)
+    packed = data.rows("train")
+    n_docs = 0
+    for r in range(len(packed.n_real)):
+        at = 0
+        for doc in _documents_of_rows(data, [r]):
+            # The template's own rendering, token for token (no BOS added to a template that has none);
+            # a KeyError means the prepared example differs from it.
+            n_prompt = reference[doc]
+            mask = np.asarray(packed.loss_mask[r, at: at + len(doc)])
+            assert mask.tolist() == [0] * n_prompt + [1] * (len(doc) - n_prompt)
+            assert tok.decode(doc[n_prompt:]).endswith("<|im_end|>")
+            at += len(doc)
+            n_docs += 1
+        assert not np.asarray(packed.loss_mask[r, at:]).any()  # padding carries no loss
+    assert n_docs == data.stats["splits"]["train"]["kept"] == len(reference) - 16
+
+
+@pytest.mark.parametrize(("nproc", "precision", "tol"), [(1, "fp32", 2e-4), (2, "fp32", 2e-4), (2, "bf16", 5e-3)])
+def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_time(
+        real, tok, user_file, tmp_path, nproc, precision, tol):
+    """Packing, masking, position ids, the block-diagonal mask and the loss normalisation, against transformers."""
+    run_dir = _train(real, user_file, tmp_path, nproc, "train.max_steps=1", f"train.precision={precision}",
+                     "model.lora.enabled=true")  # LoRA B starts at zero: step 0 is the pretrained model itself
+    logged = read_metrics(run_dir, "train")[0]
+    assert logged["step"] == 1
+    rows = [r for rank in range(nproc)
+            for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
+            if rec["step"] == 1 for r in rec["rows"]]
+    assert len(rows) == 2
+    docs = _documents_of_rows(_prepared(run_dir), rows)
+    reference = _reference_documents(tok, user_file)
+    assert docs and all(d in reference for d in docs), "a packed document differs from the template's rendering"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(real, dtype=dtype).eval()
+    oracle = _oracle_loss(model, docs, reference)
+    n_loss = sum(len(d) - reference[d] for d in docs)
+    print(f"{nproc} rank(s) {precision}: shardline {logged['loss']:.6f} vs transformers {oracle:.6f} "
+          f"over {len(docs)} examples, {n_loss} loss tokens")
+    assert logged["tokens"] == n_loss
+    assert logged["loss"] == pytest.approx(oracle, rel=tol)
+
+
+def test_sharded_load_of_the_real_checkpoint_matches_from_pretrained_and_stays_tied(real, tmp_path):
+    from tests.model.sharded_load_worker import fixed_input
+
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = REPO / "tests" / "model" / "sharded_load_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker),
+           "load", str(out), "--spec", ModelSpec(path=str(real)).model_dump_json(), "--dump-state"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=fixed_input(ref.config.vocab_size)).logits
+    torch.testing.assert_close(torch.load(out / "logits-0.pt"), expected, atol=1e-4, rtol=1e-4)
+    state = torch.load(out / "state-0.pt")
+    assert "lm_head.weight" not in state  # one parameter under FSDP2: the output projection is the embedding
+    assert ref.config.num_attention_heads == 9 and ref.config.num_key_value_heads == 3
+
+
+def _val_loss_of(model, data: PreparedData) -> float:
+    """Validation loss of a plain transformers model: each packed validation document alone, token-weighted."""
+    rows = data.rows("validation")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in range(len(rows.n_real)):
+            n = int(rows.n_real[r])
+            starts = [*np.flatnonzero(np.asarray(rows.position_ids[r, :n]) == 0).tolist(), n]
+            for a, b in zip(starts, starts[1:], strict=False):
+                ids = torch.tensor(np.asarray(rows.tokens[r, a:b], dtype=np.int64))[None]
+                mask = torch.tensor(np.asarray(rows.loss_mask[r, a:b], dtype=bool))[None]
+                logits = model(input_ids=ids).logits.float()
+                total += float(torch.nn.functional.cross_entropy(logits[0, :-1], torch.where(mask, ids, IGNORE)[0, 1:],
+                                                                 ignore_index=IGNORE, reduction="sum"))
+                count += int(mask[0, 1:].sum())
+    return total / count
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_transformers(
+        real, user_file, tmp_path, lora):
+    """2 ranks: train → validation → SQL generation eval → checkpoint → resume → export → transformers/peft."""
+    extra = ["train.precision=fp32", "train.eval_examples=4", "train.eval_max_new_tokens=24",
+             f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8"]
+    run_dir = _train(real, user_file, tmp_path, 2, "train.max_steps=1", *extra, "train.eval_examples=0")
+    _cli("train", str(run_dir), *_sets(real, user_file, tmp_path, 2, "train.max_steps=2",
+                                       "checkpoint.allow_spec_change=true", *extra))
+    assert json.loads((run_dir / "eval.json").read_text())["n"] == 4  # the generation eval ran, and exited 0
+    evals = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r]
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2]
+    assert any(r["event"] == "resume" for r in read_metrics(run_dir, "event") if r.get("step") == 1)
+    shardline_val = evals[-1]["val_loss"]
+    data = _prepared(run_dir)
+    exported = tmp_path / "export"
+    _cli("export", str(run_dir), "--out", str(exported))
+    base = AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32)
+    if lora:
+        model = PeftModel.from_pretrained(base, exported).eval()
+        merged_dir = tmp_path / "merged"
+        _cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora")
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+        assert merged.config.tie_word_embeddings
+        assert _val_loss_of(merged, data) == pytest.approx(shardline_val, rel=1e-4)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+        from safetensors import safe_open
+
+        with safe_open(exported / "model.safetensors", "pt") as f:
+            assert "lm_head.weight" not in f.keys()  # still tied after FSDP2 training, checkpoint and resume
+        assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it trained
+    assert model.config.tie_word_embeddings if not lora else model.get_base_model().config.tie_word_embeddings
+    exported_val = _val_loss_of(model, data)
+    print(f"{'LoRA' if lora else 'full'}: shardline val loss {shardline_val:.6f}, exported {exported_val:.6f}")
+    assert exported_val == pytest.approx(shardline_val, rel=1e-4)
