@@ -243,7 +243,7 @@ def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_trans
         from safetensors import safe_open
 
         with safe_open(exported / "model.safetensors", "pt") as f:
-            assert "lm_head.weight" not in f.keys()  # still tied after FSDP2 training, checkpoint and resume
+            assert "lm_head.weight" not in list(f.keys())  # still tied after FSDP2 training, checkpoint and resume
         assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it trained
     assert model.config.tie_word_embeddings if not lora else model.get_base_model().config.tie_word_embeddings
     exported_val = _val_loss_of(model, data)

@@ -1,4 +1,4 @@
-"""Evaluation on the sharded model: validation loss, and greedy SQL generation scored by execution.
+"""Evaluation on the sharded model: validation loss, and greedy SQL generation scored on test suites.
 
 Every rank runs the same number of forward passes (FSDP all-gathers in lockstep): validation batches
 are padded to equal counts, and generation uses `synced_gpus` so ranks that finish early keep
@@ -7,7 +7,6 @@ stepping until all are done.
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from dataclasses import dataclass
 
@@ -17,11 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from shardline.data.generate import Example, generate_databases
+from shardline.data.generate import Database, Example, generate_databases
 from shardline.data.loader import IGNORE_INDEX, Batch
-from shardline.data.sql_exec import execution_match
+from shardline.data.sql_suite import exact_match, suite_databases, suite_match
 from shardline.data.template import encode_prompt
 from shardline.spec import JobSpec
+
+SUITE_SIZE = 8  # generated databases per test question, after the real database where there is one
+METRIC = (f"test-suite execution accuracy (Zhong et al., 2020): a prediction counts only if its result equals "
+          f"the gold's on every database of its question's suite ({SUITE_SIZE} generated from the schema, with "
+          f"values seeded by the gold's literals, after the real database where there is one); row order counts "
+          f"only when the gold has ORDER BY; a gold that runs on no database counts as wrong")
 
 
 def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -47,22 +52,42 @@ def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device
 @dataclass
 class SqlEvalResult:
     accuracy: float
+    exact_match: float
     n: int
+    metric: str
     samples: list[dict]
 
 
-def _databases(spec: JobSpec) -> dict[str, sqlite3.Connection]:
-    if spec.data.path is not None:
-        return {}
-    return {db_id: db.connect() for db_id, db in generate_databases(spec.data.seed).items()}
+def unique_questions(examples: list[Example]) -> list[Example]:
+    """The first example of each (question, context): a repeated question must not count twice."""
+    first: dict[tuple[str, str], Example] = {}
+    for ex in examples:
+        first.setdefault((ex.question, ex.context), ex)
+    return list(first.values())
 
 
-def _schema_only_db(context: str) -> sqlite3.Connection:
-    """For user data without a database: empty tables from the CREATE statements."""
-    conn = sqlite3.connect(":memory:")
-    with contextlib.suppress(sqlite3.Error):
-        conn.executescript(context)
-    return conn
+def score_predictions(examples: list[Example], predictions: list[str], seed: int,
+                      databases: dict[str, Database]) -> SqlEvalResult:
+    """Score each prediction on its question's suite: the real database from ``databases`` (by ``db_id``) if
+    any, then ``SUITE_SIZE`` generated from the context and the gold SQL with ``seed``."""
+    real: dict[str, sqlite3.Connection] = {}
+    samples = []
+    for ex, pred in zip(examples, predictions, strict=True):
+        if ex.db_id in databases and ex.db_id not in real:
+            real[ex.db_id] = databases[ex.db_id].connect()
+        suite = suite_databases(ex.context, ex.answer, SUITE_SIZE, seed, real.get(ex.db_id))
+        result = suite_match(suite, pred, ex.answer)
+        for conn in suite:
+            conn.close()
+        samples.append({"question": ex.question, "gold": ex.answer, "pred": pred, "match": result.match,
+                        "exact_match": exact_match(pred, ex.answer), "databases": result.databases,
+                        **({"gold_errors": result.gold_errors} if result.gold_errors else {})})
+    for conn in real.values():
+        conn.close()
+    n = max(1, len(samples))
+    return SqlEvalResult(accuracy=sum(s["match"] for s in samples) / n,
+                         exact_match=sum(s["exact_match"] for s in samples) / n, n=len(samples), metric=METRIC,
+                         samples=samples)
 
 
 @torch.no_grad()
@@ -82,7 +107,8 @@ def _generate(model: nn.Module, tok: PreTrainedTokenizerBase, prompts: list[list
 
 def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
                        pad: int, device: torch.device, batch_size: int = 16) -> SqlEvalResult:
-    """Greedy-generate SQL for `examples` (split over ranks) and compare execution results on rank 0."""
+    """Greedy-generate SQL for each distinct question of `examples` (split over ranks); score it on rank 0."""
+    examples = unique_questions(examples)
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = -(-len(examples) // world)
     mine = list(range(rank * per_rank, min(len(examples), (rank + 1) * per_rank)))
@@ -102,13 +128,7 @@ def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, predictions)
     if rank != 0:
-        return SqlEvalResult(accuracy=float("nan"), n=0, samples=[])
-    dbs = _databases(spec)
-    samples = []
-    for i, pred in sorted(p for part in gathered for p in part):
-        ex = examples[i]
-        conn = dbs.get(ex.db_id) or _schema_only_db(ex.context)
-        samples.append({"question": ex.question, "gold": ex.answer, "pred": pred,
-                        "match": execution_match(conn, pred, ex.answer)})
-    correct = sum(s["match"] for s in samples)
-    return SqlEvalResult(accuracy=correct / max(1, len(samples)), n=len(samples), samples=samples)
+        return SqlEvalResult(accuracy=float("nan"), exact_match=float("nan"), n=0, metric=METRIC, samples=[])
+    texts = dict(p for part in gathered for p in part)
+    databases = generate_databases(spec.data.seed) if spec.data.path is None else {}
+    return score_predictions(examples, [texts[i] for i in range(len(examples))], spec.data.seed, databases)

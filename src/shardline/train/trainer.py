@@ -366,13 +366,17 @@ class Trainer:
             return {}
         seconds = time.perf_counter() - start
         (self.run_dir / "eval.json").write_text(json.dumps(vars(result), indent=2))
-        self.metrics.write("eval", {"step": self.step, "sql_execution_accuracy": result.accuracy, "n": result.n})
+        self.metrics.write("eval", {"step": self.step, "sql_execution_accuracy": result.accuracy,
+                                    "sql_exact_match": result.exact_match, "n": result.n})
         for s in result.samples[:3]:
             mark = "[green]✓[/]" if s["match"] else "[red]✗[/]"
             self.console.print(f"{mark} {s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
-        self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% of {result.n} test questions "
+        suite = max((s["databases"] for s in result.samples), default=0)
+        self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% (test suite, up to {suite} databases per "
+                  f"question) · exact match {100 * result.exact_match:.1f}% · {result.n} distinct test questions "
                   f"({seconds:.0f}s)")
-        return {"sql_execution_accuracy": result.accuracy, "sql_eval_n": result.n}
+        return {"sql_execution_accuracy": result.accuracy, "sql_exact_match": result.exact_match,
+                "sql_eval_n": result.n}
 
 
 def _planned_peak(spec: JobSpec) -> int | None:
