@@ -21,6 +21,7 @@ from shardline.data.prepare import PreparedData
 from shardline.data.template import CHAT_USER
 from shardline.spec import ModelSpec
 from tests.conftest import REPO, only_run, read_metrics
+from tests.oracle import documents_of_rows, unpacked_loss
 from tests.real.checkpoint import smollm2_dir
 
 pytestmark = pytest.mark.slow
@@ -96,18 +97,6 @@ def _reference_documents(tok, data: Path) -> dict[tuple[int, ...], int]:
     return docs
 
 
-def _documents_of_rows(data: PreparedData, rows: list[int]) -> list[tuple[int, ...]]:
-    """Split packed rows back into documents at their position-id restarts."""
-    packed = data.rows("train")
-    docs = []
-    for r in rows:
-        n = int(packed.n_real[r])
-        tokens, positions = np.asarray(packed.tokens[r, :n]), np.asarray(packed.position_ids[r, :n])
-        starts = [*np.flatnonzero(positions == 0).tolist(), n]
-        docs += [tuple(tokens[a:b].tolist()) for a, b in zip(starts, starts[1:], strict=False)]
-    return docs
-
-
 @torch.no_grad()
 def _oracle_loss(model, docs: list[tuple[int, ...]], reference: dict[tuple[int, ...], int]) -> float:
     """Token-weighted mean of transformers' own causal-LM loss, each example alone and unpacked."""
@@ -138,7 +127,7 @@ def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(r
     n_docs = 0
     for r in range(len(packed.n_real)):
         at = 0
-        for doc in _documents_of_rows(data, [r]):
+        for doc in documents_of_rows(data, [r]):
             # The template's own rendering, token for token (no BOS added to a template that has none);
             # a KeyError means the prepared example differs from it.
             n_prompt = reference[doc]
@@ -163,7 +152,7 @@ def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_tim
             for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
             if rec["step"] == 1 for r in rec["rows"]]
     assert len(rows) == 2
-    docs = _documents_of_rows(_prepared(run_dir), rows)
+    docs = documents_of_rows(_prepared(run_dir), rows)
     reference = _reference_documents(tok, user_file)
     assert docs and all(d in reference for d in docs), "a packed document differs from the template's rendering"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -195,24 +184,6 @@ def test_sharded_load_of_the_real_checkpoint_matches_from_pretrained_and_stays_t
     assert ref.config.num_attention_heads == 9 and ref.config.num_key_value_heads == 3
 
 
-def _val_loss_of(model, data: PreparedData) -> float:
-    """Validation loss of a plain transformers model: each packed validation document alone, token-weighted."""
-    rows = data.rows("validation")
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r in range(len(rows.n_real)):
-            n = int(rows.n_real[r])
-            starts = [*np.flatnonzero(np.asarray(rows.position_ids[r, :n]) == 0).tolist(), n]
-            for a, b in zip(starts, starts[1:], strict=False):
-                ids = torch.tensor(np.asarray(rows.tokens[r, a:b], dtype=np.int64))[None]
-                mask = torch.tensor(np.asarray(rows.loss_mask[r, a:b], dtype=bool))[None]
-                logits = model(input_ids=ids).logits.float()
-                total += float(torch.nn.functional.cross_entropy(logits[0, :-1], torch.where(mask, ids, IGNORE)[0, 1:],
-                                                                 ignore_index=IGNORE, reduction="sum"))
-                count += int(mask[0, 1:].sum())
-    return total / count
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_transformers(
         real, user_file, tmp_path, lora):
@@ -237,7 +208,7 @@ def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_trans
         _cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora")
         merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
         assert merged.config.tie_word_embeddings
-        assert _val_loss_of(merged, data) == pytest.approx(shardline_val, rel=1e-4)
+        assert unpacked_loss(merged, data) == pytest.approx(shardline_val, rel=1e-4)
     else:
         model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
         from safetensors import safe_open
@@ -246,6 +217,6 @@ def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_trans
             assert "lm_head.weight" not in list(f.keys())  # still tied after FSDP2 training, checkpoint and resume
         assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it trained
     assert model.config.tie_word_embeddings if not lora else model.get_base_model().config.tie_word_embeddings
-    exported_val = _val_loss_of(model, data)
+    exported_val = unpacked_loss(model, data)
     print(f"{'LoRA' if lora else 'full'}: shardline val loss {shardline_val:.6f}, exported {exported_val:.6f}")
     assert exported_val == pytest.approx(shardline_val, rel=1e-4)
