@@ -42,7 +42,7 @@ def test_sbatch_script_asks_for_the_allocation_and_runs_one_torchrun_per_node():
     assert "trap 'forward USR1' USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--output=/shared/runs/r1/logs/slurm-%j-node%n.out" in srun
-    assert "'export PET_NODE_RANK=$SLURM_NODEID; exec python -m torch.distributed.run --nnodes=4 " \
+    assert "'export PET_NODE_RANK=$SLURM_NODEID; exec python -m shardline.launch.torchrun --nnodes=4 " \
            "--nproc-per-node=8" in srun
     assert "-m shardline.worker --spec /shared/runs/r1/slurm/spec.yaml --task train'" in srun
     assert spec["run"]["id"] == "r1" and spec["launch"]["nnodes"] == 4  # the resolved spec beside the script

@@ -31,6 +31,6 @@ def torchrun_policy_flags(spec: JobSpec) -> list[str]:
 def node_torchrun_command(spec: JobSpec, spec_path: Path | str, task: str = "train",
                           python: str = "python") -> list[str]:
     """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment."""
-    return [python, "-m", "torch.distributed.run", *torchrun_node_flags(spec),
+    return [python, "-m", "shardline.launch.torchrun", *torchrun_node_flags(spec),
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]

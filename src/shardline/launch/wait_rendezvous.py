@@ -4,7 +4,7 @@ On Kubernetes a pod can start before the DNS record of rank 0's pod exists (head
 JobSet hostnames appear only once that pod has an IP), and torchrun treats a failed lookup as fatal
 (pytorch#73682, torchx#541). Every pod's command is therefore
 
-    python -m shardline.launch.wait_rendezvous [--timeout S] -- python -m torch.distributed.run ...
+    python -m shardline.launch.wait_rendezvous [--timeout S] -- python -m shardline.launch.torchrun ...
 
 which resolves `PET_MASTER_ADDR` (set by the manifest, or injected by Kubeflow Trainer) with backoff and
 then replaces itself with the given command, so signals and the exit code are torchrun's own.
