@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from shardline.data.generate import Database, Example, generate_databases
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.sql_suite import exact_match, suite_databases, suite_match
-from shardline.data.template import encode_prompt
+from shardline.data.template import encode_prompt, stop_ids
 from shardline.spec import JobSpec
 
 SUITE_SIZE = 8  # generated databases per test question, after the real database where there is one
@@ -91,8 +91,9 @@ def score_predictions(examples: list[Example], predictions: list[str], seed: int
 
 
 @torch.no_grad()
-def _generate(model: nn.Module, tok: PreTrainedTokenizerBase, prompts: list[list[int]], pad: int,
-              max_new_tokens: int, device: torch.device, synced: bool) -> list[list[int]]:
+def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[int], max_new_tokens: int,
+              device: torch.device, synced: bool) -> list[list[int]]:
+    """Greedy continuations of left-padded prompts, each cut before its first stop token."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -100,9 +101,10 @@ def _generate(model: nn.Module, tok: PreTrainedTokenizerBase, prompts: list[list
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                         max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=pad,
+                         max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad,
                          use_cache=True, synced_gpus=synced)
-    return [row[width:].tolist() for row in out.cpu()]
+    continuations = [row[width:].tolist() for row in out.cpu()]
+    return [c[: next((i for i, t in enumerate(c) if t in stop), len(c))] for c in continuations]
 
 
 def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
@@ -114,13 +116,14 @@ def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples:
     mine = list(range(rank * per_rank, min(len(examples), (rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)
     model.eval()
+    stop = stop_ids(tok, spec.data.prompt_format)  # EOS, or the chat template's end of turn
     predictions: list[tuple[int, str]] = []
     for b in range(n_batches):
         index = mine[b * batch_size : (b + 1) * batch_size]
         todo = index or [0]  # a rank with no work still steps in lockstep
         prompts = [encode_prompt(tok, examples[i].question, examples[i].context, spec.data.prompt_format)
                    for i in todo]
-        outputs = _generate(model, tok, prompts, pad, spec.train.eval_max_new_tokens, device, world > 1)
+        outputs = _generate(model, prompts, pad, stop, spec.train.eval_max_new_tokens, device, world > 1)
         if index:
             texts = [tok.decode(o, skip_special_tokens=True).strip() for o in outputs]
             predictions += list(zip(index, texts, strict=True))
