@@ -287,6 +287,9 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
                                                               if "val_loss" in r), None)),
         ("SQL execution accuracy", f"{100 * sql[-1]['sql_execution_accuracy']:.1f}% of {sql[-1].get('n')}"
          if sql else None),
+        ("SQL exact match", f"{100 * sql[-1]['sql_exact_match']:.1f}%" if sql and "sql_exact_match" in sql[-1]
+         else None),
+        ("SQL metric", evaluation.get("metric")),
         ("mean tokens/s per device", summary.get("mean_tokens_per_s_per_device")),
         ("mean MFU", f"{100 * summary['mean_mfu']:.2f}% of {summary.get('peak_tflops', 0):.4g} TFLOP/s "
          f"({summary.get('peak_source')})" if "mean_mfu" in summary else None),
