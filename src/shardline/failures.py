@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 FAILURE_PREFIX = "failure-rank-"
+REPORTER_ENV = "SHARDLINE_FAILURES_REPORTED"
+"""Set by `shardline.launch.torchrun` for its workers; a worker started any other way prints its own error."""
 PHASES = {
     "setup": "setting up (process group, data, model build/load)",
     "training": "training",

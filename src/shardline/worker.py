@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import time
@@ -17,7 +18,7 @@ from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
-from shardline.failures import WorkerFailure, write_failure
+from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.launch.elastic import allowed_world_sizes
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
@@ -116,6 +117,9 @@ def _record_failure(error: Exception, spec: JobSpec, task: str, ctx: DistContext
         rank=ctx.rank, host=socket.gethostname(), error_type=type(error).__name__, message=where + message,
         phase=phase, step=trainer.step if trainer is not None else None, max_steps=spec.train.max_steps,
         committed_step=committed, checkpoint=location, log=str(log), time=time.time()))
+    if not os.environ.get(REPORTER_ENV):  # no launcher to tell it: say it here (Ray, a bare worker)
+        Console(soft_wrap=True).print(f"[bold red]error:[/] rank {ctx.rank}: {error} (traceback: {log})",
+                                      highlight=False)
     return EXIT_BAD_INPUT if isinstance(error, ShardlineError) else EXIT_FAILURE
 
 

@@ -9,6 +9,7 @@ whatever the worker said), so 2 (bad input) and 75 (preempted) reach the engine.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -18,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from shardline.errors import EXIT_FAILURE, EXIT_PREEMPTED
-from shardline.failures import failure_message, read_failures
+from shardline.failures import REPORTER_ENV, failure_message, read_failures
 
 
 def _run_dir(worker_args: list[str]) -> Path | None:
@@ -61,6 +62,7 @@ def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ[REPORTER_ENV] = "1"  # workers leave the telling to this process
     started = time.time()
     try:
         run(args)
