@@ -156,11 +156,12 @@ def test_gold_that_fails_is_reported_not_raised(context, gold):
 
 
 def test_context_cannot_write_files_or_run_forever(tmp_path):
-    outside = tmp_path / "x.db"
+    outside, copy = tmp_path / "x.db", tmp_path / "copy.db"
     context = (f"ATTACH DATABASE '{outside}' AS x; CREATE TABLE x.t (a INTEGER); CREATE TABLE t (a INTEGER); "
+               f"VACUUM INTO '{copy}'; "
                "INSERT INTO t WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT i FROM n")
     suite = suite_databases(context, "SELECT a FROM t WHERE a > 1e999 OR a = 99999999999999999999", 2, 0)
-    assert not outside.exists() and len(suite) == 2
+    assert not outside.exists() and not copy.exists() and len(suite) == 2
 
 
 @pytest.mark.parametrize(("pred", "gold", "same"), [
