@@ -179,7 +179,7 @@ def _exported_names() -> set[str]:
                    "step_time_s": 1.0, "data_wait_s": 0.1, "tokens_per_s_per_device": 1.0,
                    "loss_tokens_per_s_per_device": 1.0, "tflops_per_device": 1.0, "mfu": 0.1, "mem_peak_bytes": 1,
                    "epoch": 0.1, "cost_usd": 1.0, "cost_usd_step": 1.0, "cost_usd_per_1m_tokens": 1.0})
-    sink("eval", {"step": 1, "val_loss": 1.0, "sql_execution_accuracy": 0.5})
+    sink("eval", {"step": 1, "val_loss": 1.0, "sql_execution_accuracy": 0.5, "sql_exact_match": 0.5})
     sink("event", {"event": "checkpoint", "step": 1, "stall_s": 1.0})
     sink("event", {"event": "checkpoint_committed", "step": 1, "save_s": 1.0})
     sink.set_price(1.0)

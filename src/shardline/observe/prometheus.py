@@ -65,7 +65,8 @@ TRAIN_COUNTERS: dict[str, tuple[str, str]] = {
 }
 EVAL_GAUGES: dict[str, str] = {
     "val_loss": "Validation loss at the latest evaluation.",
-    "sql_execution_accuracy": "SQL execution accuracy on the test questions (0-1).",
+    "sql_execution_accuracy": "SQL test-suite execution accuracy on the distinct test questions (0-1).",
+    "sql_exact_match": "SQL exact match (normalised text) on the distinct test questions (0-1).",
 }
 
 
