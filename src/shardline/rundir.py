@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import secrets
 import socket
 import subprocess
 from datetime import UTC, datetime
@@ -26,14 +27,25 @@ def run_path(spec: JobSpec) -> Path:
 
 
 def new_run_id(name: str) -> str:
-    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    """`<name>-<UTC time>-<4 random hex>`: two launches in the same second still get different runs."""
+    return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
 def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
-    """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json."""
+    """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json.
+
+    A new run's directory is created atomically (`mkdir` without `exist_ok`), so it never shares a directory
+    with another launch, even one that drew the same id."""
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
-        spec.run.id = new_run_id(spec.run.name)
+        Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
+        while True:
+            spec.run.id = new_run_id(spec.run.name)
+            try:
+                run_path(spec).mkdir()
+                break
+            except FileExistsError:
+                continue
     path = run_path(spec)
     spec_file = path / "spec.yaml"
     if spec_file.exists():

@@ -30,8 +30,9 @@ class RunSpec(Section):
     """Run name: lowercase letters, digits and '-', so it can name Kubernetes objects too."""
     dir: str = "runs"
     """Parent directory of run directories (`<dir>/<id>/`)."""
-    id: str | None = None
-    """Assigned at launch (`<name>-<UTC yyyymmdd-hhmmss>`); set it to reuse an existing run directory."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+    """Assigned at launch (`<name>-<UTC yyyymmdd-hhmmss>-<4 hex>`); set it to reuse an existing run directory.
+    Letters, digits, '_' and '-' only: it names a directory under `run.dir`, cluster objects and shell words."""
 
 
 class ArchSpec(Section):

@@ -159,3 +159,34 @@ def test_netcheck_runs_as_a_two_node_slurm_job_and_writes_its_result_to_the_run(
     doc = json.loads((_run_dir(record) / "netcheck.json").read_text())
     assert doc["world_size"] == 2 and doc["passed"] and doc["wrong"] == 0 and len(doc["records"]) == 2 * 9
     assert "all_gather · 2 ranks" in "\n".join(backend.logs(record, 0, follow=False))
+
+
+def test_values_from_the_spec_never_run_as_shell_code(tmp_path):
+    """A hostile run.dir reaches sbatch and srun as a literal, checked by running the script with stub commands."""
+    marker = tmp_path / "pwned"
+    payload = f"x$(touch${{IFS}}{marker})`touch${{IFS}}{marker}`"  # no spaces: those are refused earlier
+    spec = load_spec("tiny", ["run.id=r1", f"run.dir={tmp_path}/{payload}"])
+    script = get_backend("slurm").render(spec)["job.sbatch"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/srun-args\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "node0"}
+    subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, timeout=60, check=True)
+    assert not marker.exists()
+    args = (tmp_path / "srun-args").read_text().splitlines()
+    assert f"--output={tmp_path}/{payload}/r1/logs/slurm-%j-node%n.out" in args
+
+
+@pytest.mark.parametrize(("field", "value"), [("run.dir", '"/shared/a\\nrm -rf /"'),
+                                              ("launch.slurm.partition", '"a3 --wrap=x"'),
+                                              ("launch.slurm.sbatch_args", '["--constraint=h100\\n#SBATCH --x"]'),
+                                              ("launch.slurm.setup", '["module load x\\nrm -rf /"]')])
+def test_line_breaks_and_split_words_in_slurm_values_are_named_errors(field, value):
+    spec = load_spec("tiny", ["run.id=r1", f"{field}={value}"])
+    with pytest.raises(SpecError) as e:
+        get_backend("slurm").render(spec)
+    assert e.value.where.startswith(field)

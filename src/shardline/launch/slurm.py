@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
 from shardline.launch.command import node_torchrun_command
 from shardline.launch.elastic import is_elastic
@@ -80,8 +80,28 @@ def _workdir(spec: JobSpec) -> Path:
     return Path(spec.launch.slurm.workdir or os.getcwd()).resolve()
 
 
+_DIRECTIVE_VALUE = re.compile(r"[^\s\x00-\x1f\x7f]+")  # one word, no control characters
+
+
+def _check_directive_values(spec: JobSpec, run_dir: Path, workdir: Path) -> None:
+    """`#SBATCH` lines are read by sbatch, not a shell: a value must be one word, or it would split (or, with a
+    newline, start a new script line). Everything that reaches the shell itself is quoted where it is used."""
+    s = spec.launch.slurm
+    values = {"run.dir": str(run_dir), "launch.slurm.workdir": str(workdir), "launch.slurm.partition": s.partition,
+              "launch.slurm.account": s.account, "launch.slurm.qos": s.qos, "launch.slurm.time_limit": s.time_limit,
+              **{f"launch.slurm.sbatch_args[{i}]": a for i, a in enumerate(s.sbatch_args)}}
+    for name, value in values.items():
+        if value is not None and not _DIRECTIVE_VALUE.fullmatch(value):
+            raise SpecError(name, f"{value!r} has whitespace or control characters, which an #SBATCH line cannot "
+                            "carry", "use a value without spaces, tabs or line breaks")
+    for i, line in enumerate(s.setup):
+        if any(c in line for c in "\r\n\x00"):
+            raise SpecError(f"launch.slurm.setup[{i}]", "holds a line break or NUL", "give one shell line per item")
+
+
 def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
     """The sbatch script for a spec whose run id is assigned."""
+    _check_directive_values(spec, run_dir, workdir)
     s, logs = spec.launch.slurm, run_dir / "logs"
     gpus = spec.parallel.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
     elastic = is_elastic(spec)
@@ -125,7 +145,7 @@ def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
              'rendezvous $PET_MASTER_ADDR:$PET_MASTER_PORT"',
              "# shellcheck disable=SC2016  # $SLURM_NODEID must expand on each node, not here",
              f"srun --ntasks-per-node=1 --kill-on-bad-exit={0 if elastic else 1} --open-mode=append "
-             f"--output={logs}/slurm-%j-node%n.out bash -c {shlex.quote(node_cmd)} &",
+             f"--output={shlex.quote(f'{logs}/slurm-%j-node%n.out')} bash -c {shlex.quote(node_cmd)} &",
              "step=$!",
              "while true; do  # wait returns early (> 128) when a trapped signal arrives; the step may still run",
              '  wait "$step"; rc=$?',

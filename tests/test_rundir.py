@@ -1,0 +1,35 @@
+"""Run ids and run directories: one launch, one directory; an id can never leave `run.dir` or reach a shell."""
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from shardline import rundir
+from shardline.errors import SpecError
+from shardline.resolve import load_spec
+from tests.conftest import small_spec
+
+
+@pytest.mark.parametrize("bad", ["../../../tmp/x", "a/b", "x$(touch /tmp/p)", "a\nb", "", ".hidden", "a b",
+                                 "x" * 101])
+def test_run_id_refuses_paths_shell_characters_and_control_characters(bad):
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", [f"run.id={json.dumps(bad)}"])  # a YAML double-quoted scalar: "\n" is a newline
+    assert e.value.where == "run.id"
+
+
+def test_two_launches_in_the_same_second_with_the_same_draw_get_different_directories(tmp_path, monkeypatch):
+    class FrozenClock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
+
+    draws = iter(["aaaa", "aaaa", "bbbb"])  # the second launch draws the first one's id, then another
+    monkeypatch.setattr(rundir, "datetime", FrozenClock)
+    monkeypatch.setattr(rundir.secrets, "token_hex", lambda n: next(draws))
+    spec = small_spec(tmp_path)
+    first, first_dir = rundir.create_run(spec)
+    second, second_dir = rundir.create_run(spec)
+    assert first.run.id == "tiny-20261123-120000-aaaa" and second.run.id == "tiny-20261123-120000-bbbb"
+    assert first_dir != second_dir and (first_dir / "spec.yaml").is_file() and (second_dir / "spec.yaml").is_file()
