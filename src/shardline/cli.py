@@ -33,7 +33,14 @@ def _resolve(args: argparse.Namespace):
         if not run_spec.is_file():
             raise SpecError(source, "is a directory without spec.yaml", "give a run directory, preset or YAML")
         source = str(run_spec)
+        overrides = [*run_dir_overrides(Path(source).parent), *overrides]
     return load_spec(source, overrides)
+
+
+def run_dir_overrides(run_dir: Path) -> list[str]:
+    """The directory given is the run, wherever the command runs from (not `run.dir` relative to here)."""
+    run_dir = run_dir.resolve()
+    return [f"run.dir={run_dir.parent}", f"run.id={run_dir.name}"]
 
 
 def _prepare_with_progress(spec):
@@ -77,8 +84,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardline.rundir import create_run
 
     spec = _resolve(args)
-    if spec.run.id is None and args.spec and Path(args.spec).is_dir():
-        spec.run.id = Path(args.spec).name
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     spec, run_dir = create_run(spec)
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
@@ -99,7 +104,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not (run_dir / "spec.yaml").is_file():
         raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
     overrides = [f"parallel.nproc_per_node={args.nproc}"] if args.nproc else []
-    spec = load_spec(str(run_dir / "spec.yaml"), overrides)
+    spec = load_spec(str(run_dir / "spec.yaml"), [*run_dir_overrides(run_dir), *overrides])
     eval_spec = run_dir / "eval-spec.yaml"
     eval_spec.write_text(spec_to_yaml(spec))
     return run_local(spec, eval_spec, "eval")

@@ -1,7 +1,9 @@
 """Which spec changes a resumed run survives.
 
 - always: what does not change the training trajectory — world shape (DCP reshards; the data order
-  depends only on step and global batch), parallelism, launch, checkpoint, logging and evaluation;
+  depends only on step and global batch), parallelism, launch, checkpoint, logging, observability, cost,
+  evaluation, where the run and its caches live (`run.dir`, `run.name`, `data.cache_dir`,
+  `model.local_cache`: the dataset version and the weights are checked by content, not by path);
 - with `checkpoint.allow_spec_change=true`: the optimisation schedule and micro-batching — the checkpoint
   still fits the model, but the run is no longer the same run;
 - never: the model, the data (dataset version), seq len, global batch, data-order seed, precision.
@@ -12,8 +14,9 @@ from __future__ import annotations
 from shardline.errors import SpecError
 from shardline.spec import JobSpec
 
-ALWAYS = ("run.id", "parallel.", "launch.", "checkpoint.", "train.peak_tflops", "train.log_every",
-          "train.eval_every", "train.eval_examples", "train.eval_max_new_tokens")
+ALWAYS = ("run.id", "run.dir", "run.name", "parallel.", "launch.", "checkpoint.", "observe.", "cost.",
+          "data.cache_dir", "model.local_cache", "train.peak_tflops", "train.log_every", "train.eval_every",
+          "train.eval_examples", "train.eval_max_new_tokens")
 WITH_FLAG = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.weight_decay",
              "train.max_grad_norm", "train.micro_batch_size")
 

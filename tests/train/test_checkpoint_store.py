@@ -84,6 +84,13 @@ def test_resume_policy_separates_safe_flaggable_and_breaking_changes(tmp_path):
         check_resume(base, small_spec(tmp_path, "model.arch.hidden_size=128"))
 
 
+@pytest.mark.parametrize("change", ["observe.metrics_port=9999", "cost.usd_per_device_hour=2.5", "run.name=other",
+                                    "run.dir=/elsewhere", "data.cache_dir=/cache", "model.local_cache=/ssd"])
+def test_resume_survives_changes_that_cannot_touch_the_model(tmp_path, change):
+    """A preempted run whose metrics port is now taken, or that moved to another directory, still resumes."""
+    assert check_resume(small_spec(tmp_path), small_spec(tmp_path, change)) == []  # refused (SpecError) before
+
+
 def test_checkpoint_refuses_a_changed_model_on_resume(ctx, tmp_path, prepared):
     t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
     t.train_step()
