@@ -334,8 +334,9 @@ class ObserveSpec(Section):
     metrics_port: int | None = Field(9405, ge=0, le=65535)
     """Port of the Prometheus endpoint (`/metrics`) that rank 0 serves; 0 picks a free port (printed and
     written to manifest.json as `metrics_url`); null turns it off."""
-    metrics_host: str = "0.0.0.0"
-    """Address the endpoint binds: all interfaces, so that a pod's scraper reaches it; 127.0.0.1 keeps it local."""
+    metrics_host: str | None = None
+    """Address the endpoint binds; null: 127.0.0.1 for a local run, all interfaces (0.0.0.0) in the spec a cluster
+    launcher renders, so that the cluster's scraper reaches the pod or node."""
     metrics_linger_s: float = Field(0.0, ge=0, le=600)
     """Keep serving this long after training ends, so that a scrape sees the final values (≥ scrape interval)."""
     report: bool = True

@@ -183,3 +183,21 @@ def test_a_bug_in_observing_never_stops_training(tmp_path, monkeypatch):
         trainer.metrics.write("train", _train(1))
     assert "metrics, cost and report are off for this run" in console.export_text()
     assert trainer.metrics.cost is None and trainer.metrics.sinks == []
+
+
+def test_a_local_run_serves_metrics_on_loopback_and_cluster_specs_on_all_interfaces(tmp_path):
+    import socket
+
+    spec, run_dir, trainer = _fake_trainer(tmp_path, "observe.metrics_port=0", "observe.report=false")
+    assert spec.observe.metrics_host is None
+    with observing(spec, run_dir, trainer, Console(quiet=True)):
+        port = int(read_manifest(run_dir)["metrics_url"].rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as s:  # the port is free on another address: bound to 127.0.0.1, not to all
+            s.bind(("127.0.0.2", port))
+    from shardline.launch.backend import get_backend
+
+    cluster = spec.model_copy(deep=True)
+    cluster.launch.image = "registry.example/shardline:1"
+    for target in ("slurm", "jobset", "ray"):
+        files = get_backend(target).render(cluster)
+        assert any("metrics_host: 0.0.0.0" in text for text in files.values()), target

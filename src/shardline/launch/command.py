@@ -14,7 +14,17 @@ from shardline.launch.elastic import torchrun_node_flags
 from shardline.spec import JobSpec
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+CLUSTER_METRICS_HOST = "0.0.0.0"  # a pod's or node's /metrics must be reachable by the cluster's scraper
 RANK_ENV = ("PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def cluster_spec(spec: JobSpec) -> JobSpec:
+    """The spec as a cluster launcher ships it: an unset `observe.metrics_host` binds all interfaces there."""
+    if spec.observe.metrics_host is not None:
+        return spec
+    spec = spec.model_copy(deep=True)
+    spec.observe.metrics_host = CLUSTER_METRICS_HOST
+    return spec
 
 
 def worker_command(spec_path: Path | str, task: str = "train") -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from shardline.errors import SpecError
 from shardline.launch import k8s_pod
+from shardline.launch.command import cluster_spec
 from shardline.launch.profiles import RENDEZVOUS_PORT
 from shardline.resolve import spec_to_yaml
 from shardline.spec import JobSpec
@@ -65,7 +66,7 @@ def job_annotations(spec: JobSpec) -> dict[str, str]:
 
 def config_map(spec: JobSpec, name: str) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, f"{name}-spec"),
-            "data": {"spec.yaml": spec_to_yaml(spec)}}
+            "data": {"spec.yaml": spec_to_yaml(cluster_spec(spec))}}
 
 
 def rank0_host(spec: JobSpec, target: str) -> str:

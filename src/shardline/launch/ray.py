@@ -24,6 +24,7 @@ import yaml
 
 from shardline.errors import ShardlineError
 from shardline.launch.backend import JobState, LaunchRecord, save_record
+from shardline.launch.command import cluster_spec
 from shardline.launch.profiles import get_profile, nccl_environment
 from shardline.resolve import spec_to_yaml
 from shardline.rundir import new_run_id
@@ -84,7 +85,7 @@ class RayBackend:
         return {"entrypoint.sh": f"#!/bin/sh\n# ray job submit --address {spec.launch.ray.address} -- \\\n"
                                  f"exec {entrypoint(spec, task)}\n",
                 "runtime_env.yaml": yaml.safe_dump(runtime_env(spec), sort_keys=False),
-                "spec.yaml": spec_to_yaml(spec)}
+                "spec.yaml": spec_to_yaml(cluster_spec(spec))}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         spec = resolved_for_cluster(spec)

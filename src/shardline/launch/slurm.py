@@ -28,7 +28,7 @@ from pathlib import Path
 
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
-from shardline.launch.command import node_torchrun_command
+from shardline.launch.command import cluster_spec, node_torchrun_command
 from shardline.launch.elastic import is_elastic
 from shardline.launch.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.resolve import spec_to_yaml
@@ -186,7 +186,7 @@ class SlurmBackend:
         spec = _with_run_id(spec)
         workdir = _workdir(spec)
         run_dir = _run_dir(spec, workdir)
-        return {SCRIPT: batch_script(spec, task, run_dir, workdir), SPEC: spec_to_yaml(spec)}
+        return {SCRIPT: batch_script(spec, task, run_dir, workdir), SPEC: spec_to_yaml(cluster_spec(spec))}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         spec = _with_run_id(spec)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardline")
 
+LOCAL_METRICS_HOST = "127.0.0.1"  # observe.metrics_host unset on a local run: this machine only
+
 
 def device_name(trainer: Trainer) -> str:
     import torch
@@ -74,7 +76,7 @@ class ObserveSession:
                               max_steps=spec.train.max_steps)
         sink.set_price(usd_per_hour)
         try:
-            endpoint, stop = serve(sink, o.metrics_host, o.metrics_port)
+            endpoint, stop = serve(sink, o.metrics_host or LOCAL_METRICS_HOST, o.metrics_port)
         except OSError as e:
             self._say(f"warning: metrics endpoint not started ({o.metrics_host}:{o.metrics_port}: {e.strerror or e}); "
                       "training continues — choose another observe.metrics_port (0 = any free port)")
