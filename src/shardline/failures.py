@@ -22,9 +22,9 @@ REPORTER_ENV = "SHARDLINE_FAILURES_REPORTED"
 PHASES = {
     "setup": "setting up (process group, data, model build/load)",
     "training": "training",
-    "validation": "validation",
+    "validation": "validating",
     "checkpoint": "saving a checkpoint",
-    "sql_evaluation": "the final SQL evaluation",
+    "sql_evaluation": "running the final SQL evaluation",
     "evaluation": "evaluating the checkpoint",
 }
 
@@ -79,7 +79,10 @@ def read_failures(run_dir: Path, since: float = 0.0) -> list[WorkerFailure]:
 
 def _exit_words(code: int) -> str:
     if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
         hint = " (the kernel's OOM killer sends this when memory runs out)" if -code == signal.SIGKILL else ""
         return f"was killed by {name}{hint}"
     return f"exited with code {code} without a failure record"
@@ -102,7 +105,7 @@ def failure_message(failures: list[WorkerFailure], unexplained: dict[int, int]) 
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         finished = first.step is not None and first.step >= first.max_steps
         if first.phase == "sql_evaluation" or (finished and first.phase == "validation"):
-            lines.append(f"training finished (step {first.step} of {first.max_steps}), then {who} failed in "
+            lines.append(f"training finished (step {first.step} of {first.max_steps}), then {who} failed while "
                          f"{PHASES[first.phase]}: {first.error_type}: {first.message}")
         else:
             at = "" if first.step is None else (f" in step {first.step + 1} of {first.max_steps}"

@@ -34,7 +34,7 @@ def test_evaluation_failure_after_training_says_training_finished_and_the_checkp
     assert proc.returncode == 1
     _no_torchrun_dump(proc)
     message = proc.stderr[proc.stderr.index("error:"):]
-    assert "training finished (step 6 of 6), then rank 1 failed in the final SQL evaluation" in message
+    assert "training finished (step 6 of 6), then rank 1 failed while running the final SQL evaluation" in message
     assert "InjectedFault: injected fault at sql_evaluation (rank 1, step 6)" in message
     assert "rank 0 then stopped" in message  # its collective lost the peer: a consequence, not a second cause
     assert "the last checkpoint is safe: step 6" in message
@@ -92,3 +92,9 @@ def test_records_of_an_earlier_attempt_are_not_read(tmp_path):
     write_failure(tmp_path, _failure(1, "new", time=150.0))
     assert [f.message for f in read_failures(tmp_path, since=100.0)] == ["new"]
     assert json.loads((tmp_path / "logs" / "failure-rank-1.json").read_text())["message"] == "new"
+
+
+def test_a_failure_in_the_last_validation_says_training_finished():
+    text = failure_message([_failure(0, "boom", phase="validation", step=10)], {})
+    assert text.startswith("training finished (step 10 of 10), then rank 0 failed while validating: RuntimeError")
+    assert "rank 2 was killed by signal 99" in failure_message([], {2: -99})
