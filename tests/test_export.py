@@ -1,5 +1,6 @@
 """`shardline export`: a run's DCP checkpoint becomes a Hugging Face directory with the trained model's logits."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -15,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import special_ids
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, SpecError
 from shardline.export import export_run
 from shardline.model.build import build_model
+from shardline.resolve import spec_to_yaml
 from shardline.rundir import create_run, read_manifest
 from shardline.train.trainer import Trainer
 from tests.conftest import REPO, small_spec
@@ -169,3 +171,15 @@ def test_export_refuses_nonempty_out(full_run, tmp_path):
         export_run(full_run.run_dir, out)
     assert "--out" in e.value.fix
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize(("url", "package"), [("s3://bucket/ckpt", "s3fs"), ("gs://bucket/ckpt", "gcsfs")])
+def test_export_without_the_filesystem_package_names_checkpoint_dir(tmp_path, monkeypatch, url, package):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as where s3fs is not installed (gcsfs is not, here)
+    assert importlib.util.find_spec(package) is None
+    run_dir = tmp_path / "runs" / "remote"
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.yaml").write_text(spec_to_yaml(small_spec(tmp_path, "run.id=remote", f"checkpoint.dir={url}")))
+    with pytest.raises(SpecError) as err:
+        export_run(run_dir, tmp_path / "hf")
+    assert err.value.where == "checkpoint.dir" and f"pip install {package}" in err.value.fix

@@ -33,3 +33,15 @@ def test_two_launches_in_the_same_second_with_the_same_draw_get_different_direct
     second, second_dir = rundir.create_run(spec)
     assert first.run.id == "tiny-20261123-120000-aaaa" and second.run.id == "tiny-20261123-120000-bbbb"
     assert first_dir != second_dir and (first_dir / "spec.yaml").is_file() and (second_dir / "spec.yaml").is_file()
+
+
+def test_each_attempt_keeps_its_own_spec_and_the_fields_it_changed(tmp_path):
+    first, run_dir = rundir.create_run(small_spec(tmp_path, "observe.metrics_port=9100"))
+    again = small_spec(tmp_path, f"run.id={first.run.id}", "observe.metrics_port=9200")  # port taken on restart
+    rundir.create_run(again)
+    manifest = rundir.read_manifest(run_dir)
+    assert [a["attempt"] for a in manifest["attempts"]] == [1, 2]
+    assert manifest["attempts"][0]["changed"] == [] and manifest["attempts"][1]["changed"] == ["observe.metrics_port"]
+    ports = [rundir.read_spec(run_dir / a["spec_file"]).observe.metrics_port for a in manifest["attempts"]]
+    assert ports == [9100, 9200]  # before: the resume overwrote the first attempt's spec
+    assert rundir.read_spec(run_dir / "spec.yaml").observe.metrics_port == 9200

@@ -43,7 +43,6 @@ def test_global_batch_must_divide_by_world_times_micro_batch():
     ("train.seq_len=4096", "train.seq_len"),
     ("train.warmup_steps=1000", "train.warmup_steps"),
     ("data.prompt_format=chat", "data.prompt_format"),
-    ("model.attn_implementation=flash_attention_2", "model.attn_implementation"),
 ])
 def test_impossible_combinations_are_rejected(override, field):
     with pytest.raises(SpecError) as e:

@@ -80,11 +80,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from shardline.environment import check_environment
     from shardline.launch.local import run_local, torchrun_command
     from shardline.rundir import create_run
 
     spec = _resolve(args)
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
+    check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     spec, run_dir = create_run(spec)
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     _prepare_with_progress(spec)
@@ -98,6 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from shardline.environment import check_environment
     from shardline.launch.local import run_local
 
     run_dir = Path(args.run_dir)
@@ -105,6 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
     overrides = [f"parallel.nproc_per_node={args.nproc}"] if args.nproc else []
     spec = load_spec(str(run_dir / "spec.yaml"), [*run_dir_overrides(run_dir), *overrides])
+    check_environment(spec, "eval")
     eval_spec = run_dir / "eval-spec.yaml"
     eval_spec.write_text(spec_to_yaml(spec))
     return run_local(spec, eval_spec, "eval")

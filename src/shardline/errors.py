@@ -20,6 +20,9 @@ class ShardlineError(Exception):
         self.fix = fix
         super().__init__(f"{where}: {problem} — {fix}")
 
+    def __reduce__(self):  # DCP and torch.distributed carry errors between ranks as pickles
+        return (type(self), (self.where, self.problem, self.fix))
+
 
 class SpecError(ShardlineError):
     """The job spec is invalid; `where` is the dotted field path."""
@@ -27,3 +30,7 @@ class SpecError(ShardlineError):
 
 class DataError(ShardlineError):
     """A data source or prepared-data directory is unusable; `where` is the file or column."""
+
+
+class ClusterError(ShardlineError):
+    """A cluster refused a request or could not be reached; `where` is the request (verb, object, namespace)."""

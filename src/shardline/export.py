@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -31,10 +30,12 @@ from shardline.errors import ShardlineError
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
-from shardline.resolve import spec_hash
-from shardline.rundir import read_manifest, read_spec
+from shardline.resolve import load_spec, spec_hash
+from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
-from shardline.train.checkpoint import CheckpointStore, step_name
+from shardline.storage import filesystem_for
+from shardline.train.checkpoint import CheckpointStore, checkpoint_spec, step_name
+from shardline.train.checkpoint_storage import WeightsOnlyLoadPlanner
 
 EXPORT_INFO = "shardline_export.json"
 BASE_INFO = "shardline_base.json"
@@ -42,7 +43,9 @@ BASE_INFO = "shardline_base.json"
 
 def checkpoint_store(spec: JobSpec, run_dir: Path) -> CheckpointStore:
     """Where the Trainer of this run put its checkpoints."""
-    return CheckpointStore(spec.checkpoint.dir or str(run_dir / "checkpoints"))
+    location = checkpoint_location(spec, run_dir)
+    filesystem_for(location, "checkpoint.dir")  # a missing s3fs/gcsfs is a SpecError naming the field
+    return CheckpointStore(location)
 
 
 def resolve_step(store: CheckpointStore, step: int | None) -> int:
@@ -85,7 +88,7 @@ def load_model_entry(model: nn.Module, store: CheckpointStore, step: int, lora: 
     state = {"model": msd}
     with warnings.catch_warnings():  # dcp warns on every no_dist load, even when asked for one
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=store.reader(step), no_dist=True)
+        dcp.load(state, storage_reader=store.reader(step), planner=WeightsOnlyLoadPlanner(), no_dist=True)
     # With LoRA the base weights are absent on purpose (rebuilt from the spec): not strict.
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=lora, strict=not lora))
 
@@ -96,10 +99,13 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     if not (run_dir / "spec.yaml").is_file():
         raise ShardlineError(str(run_dir), "is not a run directory (no spec.yaml)",
                              "give a directory created by `shardline train`, e.g. runs/<run_id>")
-    run_spec = read_spec(run_dir / "spec.yaml")
+    run_spec = load_spec(str(run_dir / "spec.yaml"))  # a bad field is a SpecError, not a traceback
     store = checkpoint_store(run_spec, run_dir)
     step = resolve_step(store, step)
-    spec = _checkpoint_spec(store, step) or run_spec
+    if problems := store.verify(step):
+        raise ShardlineError(store.path(step), "is damaged: " + "; ".join(problems[:5]),
+                             "export an earlier committed step (--step)")
+    spec = checkpoint_spec(store, step) or run_spec
     lora = spec.model.lora.enabled
     if merge_lora and not lora:
         raise ShardlineError("--merge-lora", "the run was trained without LoRA (model.lora.enabled=false)",
@@ -131,14 +137,6 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _checkpoint_spec(store: CheckpointStore, step: int) -> JobSpec | None:
-    """The spec saved with the checkpoint (the weights belong to it), if this checkpoint has one."""
-    try:
-        return JobSpec.model_validate(yaml.safe_load(store.read_text(step, "spec.yaml")))
-    except FileNotFoundError:
-        return None
 
 
 def _tokenizer(store: CheckpointStore, step: int, spec: JobSpec, run_dir: Path,

@@ -16,14 +16,27 @@ import yaml
 from shardline import __version__
 from shardline.errors import SpecError
 from shardline.resolve import spec_hash, spec_to_yaml
-from shardline.resume_policy import check_resume
+from shardline.resume_policy import changed_fields, check_resume
 from shardline.spec import JobSpec
+
+
+ATTEMPTS_DIR = "attempts"
 
 
 def run_path(spec: JobSpec) -> Path:
     if spec.run.id is None:
         raise SpecError("run.id", "not assigned", "create the run with `shardline train`")
     return Path(spec.run.dir) / spec.run.id
+
+
+def checkpoint_location(spec: JobSpec, run_dir: Path) -> str:
+    """Where a run's checkpoints live: its own prefix `checkpoint.dir/<run.id>`, or `<run dir>/checkpoints`."""
+    if spec.checkpoint.dir:
+        if spec.run.id is None:
+            raise SpecError("run.id", "not assigned, but checkpoint.dir needs it for the run's own prefix",
+                            "create the run with `shardline train` (or set run.id)")
+        return f"{spec.checkpoint.dir.rstrip('/')}/{spec.run.id}"
+    return str(Path(run_dir) / "checkpoints")
 
 
 def new_run_id(name: str) -> str:
@@ -33,6 +46,9 @@ def new_run_id(name: str) -> str:
 
 def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json.
+
+    Every launch of the run is an attempt: its spec is kept as `attempts/NNN-spec.yaml` and listed in the
+    manifest with the fields it changed; `spec.yaml` is the current attempt's.
 
     A new run's directory is created atomically (`mkdir` without `exist_ok`), so it never shares a directory
     with another launch, even one that drew the same id."""
@@ -48,19 +64,29 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
                 continue
     path = run_path(spec)
     spec_file = path / "spec.yaml"
+    changed: list[str] = []
     if spec_file.exists():
-        check_resume(read_spec(spec_file), spec)
+        previous = read_spec(spec_file)
+        check_resume(previous, spec)
+        changed = list(changed_fields(previous, spec))
     path.mkdir(parents=True, exist_ok=True)
     (path / "logs").mkdir(exist_ok=True)
-    spec_file.write_text(spec_to_yaml(spec))
     manifest = read_manifest(path)
+    attempts = manifest.get("attempts", [])
+    attempt_file = f"{ATTEMPTS_DIR}/{len(attempts) + 1:03d}-spec.yaml"
+    (path / ATTEMPTS_DIR).mkdir(exist_ok=True)
+    (path / attempt_file).write_text(spec_to_yaml(spec))
+    attempts.append({"attempt": len(attempts) + 1, "start_time": _now(), "spec_file": attempt_file,
+                     "spec_hash": spec_hash(spec), "changed": changed})
+    spec_file.write_text(spec_to_yaml(spec))
     manifest.update({
+        "attempts": attempts,
         "run_id": spec.run.id, "start_time": manifest.get("start_time", _now()), "spec_hash": spec_hash(spec),
         "git_commit": _git_commit(), "shardline_version": __version__, "versions": _versions(),
         "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting",
         "image": os.environ.get("SHARDLINE_IMAGE"), "image_digest": os.environ.get("SHARDLINE_IMAGE_DIGEST"),
         "spec": spec.model_dump(mode="json"),
-        "checkpoint_location": spec.checkpoint.dir or str(path / "checkpoints"),
+        "checkpoint_location": checkpoint_location(spec, path),
     })
     write_manifest(path, manifest)
     return spec, path

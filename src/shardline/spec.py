@@ -20,6 +20,9 @@ Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int 
                     Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")]
 """A Kubernetes resource quantity ("8", "500m", "64Gi"); numbers from `--set` are accepted."""
 
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+"""The name of an environment variable (HF_TOKEN); a secret is passed by this name, never by value."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -151,8 +154,13 @@ class CheckpointSpec(Section):
     every_minutes: float | None = Field(None, gt=0)
     """Also save when this much wall time passed since the last save (agreed across ranks)."""
     dir: str | None = None
-    """Where checkpoints go: a path (local, NFS, GCS FUSE) or an fsspec URL (s3://, gs://);
-    default `<run dir>/checkpoints`."""
+    """Where checkpoints go: a path (local, NFS, GCS FUSE) or an fsspec URL (s3://, gs://). Each run writes
+    under its own prefix `<dir>/<run.id>/`, so runs sharing a bucket never resume or delete each other's
+    checkpoints; default `<run dir>/checkpoints`."""
+    resume_from: str | None = Field(None, min_length=1)
+    """Start from another run's checkpoint: its run directory or checkpoint location (path or URL), with
+    `@<step>` for a given step (default: its newest intact one). Model, optimizer, schedule and data position
+    continue from there under the resume rules; once this run has checkpoints of its own, they win."""
     async_save: bool | None = None
     """Write checkpoints in the background while training continues (never two in flight). None: on
     GPU yes (device→host staging frees the GPU while the host writes); on CPU no — staging is a host
@@ -280,7 +288,10 @@ class SlurmSpec(Section):
     `shardline launch` runs, which must be on a filesystem every node mounts."""
     setup: list[str] = []
     """Shell lines run in the batch script before srun (module load, source a venv); their environment
-    reaches every node."""
+    reaches every node. They are written into job.sbatch: secrets belong in `secret_env`."""
+    secret_env: list[EnvName] = []
+    """Environment variables (e.g. [HF_TOKEN, WANDB_API_KEY]) passed by name from the shell that runs
+    `shardline launch` to every node (sbatch --export=ALL); values are never written to a file."""
     sbatch_args: list[str] = []
     """Further sbatch options, e.g. ["--constraint=h100", "--reservation=r1"]."""
 
@@ -299,6 +310,10 @@ class RaySpec(Section):
     """GPUs each Ray Train worker reserves; 0 trains on CPU workers over gloo."""
     ray_version: str = Field("2.60.0", pattern=r"^\d+\.\d+\.\d+$")
     """Ray version of the KubeRay cluster (rayVersion); the image must carry the same Ray."""
+    secret_env: list[EnvName] = []
+    """`--target ray`: environment variables (e.g. [HF_TOKEN]) copied by name from the environment of
+    `shardline launch` into the job's runtime_env at submit; values are never written to a file. A RayJob's
+    pods read Secrets instead (launch.kubernetes.secret_env)."""
 
 
 class LaunchSpec(Section):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 from shardline.errors import SpecError
@@ -64,19 +63,12 @@ def check_combinations(spec: JobSpec) -> None:
             "'chat' needs a tokenizer with a chat template, but no model.path or model.tokenizer is set",
             "use data.prompt_format=plain with the trained tokenizer, or point model.tokenizer at one",
         )
-    if (
-        spec.model.attn_implementation == "flash_attention_2"
-        and importlib.util.find_spec("flash_attn") is None
-    ):
-        raise SpecError(
-            "model.attn_implementation",
-            "'flash_attention_2' is selected but the flash-attn package is not installed",
-            "pip install flash-attn on a CUDA machine, or use 'sdpa'",
-        )
+    # Installed packages (flash-attn, trackers) are checked where training starts: shardline/environment.py.
+    w = spec.observe.wandb_project
+    if w is not None and not w.strip():
+        raise SpecError("observe.wandb_project", "is empty", "name a W&B project, or use null to turn W&B off")
     from shardline.cost import check_cost
-    from shardline.observe.trackers import check_observe
 
-    check_observe(spec)
     check_cost(spec)
     from shardline.launch.elastic import check_elastic
 

@@ -17,13 +17,16 @@ import torch.distributed as dist
 from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
+from shardline.environment import check_environment
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.launch.elastic import allowed_world_sizes
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
-from shardline.rundir import create_run, read_spec, run_path, update_manifest
+from shardline.resolve import load_spec
+from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
+from shardline.storage import check_locations
 from shardline.train.distributed import DistContext, distributed
 from shardline.train.signals import Preempted, StopRequest
 from shardline.train.trainer import Trainer
@@ -48,6 +51,7 @@ def prepare_once_per_node(spec: JobSpec, ctx: DistContext) -> PreparedData:
 
 def run(spec: JobSpec, task: str, console: Console) -> int:
     run_dir = run_path(spec)
+    check_locations(spec)  # before the process group and data preparation: a bad location fails in seconds
     stop = StopRequest().install()  # before the process group: a signal during setup is not lost
     with distributed() as ctx:
         trainer: Trainer | None = None
@@ -59,6 +63,7 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
                 create_run(spec)  # cluster launches: the run directory lives on storage only the pods can write
             dist.barrier()
             _setup_logging(run_dir, ctx.rank)
+            check_environment(spec, task)  # packages the spec asks for must be on this node (flash-attn, trackers)
             data = prepare_once_per_node(spec, ctx)
             trainer = Trainer(spec, ctx, data, run_dir, console, stop)
             if task == "eval":
@@ -70,10 +75,12 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
 
 def _evaluate(trainer: Trainer) -> int:
     trainer.phase = "evaluation"
-    step = trainer.checkpointer.store.latest()
-    if step is None:
-        raise ShardlineError(trainer.checkpointer.store.location, "has no committed checkpoint", "train the run first")
-    trainer.load_checkpoint(step, with_optimizer=False)
+    found = trainer.newest_checkpoint()
+    if found is None:
+        raise ShardlineError(trainer.checkpointer.store.location, "has no intact committed checkpoint",
+                             "train the run first")
+    store, step = found
+    trainer.load_checkpoint(step, with_optimizer=False, store=store)
     trainer.validate()
     trainer.evaluate_sql()
     return EXIT_OK
@@ -131,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(soft_wrap=True)
     try:
+        spec = load_spec(str(args.spec))  # a bad field is a SpecError naming it, not a pydantic traceback
         if args.task in OPS_TASKS:
-            return run_task(read_spec(args.spec), args.task, console, args.out)
-        return run(read_spec(args.spec), args.task, console)
+            return run_task(spec, args.task, console, args.out)
+        return run(spec, args.task, console)
     except ShardlineError as e:
         console.print(f"[bold red]error:[/] {e}", highlight=False)
         return EXIT_BAD_INPUT

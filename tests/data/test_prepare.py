@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -8,7 +9,7 @@ import pytest
 from shardline.data import prepare as prepare_mod
 from shardline.data.prepare import prepare
 from shardline.data.template import encode_answer, encode_prompt
-from shardline.errors import DataError
+from shardline.errors import DataError, SpecError
 from tests.conftest import small_spec
 
 
@@ -141,3 +142,54 @@ def test_positions_restart_at_each_document(prepared):
     rows = prepared.rows("train")
     pos = np.asarray(rows.position_ids[0][: rows.n_real[0]])
     assert pos[0] == 0 and (np.diff(pos)[pos[1:] != 0] == 1).all()
+
+
+def _corrupt_missing_file(root):
+    (root / "train.tokens.npy").unlink()
+
+
+def _corrupt_truncated_file(root):
+    path = root / "validation.loss_mask.npy"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _corrupt_interrupted_old_style(root):  # an older prepare killed mid-way: no stats.json, no file list
+    (root / "stats.json").unlink()
+    meta = json.loads((root / "meta.json").read_text())
+    del meta["files"]
+    (root / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_missing_file, _corrupt_truncated_file, _corrupt_interrupted_old_style])
+def test_incomplete_prepared_directory_is_prepared_again(tmp_path, corrupt, caplog):
+    spec = small_spec(tmp_path)
+    first = prepare(spec)
+    expected = {a: np.asarray(getattr(first.rows("validation"), a)).copy() for a in prepare_mod.ARRAYS}
+    corrupt(first.root)
+    leftover = first.root.parent / f".tmp-{first.version}-99999999"  # of a prepare killed mid-build
+    leftover.mkdir()
+    with caplog.at_level("WARNING", logger="shardline.data.prepare"):
+        data = prepare(spec)
+    assert data.root == first.root and prepare_mod.incomplete(data.root, data.version) is None
+    assert str(first.root) in caplog.text and "preparing it again" in caplog.text
+    assert not leftover.exists()
+    assert len(data.rows("train").n_real) == data.stats["splits"]["train"]["rows"]
+    rows = data.rows("validation")
+    assert all(np.array_equal(getattr(rows, a), expected[a]) for a in prepare_mod.ARRAYS)  # same data again
+
+
+def test_prepared_directory_deleted_during_a_run_is_a_named_error(tmp_path):
+    data = prepare(small_spec(tmp_path))
+    shutil.rmtree(data.root)
+    for read in (lambda: data.rows("validation"), lambda: data.examples("test"), data.tokenizer,
+                 lambda: data.meta):
+        with pytest.raises(DataError) as err:
+            read()
+        assert err.value.where == str(data.root) and "shardline prepare" in err.value.fix
+        assert "shardline train RUN_DIR" in err.value.fix
+
+
+def test_data_path_url_names_the_field(tmp_path):
+    with pytest.raises(SpecError) as err:
+        prepare(small_spec(tmp_path, "data.path=s3://bucket/train.jsonl"))
+    assert err.value.where == "data.path" and "s3://" in err.value.problem and "mount" in err.value.fix

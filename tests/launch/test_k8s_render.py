@@ -33,8 +33,9 @@ def _pod(objs: list[dict]) -> dict:
 
 @pytest.mark.parametrize("target", ["k8s-job", "jobset", "trainjob"])
 def test_every_target_validates_strictly_with_all_options(target):
+    pod_priority = [] if target == "trainjob" else ["launch.kubernetes.priority_class=train"]  # refused there
     objs = _render(target, "launch.profile=a4", "launch.kubernetes.queue=team-a",
-                   "launch.kubernetes.workload_priority_class=high", "launch.kubernetes.priority_class=train",
+                   "launch.kubernetes.workload_priority_class=high", *pod_priority,
                    "launch.kubernetes.max_run_seconds=7200",
                    "launch.kubernetes.topology=cloud.google.com/gce-topology-block",
                    "launch.kubernetes.cpu=200", "launch.kubernetes.memory=1800Gi",

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from shardline.errors import SpecError
+from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import get_backend, wait_for
 from shardline.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
@@ -196,3 +196,42 @@ def test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes(ray_
     assert state.phase == "succeeded" and state.restarts == len(resumes) >= 1
     assert "finished under Ray Train" in logs
     assert any(line.startswith("[rank 1]") for line in backend.logs(record, 1, False))
+
+
+def test_ray_secrets_are_rendered_by_name_only_and_a_missing_one_is_named_before_submitting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret-value-5d1e")
+    spec = load_spec("tiny", [f"run.dir={tmp_path}", "launch.ray.secret_env=[HF_TOKEN]"])
+    files = get_backend("ray").render(spec)
+    assert "HF_TOKEN" in files["entrypoint.sh"] and "HF_TOKEN" not in yaml.safe_load(files["runtime_env.yaml"])[
+        "env_vars"]
+    assert all("hf_secret-value-5d1e" not in text for text in files.values())
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr("shardline.launch.ray._client", lambda address: pytest.fail("submitted without HF_TOKEN"))
+    with pytest.raises(ShardlineError) as e:
+        get_backend("ray").submit(spec)
+    assert e.value.where == "launch.ray.secret_env" and "HF_TOKEN" in e.value.problem
+    # a RayJob is submitted inside the cluster: its secrets come from Kubernetes Secrets
+    with pytest.raises(SpecError, match="launch.kubernetes.secret_env.HF_TOKEN"):
+        get_backend("rayjob").render(load_spec("tiny", ["launch.image=img:1", "launch.ray.secret_env=[HF_TOKEN]"]))
+    get_backend("rayjob").render(load_spec("tiny", ["launch.image=img:1", "launch.ray.secret_env=[HF_TOKEN]",
+                                                    "launch.kubernetes.secret_env.HF_TOKEN.secret=hf",
+                                                    "launch.kubernetes.secret_env.HF_TOKEN.key=token"]))
+
+
+@pytest.mark.slow
+def test_ray_secret_env_reaches_the_jobs_tasks_and_no_file_in_the_run_holds_it(ray_head, tmp_path, monkeypatch):
+    """A real Ray job whose driver and one remote task print the variable submit() copied into runtime_env."""
+    token = "hf_secret-value-c0ffee"
+    monkeypatch.setenv("HF_TOKEN", token)
+    probe = ("import os, ray; ray.init(); task = ray.remote(num_cpus=0)(lambda: os.environ.get('HF_TOKEN')); "
+             "print('driver', os.environ.get('HF_TOKEN'), 'task', ray.get(task.remote()))")
+    monkeypatch.setattr("shardline.launch.ray.entrypoint", lambda spec, task: shlex.join(["python", "-c", probe]))
+    spec = load_spec("tiny", ["run.id=r1", f"run.dir={tmp_path / 'runs'}", f"launch.ray.address={ray_head.address}",
+                              "launch.ray.secret_env=[HF_TOKEN]"])
+    backend = get_backend("ray")
+    record = backend.submit(spec)
+    code = wait_for(backend, record, timeout_s=120, poll_s=0.5)
+    logs = "\n".join(backend.logs(record, None, False))
+    assert code == 0 and f"driver {token} task {token}" in logs, logs[-3000:]
+    written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert written and all(token.encode() not in p.read_bytes() for p in written)

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardline.errors import SpecError
+from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import get_backend, load_record, wait_for
 from shardline.launch.slurm import parse_job
 from shardline.resolve import load_spec
+from shardline.rundir import create_run, read_spec
 from tests.conftest import free_port, read_metrics, small_overrides
 from tests.launch import slurm_cluster
 from tests.launch.slurm_cluster import SlurmCluster
@@ -55,7 +56,7 @@ def test_cpu_nodes_and_shared_nodes_drop_the_gpu_and_exclusive_requests():
 
 
 def test_rendered_script_is_valid_bash_and_shellcheck_clean(tmp_path):
-    script, _ = _render("launch.slurm.setup=[source /venv/bin/activate]")
+    script, _ = _render("launch.slurm.setup=[source /venv/bin/activate]", "launch.slurm.secret_env=[HF_TOKEN]")
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -190,3 +191,72 @@ def test_line_breaks_and_split_words_in_slurm_values_are_named_errors(field, val
     with pytest.raises(SpecError) as e:
         get_backend("slurm").render(spec)
     assert e.value.where.startswith(field)
+
+
+def _stub_slurm(tmp_path: Path, monkeypatch) -> Path:
+    """sbatch runs the script at once with the submitting environment (as --export=ALL does); srun records its
+    environment outside the run directory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/sbatch-args\n'
+                                    'for a; do script="$a"; done\n'
+                                    'SLURM_JOB_ID=42 SLURM_JOB_NODELIST=node0 \\\n'
+                                    f'  bash "$script" > {tmp_path}/batch.out 2>&1\n'
+                                    'echo 42\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nenv > {tmp_path}/srun-env\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return bin_dir
+
+
+def test_secret_env_reaches_the_job_by_name_and_no_file_in_the_run_holds_its_value(tmp_path, monkeypatch):
+    token, key = "hf_secret-value-7f3a", "wandb-secret-value-91c2"
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    _stub_slurm(tmp_path, monkeypatch)
+    spec = load_spec("tiny", ["run.id=r1", f"run.dir={tmp_path / 'runs'}", f"launch.slurm.workdir={tmp_path}",
+                              "launch.slurm.secret_env=[HF_TOKEN, WANDB_API_KEY]"])
+    record = get_backend("slurm").submit(spec)
+    assert record.job_id == "42"
+    assert "--export=ALL" in (tmp_path / "sbatch-args").read_text().splitlines()
+    node_env = (tmp_path / "srun-env").read_text().splitlines()
+    assert f"HF_TOKEN={token}" in node_env and f"WANDB_API_KEY={key}" in node_env
+    run_dir = tmp_path / "runs" / "r1"
+    create_run(read_spec(run_dir / "slurm" / "spec.yaml"))  # what the worker writes first: spec.yaml, manifest
+    script = (run_dir / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --export=ALL" in script and "export HF_TOKEN WANDB_API_KEY" in script
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"job.sbatch", "spec.yaml", "manifest.json"} <= {p.name for p in written}
+    for path in written:
+        text = path.read_bytes()
+        assert token.encode() not in text and key.encode() not in text, path
+
+
+def test_a_secret_missing_at_submit_or_on_the_node_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    _stub_slurm(tmp_path, monkeypatch)
+    spec = load_spec("tiny", ["run.id=r1", f"run.dir={tmp_path / 'runs'}", "launch.slurm.secret_env=[HF_TOKEN]"])
+    with pytest.raises(ShardlineError) as e:
+        get_backend("slurm").submit(spec)
+    assert e.value.where == "launch.slurm.secret_env" and "HF_TOKEN" in e.value.problem
+    assert "export HF_TOKEN" in e.value.fix and not (tmp_path / "runs").exists()
+    # a script submitted by hand (`shardline render`, then sbatch) refuses to start the step without it
+    (tmp_path / "job.sbatch").write_text(get_backend("slurm").render(spec)["job.sbatch"])
+    out = subprocess.run(["bash", str(tmp_path / "job.sbatch")], capture_output=True, text=True, timeout=60,
+                         env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_JOB_ID": "1",
+                              "SLURM_JOB_NODELIST": "node0"})
+    assert out.returncode != 0 and "HF_TOKEN" in out.stderr and not (tmp_path / "srun-env").exists()
+
+
+def test_setup_lines_holding_a_literal_secret_are_refused_and_point_to_secret_env():
+    with pytest.raises(SpecError) as e:
+        _render("launch.slurm.setup=[module load cuda, export HF_TOKEN=hf_abc123]")
+    assert e.value.where == "launch.slurm.setup[1]" and "launch.slurm.secret_env: [HF_TOKEN]" in e.value.fix
+    script, _ = _render('launch.slurm.setup=["export TOKENIZERS_PARALLELISM=false", '
+                        '"export HF_TOKEN=$(cat ~/.hf-token)", "export HF_TOKEN_PATH=/shared/hf"]')
+    assert "export HF_TOKEN=$(cat ~/.hf-token)" in script
+    with pytest.raises(SpecError) as e:
+        _render("launch.slurm.secret_env=[HF_TOKEN]", "launch.slurm.sbatch_args=[--export=NONE]")
+    assert e.value.where == "launch.slurm.sbatch_args[0]"

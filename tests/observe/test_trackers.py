@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.environment import check_environment
 from shardline.errors import SpecError
 from shardline.observe.trackers import TensorBoardSink, WandbSink, scalars
 from tests.conftest import small_spec
@@ -77,13 +78,13 @@ def test_wandb_is_offline_unless_asked_and_gets_the_spec_and_steps(fake_wandb, t
     assert fake_wandb["init"]["mode"] == "online" and online
 
 
-def test_missing_tracker_packages_are_spec_errors(monkeypatch):
+def test_missing_tracker_packages_are_named_errors_where_training_starts(monkeypatch):
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(SpecError) as err:
-            small_spec(TMP, "observe.wandb_project=x")
+            check_environment(small_spec(TMP, "observe.wandb_project=x"))
         assert err.value.where == "observe.wandb_project" and "pip install wandb" in err.value.fix
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(SpecError) as err:
-        small_spec(TMP, "observe.tensorboard=true")
+        check_environment(small_spec(TMP, "observe.tensorboard=true"))
     assert err.value.where == "observe.tensorboard" and "shardline[observe]" in err.value.fix

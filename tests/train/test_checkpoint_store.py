@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
 from shardline.resume_policy import check_resume
-from shardline.train.checkpoint import COMMITTED, CheckpointStore, retained, step_name
+from shardline.train.checkpoint import COMMITTED, COORDINATOR_CHECKSUMS, CheckpointStore, retained, step_name
 from shardline.train.trainer import Trainer
 from tests.conftest import free_port, small_spec
 
@@ -130,14 +130,15 @@ def s3_server(monkeypatch):
 
 
 def test_s3_round_trip_on_a_real_s3_server(ctx, tmp_path, prepared, s3_server):
-    t = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs/a", "checkpoint.keep_last=1")
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs", "run.id=a", "checkpoint.keep_last=1")
     for _ in range(2):
         t.train_step()
         t.save_checkpoint()
     t.checkpointer.wait()
     store = CheckpointStore("s3://ckpt/runs/a")
     assert store.remote and store.committed() == [2] and store.steps() == [2]
-    fresh = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs/a")
+    assert store.verify(2) == [] and COORDINATOR_CHECKSUMS in store.files(2)
+    fresh = _trainer(ctx, tmp_path, prepared, "checkpoint.dir=s3://ckpt/runs", "run.id=a")
     fresh.maybe_resume()
     assert fresh.step == 2 and torch.equal(_weights(fresh.model), _weights(t.model))
     assert fresh.train_step().loss == pytest.approx(t.train_step().loss, rel=1e-6)

@@ -4,7 +4,9 @@ The result lives in a content-addressed directory `<cache_dir>/<version>/`, wher
 source data, tokenizer, template, seq len, packing and split settings; it is the dataset version
 recorded for a run. It is built in a temporary directory and renamed into place atomically, under a
 file lock, so concurrent ranks (or nodes sharing a filesystem) prepare it once and never see a
-half-written directory.
+half-written directory. `meta.json` lists every file with its size; a directory that does not match
+its list (a file deleted or truncated, a copy from an older shardline, a directory written by hand) is
+prepared again, with a warning, instead of failing later in the loader.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -31,11 +34,15 @@ from shardline.data.template import TEMPLATE_VERSION, encode_answer, encode_prom
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
 from shardline.spec import JobSpec
+from shardline.storage import check_locations
 
 PREPARE_VERSION = "1"
 PACKED_SPLITS = ("train", "validation")
 ARRAYS = ("tokens", "loss_mask", "position_ids", "n_real")
 Progress = Callable[[str, int], None]
+LOCATIONS = ("data.path", "data.cache_dir", "model.path", "model.tokenizer")
+"""Spec locations preparation reads or writes: local paths (or mounts), never URLs."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,22 +55,31 @@ class PreparedData:
 
     @cached_property
     def meta(self) -> dict:
-        return json.loads((self.root / "meta.json").read_text())
+        return json.loads(self.file("meta.json").read_text())
 
     @cached_property
     def stats(self) -> dict:
-        return json.loads((self.root / "stats.json").read_text())
+        return json.loads(self.file("stats.json").read_text())
+
+    def file(self, name: str) -> Path:
+        """`root/name`; a DataError naming the directory when it is gone (deleted while a run reads it)."""
+        path = self.root / name
+        if not path.exists():
+            raise DataError(str(self.root), f"the prepared data has no {name} (deleted while in use?)",
+                            "run `shardline prepare` with the run's spec, or resume the run "
+                            "(`shardline train RUN_DIR`), which prepares it again")
+        return path
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return load_tokenizer(str(self.root / "tokenizer"))
+        return load_tokenizer(str(self.file("tokenizer")))
 
     def rows(self, split: str) -> PackedRows:
         """Memory-mapped packed rows of `train` or `validation`."""
-        arrays = {a: np.load(self.root / f"{split}.{a}.npy", mmap_mode="r") for a in ARRAYS}
+        arrays = {a: np.load(self.file(f"{split}.{a}.npy"), mmap_mode="r") for a in ARRAYS}
         return PackedRows(**arrays)
 
     def examples(self, split: str) -> list[Example]:
-        with (self.root / f"{split}.jsonl").open() as f:
+        with self.file(f"{split}.jsonl").open() as f:
             return [Example(**json.loads(line)) for line in f]
 
 
@@ -72,25 +88,63 @@ def default_cache_dir(spec: JobSpec) -> Path:
 
 
 def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
-    """Return the prepared data for `spec`, building it first if no committed copy exists."""
+    """Return the prepared data for `spec`, building it first if no complete copy exists."""
+    check_locations(spec, LOCATIONS)
     cache = default_cache_dir(spec)
     cache.mkdir(parents=True, exist_ok=True)
     source = load_source(spec.data)
     version = dataset_version(spec, source)
     final = cache / version
-    if (final / "stats.json").exists():
+    if incomplete(final, version) is None:
         return PreparedData(final)
     with _locked(cache / f".{version}.lock"):
-        if (final / "stats.json").exists():  # another process finished it while we waited
+        problem = incomplete(final, version)
+        if problem is None:  # another process finished it while we waited
             return PreparedData(final)
+        for leftover in cache.glob(f".*-{version}-*"):  # of a killed prepare: only the lock holder writes them
+            shutil.rmtree(leftover, ignore_errors=True)
+        if final.exists():
+            log.warning("prepared data %s %s: preparing it again", final, problem)
         tmp = cache / f".tmp-{version}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             _build(spec, source, tmp, version, progress)
-            os.rename(tmp, final)
+            _replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return PreparedData(final)
+
+
+def incomplete(root: Path, version: str) -> str | None:
+    """Why `root` is not a complete prepared directory of `version` (None when it is): the files listed in
+    its meta.json must all be there with their sizes, and stats.json, written last, must exist."""
+    if not root.exists():
+        return "does not exist"
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        return "has no readable meta.json"
+    if meta.get("version") != version or not isinstance(meta.get("files"), dict):
+        return f"has a meta.json of another version or format ({meta.get('version')!r})"
+    for name, size in meta["files"].items():
+        path = root / name
+        if not path.is_file():
+            return f"is missing {name}"
+        if path.stat().st_size != size:
+            return f"has {name} of {path.stat().st_size} bytes, not {size}"
+    if not (root / "stats.json").is_file():
+        return "has no stats.json (its preparation was interrupted)"
+    return None
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`, moving an incomplete `final` aside first (a rename cannot replace a directory)."""
+    stale = final.parent / f".stale-{final.name}-{os.getpid()}"
+    if final.exists():
+        os.rename(final, stale)
+    try:
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def dataset_version(spec: JobSpec, source: SourceData) -> str:
@@ -167,8 +221,10 @@ def _build(spec: JobSpec, source: SourceData, out: Path, version: str, progress:
                 f.write(json.dumps(ex.to_dict()) + "\n")
         stats["splits"][split] = split_stats
     stats["dropped"] = dict(sorted(dropped.items()))
+    files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad, "eos_id": tok.eos_token_id,
-            "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing}
+            "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing,
+            "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     # stats.json is written last: its presence marks a complete directory.
     (out / "stats.json").write_text(json.dumps(stats, indent=2))

@@ -39,8 +39,9 @@ def torchrun_policy_flags(spec: JobSpec) -> list[str]:
 
 
 def node_torchrun_command(spec: JobSpec, spec_path: Path | str, task: str = "train",
-                          python: str = "python") -> list[str]:
-    """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment."""
-    return [python, "-m", "shardline.launch.torchrun", *torchrun_node_flags(spec),
+                          python: str = "python", rdzv_endpoint: str | None = None) -> list[str]:
+    """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment,
+    an elastic job's c10d endpoint from `rdzv_endpoint` where the engine knows it at render time."""
+    return [python, "-m", "shardline.launch.torchrun", *torchrun_node_flags(spec, rdzv_endpoint),
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]

@@ -4,8 +4,9 @@ The job starts with up to `launch.nnodes` nodes and keeps going while at least `
 when a node is lost, torchrun on the others restarts the worker group (`launch.max_restarts`), the
 rendezvous admits whoever is left, and the trainer resumes from the last committed checkpoint at the
 new world size (DCP reshards; the step's global batch stays the same, accumulation absorbs the change).
-The rendezvous endpoint comes from `PET_RDZV_ENDPOINT` (engines set it to the first node's
-address:29500), like the static rendezvous reads `PET_MASTER_ADDR`, so the command line stays one line.
+The rendezvous endpoint is the first node's address:29500: Slurm exports it as `PET_RDZV_ENDPOINT` (torchrun
+reads it as the flag's default), Kubernetes renders pod 0's stable DNS name into `--rdzv-endpoint`. Without
+one, every node would host its own c10d store and rendezvous with itself.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ def allowed_world_sizes(spec: JobSpec) -> list[int]:
     return [n * (spec.parallel.nproc_per_node or 1) for n in node_counts(spec)]
 
 
-def torchrun_node_flags(spec: JobSpec) -> list[str]:
-    """`--nnodes` and, when elastic, the c10d rendezvous (endpoint from PET_RDZV_ENDPOINT)."""
+def torchrun_node_flags(spec: JobSpec, rdzv_endpoint: str | None = None) -> list[str]:
+    """`--nnodes` and, when elastic, the c10d rendezvous at `rdzv_endpoint` (host:port; None: the engine
+    exports PET_RDZV_ENDPOINT)."""
     if not is_elastic(spec):
         return [f"--nnodes={spec.launch.nnodes}"]
-    return [f"--nnodes={spec.launch.min_nnodes}:{spec.launch.nnodes}", "--rdzv-backend=c10d",
+    endpoint = [f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else []
+    return [f"--nnodes={spec.launch.min_nnodes}:{spec.launch.nnodes}", "--rdzv-backend=c10d", *endpoint,
             f"--rdzv-id={spec.run.id or spec.run.name}"]
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from shardline.errors import SpecError
 from shardline.launch import k8s_pod
 from shardline.launch.command import cluster_spec
+from shardline.launch.elastic import is_elastic
+from shardline.launch.k8s_trainjob import check_trainjob, split_pod
 from shardline.launch.profiles import RENDEZVOUS_PORT
 from shardline.resolve import spec_to_yaml
 from shardline.spec import JobSpec
@@ -76,6 +78,11 @@ def rank0_host(spec: JobSpec, target: str) -> str:
     return f"{name}-{REPLICATED_JOB}-0-0.{name}"  # JobSet pod hostname under the JobSet's subdomain
 
 
+def rdzv_endpoint(spec: JobSpec, target: str) -> str | None:
+    """An elastic job's c10d store: rank 0's pod by its stable DNS name, so every pod joins the same one."""
+    return f"{rank0_host(spec, target)}:{RENDEZVOUS_PORT}" if is_elastic(spec) else None
+
+
 def _rank_env(spec: JobSpec, target: str) -> list[dict]:
     if target == "trainjob":
         return []  # Kubeflow Trainer injects PET_NNODES/NPROC_PER_NODE/NODE_RANK/MASTER_ADDR/MASTER_PORT
@@ -97,7 +104,8 @@ def _job_spec(spec: JobSpec, target: str, task: str, cm: str, subdomain: str) ->
     n = spec.launch.nnodes
     return {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
             "podFailurePolicy": pod_failure_policy(),
-            "template": k8s_pod.pod_template(spec, task, cm, _rank_env(spec, target), subdomain)}
+            "template": k8s_pod.pod_template(spec, task, cm, _rank_env(spec, target), subdomain,
+                                             rdzv_endpoint(spec, target))}
 
 
 def indexed_job(spec: JobSpec, task: str) -> list[dict]:
@@ -130,19 +138,10 @@ def jobset(spec: JobSpec, task: str) -> list[dict]:
 
 def trainjob(spec: JobSpec, task: str) -> list[dict]:
     """TrainJob: the trainer's command/env/resources go in `trainer`; everything else in the pod spec is a
-    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2)."""
+    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2); launch/k8s_trainjob.py decides."""
+    check_trainjob(spec)
     name = k8s_pod.object_name(spec)
-    pod = k8s_pod.pod_spec(spec, task, f"{name}-spec", [], subdomain=None)
-    node = pod["containers"][0]
-    trainer = {"image": node["image"], "command": node["command"], "env": node["env"],
-               "numNodes": spec.launch.nnodes, "numProcPerNode": spec.parallel.nproc_per_node}
-    if "resources" in node:
-        trainer["resourcesPerNode"] = node["resources"]
-    patch_keys = ("serviceAccountName", "securityContext", "terminationGracePeriodSeconds", "volumes",
-                  "nodeSelector", "tolerations")
-    patched_pod = {k: pod[k] for k in patch_keys if k in pod}
-    patched_pod["containers"] = [{"name": k8s_pod.CONTAINER, "volumeMounts": node["volumeMounts"],
-                                  "securityContext": node["securityContext"]}]
+    trainer, patched_pod = split_pod(spec, task, k8s_pod.pod_spec(spec, task, f"{name}-spec", [], subdomain=None))
     pod_meta = {"labels": k8s_pod.labels(spec)}
     if ann := k8s_pod.pod_annotations(spec):
         pod_meta["annotations"] = ann

@@ -57,10 +57,13 @@ def image_ref(spec: JobSpec) -> str:
     return image
 
 
-def node_command(spec: JobSpec, task: str) -> list[str]:
-    """Wait for the rendezvous host's DNS record, then the one torchrun line (DESIGN.md §4)."""
-    return ["python", "-m", "shardline.launch.wait_rendezvous", "--",
-            *node_torchrun_command(spec, SPEC_PATH, task)]
+def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
+                 workdir: str | None = None) -> list[str]:
+    """Wait for the rendezvous host's DNS record (and enter `workdir` where the engine cannot set the
+    container's working directory), then the one torchrun line (DESIGN.md §4)."""
+    chdir = ["--chdir", workdir] if workdir else []
+    return ["python", "-m", "shardline.launch.wait_rendezvous", *chdir, "--",
+            *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]
 
 
 def container_env(spec: JobSpec, rank_env: list[dict]) -> list[dict]:
@@ -177,11 +180,12 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_I
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None) -> dict:
-    """A complete pod spec for one node of the job."""
+def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None,
+             rdzv_endpoint: str | None = None) -> dict:
+    """A complete pod spec for one node of the job; `rdzv_endpoint` (host:port) is an elastic job's c10d store."""
     k = spec.launch.kubernetes
     volumes, mounts = volumes_and_mounts(spec, config_map)
-    container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task),
+    container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task, rdzv_endpoint),
                  "env": container_env(spec, rank_env), "volumeMounts": mounts,
                  "securityContext": CONTAINER_SECURITY}
     if res := resources(spec):
@@ -203,8 +207,9 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
     return out
 
 
-def pod_template(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None) -> dict:
+def pod_template(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None,
+                 rdzv_endpoint: str | None = None) -> dict:
     meta: dict = {"labels": labels(spec)}
     if ann := pod_annotations(spec):
         meta["annotations"] = ann
-    return {"metadata": meta, "spec": pod_spec(spec, task, config_map, rank_env, subdomain)}
+    return {"metadata": meta, "spec": pod_spec(spec, task, config_map, rank_env, subdomain, rdzv_endpoint)}

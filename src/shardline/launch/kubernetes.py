@@ -10,9 +10,10 @@ from datetime import UTC, datetime
 
 import yaml
 
+from shardline.errors import ClusterError
 from shardline.launch import k8s_pod
 from shardline.launch.backend import TERMINAL, JobState, LaunchRecord
-from shardline.launch.k8s_api import Api, ClusterApi
+from shardline.launch.k8s_api import Api, ClusterApi, create_all
 from shardline.launch.k8s_objects import render_objects
 from shardline.launch.k8s_status import INDEX_ANNOTATION, explain
 from shardline.spec import JobSpec
@@ -41,9 +42,7 @@ class KubernetesBackend:
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         objects = render_objects(spec, self.target, task)
-        api = self._api_factory(spec.launch.kubernetes.context)
-        for obj in objects:
-            api.create(obj)
+        create_all(self._api_factory(spec.launch.kubernetes.context), objects)
         return LaunchRecord(
             target=self.target, run_id=spec.run.id or "", submitted_at=datetime.now(UTC).isoformat(timespec="seconds"),
             namespace=spec.launch.kubernetes.namespace, context=spec.launch.kubernetes.context,
@@ -79,6 +78,8 @@ class KubernetesBackend:
             try:
                 for line in api.pod_log(ns, pod, k8s_pod.CONTAINER, follow):
                     lines.put(f"[rank {r}] {line}")
+            except ClusterError as e:  # raised in the caller's thread, not lost with this one
+                lines.put(e)
             finally:
                 lines.put(None)
 
@@ -90,6 +91,8 @@ class KubernetesBackend:
             item = lines.get()
             if item is None:
                 done += 1
+            elif isinstance(item, ClusterError):
+                raise item
             else:
                 yield item
 

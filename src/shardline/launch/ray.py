@@ -7,7 +7,9 @@ of the profile reaches every worker through the job's runtime_env.
 `ray` talks to the Ray Jobs API (`launch.ray.address`, the dashboard; needs `shardline[ray]`): the spec
 travels inside the entrypoint command line, so the head needs no shared file to start; the run
 directory (checkpoints, metrics, per-rank logs) must be on storage every Ray node mounts, and a
-relative `run.dir` is made absolute against the directory `shardline launch` runs in.
+relative `run.dir` is made absolute against the directory `shardline launch` runs in. Secrets
+(`launch.ray.secret_env`) are copied by name from the submitting environment into the runtime_env that
+`submit` sends; they are never rendered or written to a file (Ray's own job info does hold them).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from pathlib import Path
 
 import yaml
 
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, save_record
 from shardline.launch.command import cluster_spec
 from shardline.launch.profiles import get_profile, nccl_environment
+from shardline.launch.secret_env import from_environment
 from shardline.resolve import spec_to_yaml
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
@@ -52,8 +55,9 @@ def resolved_for_cluster(spec: JobSpec) -> JobSpec:
     return spec
 
 
-def runtime_env(spec: JobSpec) -> dict:
-    env = {"TOKENIZERS_PARALLELISM": "false", **nccl_environment(get_profile(spec.launch.profile))}
+def runtime_env(spec: JobSpec, secrets: dict[str, str] | None = None) -> dict:
+    """The job's runtime_env; `secrets` (values from the submitting environment) only ever go to the Jobs API."""
+    env = {"TOKENIZERS_PARALLELISM": "false", **nccl_environment(get_profile(spec.launch.profile)), **(secrets or {})}
     return {"env_vars": env}
 
 
@@ -82,17 +86,20 @@ class RayBackend:
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:
         spec = resolved_for_cluster(spec)
-        return {"entrypoint.sh": f"#!/bin/sh\n# ray job submit --address {spec.launch.ray.address} -- \\\n"
+        names = spec.launch.ray.secret_env
+        secrets = f"# runtime_env env_vars also get {', '.join(names)} from the submitting shell\n" if names else ""
+        return {"entrypoint.sh": f"#!/bin/sh\n{secrets}# ray job submit --address {spec.launch.ray.address} -- \\\n"
                                  f"exec {entrypoint(spec, task)}\n",
                 "runtime_env.yaml": yaml.safe_dump(runtime_env(spec), sort_keys=False),
                 "spec.yaml": spec_to_yaml(cluster_spec(spec))}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         spec = resolved_for_cluster(spec)
+        secrets = from_environment(spec.launch.ray.secret_env, "launch.ray.secret_env")
         client = _client(spec.launch.ray.address)
         submission_id = f"{spec.run.id}-{uuid.uuid4().hex[:6]}"
         client.submit_job(entrypoint=entrypoint(spec, task), submission_id=submission_id,
-                          runtime_env=runtime_env(spec), metadata={"shardline_run": str(spec.run.id)})
+                          runtime_env=runtime_env(spec, secrets), metadata={"shardline_run": str(spec.run.id)})
         run_dir = Path(str(spec.run.dir)) / str(spec.run.id)
         record = LaunchRecord(target=self.target, run_id=str(spec.run.id), job_id=submission_id,
                               submitted_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -170,6 +177,11 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
         spec = spec.model_copy(deep=True)
         spec.run.id = new_run_id(spec.run.name)
     k, r = spec.launch.kubernetes, spec.launch.ray
+    for name in r.secret_env:
+        if name not in k.secret_env:
+            raise SpecError("launch.ray.secret_env", f"{name} would be passed from the submitting environment, but "
+                            "a RayJob is submitted inside the cluster", f"store it in a Secret and set "
+                            f"launch.kubernetes.secret_env.{name}: {{secret: <name>, key: <key>}}")
     name = k8s_pod.object_name(spec)
     cm = config_map(spec, name)
     volumes, mounts = k8s_pod.volumes_and_mounts(spec, cm["metadata"]["name"])

@@ -11,6 +11,9 @@ before the time limit; its trap forwards the signal to the srun step (srun → t
 trainer checkpoints and exits 75, and the script runs `scontrol requeue`, so the job starts again with
 the same id and resumes. SIGTERM (scancel, node drain) is forwarded the same way without a requeue.
 
+Secrets (`launch.slurm.secret_env`) travel by name only: `shardline launch` checks each is set, submits
+with `--export=ALL`, and the script refuses to start without them; no value is written to a file.
+
 Files: `<run dir>/slurm/{job.sbatch,spec.yaml}`; logs `<run dir>/logs/slurm-<job>.out` (batch shell)
 and `<run dir>/logs/slurm-<job>-node<N>.out` (each node's torchrun and workers).
 """
@@ -31,6 +34,7 @@ from shardline.launch.backend import JobState, LaunchRecord, RankState, save_rec
 from shardline.launch.command import cluster_spec, node_torchrun_command
 from shardline.launch.elastic import is_elastic
 from shardline.launch.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
+from shardline.launch.secret_env import check_no_literal_secrets, from_environment
 from shardline.resolve import spec_to_yaml
 from shardline.rundir import new_run_id, read_manifest
 from shardline.spec import JobSpec
@@ -97,6 +101,21 @@ def _check_directive_values(spec: JobSpec, run_dir: Path, workdir: Path) -> None
     for i, line in enumerate(s.setup):
         if any(c in line for c in "\r\n\x00"):
             raise SpecError(f"launch.slurm.setup[{i}]", "holds a line break or NUL", "give one shell line per item")
+    check_no_literal_secrets(s.setup, "launch.slurm.setup", "launch.slurm.secret_env")
+    for i, arg in enumerate(s.sbatch_args):
+        if s.secret_env and arg.startswith("--export"):
+            raise SpecError(f"launch.slurm.sbatch_args[{i}]", f"{arg!r} would keep launch.slurm.secret_env "
+                            "from reaching the job", "drop it: secrets need sbatch's --export=ALL")
+
+
+def _secret_lines(names: list[str]) -> list[str]:
+    """Checks that each secret arrived from the submitting environment, by name only; then exports it to srun."""
+    if not names:
+        return []
+    return ["# secrets from the environment of `shardline launch` (launch.slurm.secret_env); never in this file",
+            *(f': "${{{n}:?is not set: export it where shardline launch runs (launch.slurm.secret_env)}}"'
+              for n in names),
+            f"export {' '.join(names)}"]
 
 
 def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
@@ -114,6 +133,7 @@ def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
     opts += [f"--{name}={value}" for name, value in (("partition", s.partition), ("account", s.account),
                                                       ("qos", s.qos)) if value]
     opts += ["--exclusive"] if s.exclusive else []
+    opts += ["--export=ALL"] if s.secret_env else []  # the submitting environment, secrets included
     opts += ["--requeue", f"--signal=B:USR1@{spec.launch.grace_seconds}", "--open-mode=append",
              f"--chdir={workdir}", f"--output={logs}/slurm-%j.out", *s.sbatch_args]
     torchrun = shlex.join(node_torchrun_command(spec, run_dir / "slurm" / SPEC, task))
@@ -128,6 +148,7 @@ def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
              'PET_MASTER_ADDR="$(scontrol show node "$master" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')"',
              'export PET_MASTER_ADDR="${PET_MASTER_ADDR:-$master}"',
              *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             *_secret_lines(s.secret_env),
              *s.setup,
              *rdzv,
              "",
@@ -190,6 +211,7 @@ class SlurmBackend:
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         spec = _with_run_id(spec)
+        secrets = from_environment(spec.launch.slurm.secret_env, "launch.slurm.secret_env")
         workdir = _workdir(spec)
         run_dir = _run_dir(spec, workdir)
         files = self.render(spec, task)
@@ -197,7 +219,8 @@ class SlurmBackend:
         (run_dir / "slurm").mkdir(exist_ok=True)
         for name, text in files.items():
             (run_dir / "slurm" / name).write_text(text)
-        out = _slurm("sbatch", "--parsable", str(run_dir / "slurm" / SCRIPT))
+        export = ["--export=ALL"] if secrets else []  # the command line outranks a site's SBATCH_EXPORT
+        out = _slurm("sbatch", "--parsable", *export, str(run_dir / "slurm" / SCRIPT))
         job_id = out.stdout.strip().split(";")[0]
         record = LaunchRecord(target=self.target, run_id=str(spec.run.id), job_id=job_id,
                               submitted_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -4,10 +4,12 @@ On Kubernetes a pod can start before the DNS record of rank 0's pod exists (head
 JobSet hostnames appear only once that pod has an IP), and torchrun treats a failed lookup as fatal
 (pytorch#73682, torchx#541). Every pod's command is therefore
 
-    python -m shardline.launch.wait_rendezvous [--timeout S] -- python -m shardline.launch.torchrun ...
+    python -m shardline.launch.wait_rendezvous [--timeout S] [--chdir DIR] -- python -m shardline.launch.torchrun ...
 
 which resolves `PET_MASTER_ADDR` (set by the manifest, or injected by Kubeflow Trainer) with backoff and
-then replaces itself with the given command, so signals and the exit code are torchrun's own.
+then replaces itself with the given command, so signals and the exit code are torchrun's own. `--chdir`
+enters the shared storage first where the engine cannot set the container's working directory (a
+TrainJob's runtime patches carry no `workingDir`).
 """
 
 from __future__ import annotations
@@ -42,13 +44,17 @@ def wait_for_host(host: str, timeout_s: float, log=print) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m shardline.launch.wait_rendezvous [--timeout S] -- COMMAND...", file=sys.stderr)
+        print("usage: python -m shardline.launch.wait_rendezvous [--timeout S] [--chdir DIR] -- COMMAND...",
+              file=sys.stderr)
         return 2
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="shardline.launch.wait_rendezvous")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the host to resolve")
+    parser.add_argument("--chdir", help="directory to run the command in")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
+    if args.chdir:
+        os.chdir(args.chdir)
     host = os.environ.get("PET_MASTER_ADDR")
     if host and not wait_for_host(host, args.timeout, log=lambda m: print(f"[shardline] {m}", flush=True)):
         return 1

@@ -2,16 +2,14 @@
 
 Both are off by default. TensorBoard writes event files under `<run>/tensorboard/` and never opens a
 connection. W&B runs in `offline` mode unless `observe.wandb_mode: online` says otherwise, so nothing
-leaves the machine without being asked to.
+leaves the machine without being asked to. Whether the packages are installed is checked where training
+starts (shardline/environment.py), not when the spec is validated.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from shardline.errors import SpecError
 
 if TYPE_CHECKING:
     from shardline.spec import JobSpec
@@ -19,19 +17,6 @@ if TYPE_CHECKING:
 # Record fields that are not series: identity, bookkeeping, or strings.
 NOT_SCALARS = {"kind", "time", "step", "event", "location", "blocking", "n", "formula", "peak_source", "params",
                "dataset_version", "signal", "rng_restored"}
-
-
-def check_observe(spec: JobSpec) -> None:
-    """Spec rules for the `observe` section (called from the spec's validator)."""
-    o = spec.observe
-    if o.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise SpecError("observe.tensorboard", "true, but the tensorboard package is not installed",
-                        "pip install 'shardline[observe]', or set observe.tensorboard=false")
-    if o.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise SpecError("observe.wandb_project", f"{o.wandb_project!r} is set, but the wandb package is not "
-                        "installed", "pip install wandb, or remove observe.wandb_project")
-    if o.wandb_project is not None and not o.wandb_project.strip():
-        raise SpecError("observe.wandb_project", "is empty", "name a W&B project, or use null to turn W&B off")
 
 
 def scalars(kind: str, record: dict) -> tuple[int | None, dict[str, float]]:

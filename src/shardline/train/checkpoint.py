@@ -1,32 +1,60 @@
-"""Sharded DCP checkpoints: async or sync, committed atomically, retained, on a path or an fsspec URL.
+"""Sharded DCP checkpoints: async or sync, committed atomically, checksummed, retained, on a path or URL.
 
 A checkpoint `step-XXXXXXXX/` counts only once `COMMITTED` exists. Rank 0 writes it after its save
 finished; DCP's coordinator (rank 0) writes `.metadata` only after every rank reported its shard
-written, so rank 0 finishing means every rank finished. A run killed mid-save (or a full disk) leaves
-a directory without the marker, which is never loaded and never causes an older one to be deleted.
+written (and hashed, `checkpoint_storage`), so rank 0 finishing means every rank finished. A run killed
+mid-save (or a full disk) leaves a directory without the marker, which is never loaded and never causes
+an older one to be deleted. Before a resume every file is checked against the hashes recorded when it was
+written; a damaged checkpoint is skipped, with a warning, for the newest intact one.
+
+The store of a run is `checkpoint.dir/<run.id>` (or `<run dir>/checkpoints`): runs sharing a bucket prefix
+never see, resume or delete each other's checkpoints. Starting from another run's checkpoint is explicit:
+`checkpoint.resume_from`.
 """
 
 from __future__ import annotations
 
-import io
+import errno
 import json
 import logging
-import pickle
+import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from fsspec.core import url_to_fs
+from torch.distributed.checkpoint.api import CheckpointException
+from pydantic import ValidationError
 
-from shardline.spec import CheckpointSpec
+from shardline.errors import ShardlineError
+from shardline.rundir import checkpoint_location, read_spec
+from shardline.spec import CheckpointSpec, JobSpec
+from shardline.train.checkpoint_storage import (
+    CHECKSUM_SUFFIX,
+    ChecksummedFileSystemWriter,
+    ChecksummedFsspecWriter,
+    SafeFileSystemReader,
+    SafeFsspecReader,
+    WeightsOnlyLoadPlanner,
+    checksum_lines,
+    parse_checksums,
+    sha256_stream,
+)
 
 log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"
 STEP_PREFIX = "step-"
+COORDINATOR_CHECKSUMS = f"commit{CHECKSUM_SUFFIX}"
+
+
+class CheckpointWriteError(ShardlineError):
+    """A save could not be completed (disk full, permissions); earlier checkpoints are untouched."""
 
 
 def step_name(step: int) -> str:
@@ -49,18 +77,14 @@ class CheckpointStore:
 
     def writer(self, step: int) -> dcp.StorageWriter:
         if self.remote:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-            return FsspecWriter(self.path(step), sync_files=False)
+            return ChecksummedFsspecWriter(self.path(step), sync_files=False)
         Path(self.path(step)).mkdir(parents=True, exist_ok=True)
-        return dcp.FileSystemWriter(self.path(step), sync_files=True)
+        return ChecksummedFileSystemWriter(self.path(step), sync_files=True)
 
     def reader(self, step: int) -> dcp.StorageReader:
         if self.remote:
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-            return FsspecReader(self.path(step))
-        return dcp.FileSystemReader(self.path(step))
+            return SafeFsspecReader(self.path(step))
+        return SafeFileSystemReader(self.path(step))
 
     def steps(self) -> list[int]:
         """All step directories, committed or not."""
@@ -91,6 +115,41 @@ class CheckpointStore:
         with self.fs.open(f"{self._fs_path(step)}/{name}", "r") as f:
             return f.read()
 
+    def hash_file(self, step: int, name: str) -> str:
+        with self.fs.open(f"{self._fs_path(step)}/{name}", "rb") as f:
+            return sha256_stream(f)
+
+    def files(self, step: int) -> list[str]:
+        """Every file of a step directory, relative to it."""
+        base = self._fs_path(step).rstrip("/") + "/"
+        return sorted(p.removeprefix(base) for p in self.fs.find(base))
+
+    def recorded_checksums(self, step: int) -> dict[str, str] | None:
+        """File → SHA-256 recorded when the step was written; None for a checkpoint from before checksums."""
+        lists = [n for n in self.files(step) if n.endswith(CHECKSUM_SUFFIX)]
+        if COORDINATOR_CHECKSUMS not in lists:
+            return None
+        hashes: dict[str, str] = {}
+        for name in lists:
+            hashes |= parse_checksums(self.read_text(step, name), f"{self.path(step)}/{name}")
+        return hashes
+
+    def verify(self, step: int, rank: int = 0, world: int = 1) -> list[str]:
+        """Problems found in this rank's share of the step's files (all of them with the defaults).
+
+        Every file must be listed with the hash it had when written, and still have it."""
+        recorded = self.recorded_checksums(step)
+        if recorded is None:
+            return []
+        on_disk = [n for n in self.files(step) if not n.endswith(CHECKSUM_SUFFIX) and n != COMMITTED]
+        problems = [f"{n}: no checksum was recorded for it" for n in on_disk if n not in recorded][rank::world]
+        for name in sorted(recorded)[rank::world]:
+            if name not in on_disk:
+                problems.append(f"{name}: missing")
+            elif self.hash_file(step, name) != recorded[name]:
+                problems.append(f"{name}: content differs from the checksum recorded at commit")
+        return problems
+
     def delete(self, step: int) -> None:
         # The marker goes first, so a half-deleted directory never looks committed.
         marker = f"{self._fs_path(step)}/{COMMITTED}"
@@ -106,6 +165,74 @@ def retained(committed: list[int], keep_last: int, keep_every: int | None) -> se
     return keep
 
 
+def parse_resume_from(value: str) -> tuple[str, int | None]:
+    """`<run dir or checkpoint location>[@step]` → (location, step or None for the newest intact)."""
+    location, sep, step = value.rpartition("@")
+    if sep and step.isdigit():
+        return location, int(step)
+    return value, None
+
+
+def checkpoint_spec(store: CheckpointStore, step: int) -> JobSpec | None:
+    """The spec saved with a checkpoint (its weights belong to it); None for a checkpoint without one."""
+    source = f"{store.path(step)}/spec.yaml"
+    try:
+        data = yaml.safe_load(store.read_text(step, "spec.yaml"))
+    except FileNotFoundError:
+        return None
+    except yaml.YAMLError as e:
+        raise ShardlineError(source, f"is not YAML ({e})", "the checkpoint is damaged: resume from another one") from None
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ShardlineError(source, f"is not a spec this shardline version reads ({field}: {first['msg']})",
+                             "use the shardline version that wrote the checkpoint (see its manifest), or resume "
+                             "with checkpoint.resume_from from a checkpoint this version wrote") from None
+
+
+def resume_source(value: str) -> tuple[CheckpointStore, int | None]:
+    """The store `checkpoint.resume_from` names — a run directory (its own checkpoint location) or a checkpoint
+    location — and the step it asks for (None: the newest intact)."""
+    location, step = parse_resume_from(value)
+    run_spec_file = Path(location) / "spec.yaml"
+    if "://" not in location and run_spec_file.is_file():
+        other = read_spec(run_spec_file)
+        return CheckpointStore(checkpoint_location(other, Path(location))), step
+    return CheckpointStore(location), step
+
+
+def _rank_errors(error: BaseException) -> list[BaseException]:
+    """The errors behind a DCP failure: each failed rank's own exception."""
+    if isinstance(error, CheckpointException):
+        return [exc for exc, _ in error.failures.values()]
+    return [error]
+
+
+def _plain(error: BaseException) -> Exception:
+    """A DCP failure as what people should see: a rank's ShardlineError if one raised, else the text."""
+    for exc in _rank_errors(error):
+        if isinstance(exc, ShardlineError):
+            return exc
+    return error if isinstance(error, Exception) else RuntimeError(str(error))
+
+
+def _disk_full(error: BaseException) -> bool:
+    return any(_disk_full_one(e) for e in _rank_errors(error))
+
+
+def _disk_full_one(error: BaseException) -> bool:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):  # DCP re-raises rank failures as text
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 @dataclass
 class _Pending:
     step: int
@@ -117,15 +244,18 @@ class _Pending:
 class Checkpointer:
     """Saves and loads the trainer's state; at most one async save in flight."""
 
-    def __init__(self, spec: CheckpointSpec, default_location: Path, on_gpu: bool) -> None:
+    def __init__(self, spec: CheckpointSpec, location: str, on_gpu: bool) -> None:
         self.spec = spec
-        self.store = CheckpointStore(spec.dir or str(default_location))
+        self.store = CheckpointStore(location)
         self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self.use_async = on_gpu if spec.async_save is None else spec.async_save
         # Background saves run their collectives on a separate gloo group, never the training one.
         self.group = dist.new_group(backend="gloo") if self.use_async else None
         self.pending: _Pending | None = None
         self.events: list[dict] = []
+        self.warnings: list[str] = []
 
     # ---- saving --------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], files: dict[str, str], blocking: bool = False) -> float:
@@ -136,7 +266,10 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=self.store.writer(step), process_group=self.group)
             self.pending = _Pending(step, future, start, files)
         else:
-            dcp.save(state, storage_writer=self.store.writer(step))
+            try:
+                dcp.save(state, storage_writer=self.store.writer(step))
+            except (Exception, CheckpointException) as e:
+                self._write_failed(step, e)
             self._commit(step, start, files)
         return time.perf_counter() - start
 
@@ -150,14 +283,44 @@ class Checkpointer:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.future.result()
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:
+            self._write_failed(pending.step, e)
         self._commit(pending.step, pending.started, pending.files)
+
+    def _write_failed(self, step: int, error: BaseException) -> None:
+        """A save that raised: its directory is never committed; free it if the disk is full, then say so."""
+        if not _disk_full(error):
+            plain = _plain(error)
+            if plain is error:
+                raise error
+            raise plain from error
+        if self.rank == 0:
+            self._remove_torn(step)
+        previous = self.store.latest()
+        kept = f"step {previous} ({self.store.path(previous)}) is intact" if previous is not None else \
+            "no earlier checkpoint exists"
+        raise CheckpointWriteError(
+            self.store.path(step), f"no space left on the device while writing the checkpoint of step {step}; "
+            f"it was not committed and {kept}",
+            "free space or point checkpoint.dir at a larger volume, or lower checkpoint.keep_last, then resume "
+            "the run (`shardline train RUN_DIR`)") from error
+
+    def _remove_torn(self, step: int) -> None:
+        try:
+            self.store.delete(step)
+        except OSError:
+            if not self.store.remote:
+                shutil.rmtree(self.store.path(step), ignore_errors=True)
 
     def _commit(self, step: int, started: float, files: dict[str, str]) -> None:
         seconds = time.perf_counter() - started
         if self.rank == 0:
             for name, text in files.items():
                 self.store.write_text(step, name, text)
+            hashes = {name: self.store.hash_file(step, name) for name in [".metadata", *files]}
+            self.store.write_text(step, COORDINATOR_CHECKSUMS, checksum_lines(hashes))
             self.store.write_text(step, COMMITTED, json.dumps({"step": step, "time": time.time()}))
             self._apply_retention(step)
         self.events.append({"event": "checkpoint_committed", "step": step, "save_s": round(seconds, 3),
@@ -173,22 +336,37 @@ class Checkpointer:
                 log.info("deleted %s checkpoint %s", "torn" if torn else "old", step_name(step))
 
     # ---- loading -------------------------------------------------------------------------------
-    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
-        """Load `state` in place from a committed step; keys missing from the checkpoint are dropped
-        only for the per-rank RNG entries (world size may have changed)."""
-        reader = self.store.reader(step)
-        present = {k.split(".", 1)[0] for k in reader.read_metadata().state_dict_metadata}
-        state = {k: v for k, v in state.items() if k in present or not k.startswith("rng_rank")}
-        dcp.load(state, storage_reader=reader)
+    def newest_intact(self, store: CheckpointStore | None = None, steps: list[int] | None = None) -> int | None:
+        """The newest committed step whose files all match their recorded checksums (collective: every rank
+        checks its share of the files). Damaged steps are skipped; `self.warnings` says which and why."""
+        store = store or self.store
+        for step in reversed(store.committed() if steps is None else steps):
+            mine = store.verify(step, self.rank, self.world)
+            flag = torch.tensor([1 if mine else 0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return step
+            found: list[list[str]] = [[] for _ in range(self.world)]
+            dist.all_gather_object(found, mine)
+            problems = [p for rank_problems in found for p in rank_problems]
+            self.warnings.append(f"checkpoint {store.path(step)} is damaged and was skipped: "
+                                 + "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5
+                                                              else ""))
+        return None
+
+    def load(self, step: int, state: dict[str, Any], store: CheckpointStore | None = None) -> dict[str, Any]:
+        """Load `state` in place from a committed step. Per-rank RNG entries the checkpoint lacks (another
+        world size or device type) are dropped; everything else must be there."""
+        reader = (store or self.store).reader(step)
+        present = set(reader.read_metadata().state_dict_metadata)
+        state = {k: (_present_only(v, k, present) if k.startswith("rng_rank") else v) for k, v in state.items()}
+        state = {k: v for k, v in state.items() if v or not k.startswith("rng_rank")}
+        try:
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+        except CheckpointException as e:
+            raise _plain(e) from None
         return state
 
 
-def pack_object(obj: Any) -> io.BytesIO:
-    """Opaque per-rank objects (RNG states) travel through DCP as bytes."""
-    return io.BytesIO(pickle.dumps(obj))
-
-
-def unpack_object(buf: io.BytesIO) -> Any:
-    buf.seek(0)
-    return pickle.loads(buf.read())  # noqa: S301 - written by this run's own ranks
-
+def _present_only(entry: dict[str, Any], prefix: str, present: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if f"{prefix}.{k}" in present}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -15,22 +16,40 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from shardline.train.checkpoint import pack_object, unpack_object
+
+PYTHON_RNG_VERSION = 3
+RNG_STREAMS = {"python", "python_gauss", "numpy", "numpy_pos", "numpy_gauss", "torch"}
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random streams as tensors (no pickles in a checkpoint)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    if version != PYTHON_RNG_VERSION or kind != "MT19937":
+        raise RuntimeError(f"unexpected RNG state layout: python v{version}, numpy {kind}")
+    state = {
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    gauss = float(state["python_gauss"][0])
+    random.setstate((PYTHON_RNG_VERSION, tuple(int(v) for v in state["python"].tolist()),
+                     None if math.isnan(gauss) else gauss))
+    pos, has_gauss = (int(v) for v in state["numpy_pos"].tolist())
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), pos, has_gauss,
+                         float(state["numpy_gauss"][0])))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def state_dict_options(model: nn.Module) -> StateDictOptions:
@@ -47,7 +66,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, co
     if optimizer is None:
         return {"model": get_state_dict(model, [], options=opts)[0]}
     msd, osd = get_state_dict(model, optimizer, options=opts)
-    return {"model": msd, "optim": osd, "train": counters, f"rng_rank{rank}": pack_object(rng_state())}
+    return {"model": msd, "optim": osd, "train": counters, f"rng_rank{rank}": rng_state()}
 
 
 def apply_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
@@ -59,8 +78,8 @@ def apply_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | No
         return False
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=opts)
-    key = f"rng_rank{rank}"
-    if key in state:
-        set_rng_state(unpack_object(state[key]))
+    streams = state.get(f"rng_rank{rank}", {})
+    if set(streams) >= RNG_STREAMS:
+        set_rng_state(streams)
         return True
     return False

@@ -38,8 +38,9 @@ from shardline.model.stage import staged_model_spec
 from shardline.plan import planned_peak_bytes
 from shardline.resolve import spec_to_yaml
 from shardline.resume_policy import check_resume
+from shardline.rundir import checkpoint_location
 from shardline.spec import JobSpec
-from shardline.train.checkpoint import Checkpointer
+from shardline.train.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.train.distributed import DistContext
 from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
 from shardline.train.faults import maybe_fail
@@ -82,7 +83,8 @@ class Trainer:
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
                                    ctx.world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
-        self.checkpointer = Checkpointer(spec.checkpoint, run_dir / "checkpoints", ctx.device.type == "cuda")
+        self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
+                                         on_gpu=ctx.device.type == "cuda")
         self.stop = stop or StopRequest()
         self.step = 0
         self.consumed_tokens = 0
@@ -173,12 +175,12 @@ class Trainer:
             self._event(**event)
         self.checkpointer.events.clear()
 
-    def load_checkpoint(self, step: int, with_optimizer: bool = True) -> None:
-        store = self.checkpointer.store
-        check_resume(JobSpec.model_validate(yaml.safe_load(store.read_text(step, "spec.yaml"))), self.spec)
+    def load_checkpoint(self, step: int, with_optimizer: bool = True, store: CheckpointStore | None = None) -> None:
+        store = store or self.checkpointer.store
+        check_resume(checkpoint_spec(store, step), self.spec)
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
-        state = self.checkpointer.load(step, state)
+        state = self.checkpointer.load(step, state, store)
         rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
         if with_optimizer:
             counters = state["train"]
@@ -190,10 +192,34 @@ class Trainer:
         self._say(f"resumed from {store.path(step)} at step {step}"
                   + ("" if rng or not with_optimizer else " (new world size: fresh RNG streams)"))
 
+    def newest_checkpoint(self) -> tuple[CheckpointStore, int] | None:
+        """This run's newest intact checkpoint, else the one `checkpoint.resume_from` names, else None.
+
+        Damaged checkpoints are skipped with a warning (their files no longer match the recorded checksums)."""
+        ck = self.checkpointer
+        store, step = ck.store, ck.newest_intact()
+        if step is None and self.spec.checkpoint.resume_from:
+            store, wanted = resume_source(self.spec.checkpoint.resume_from)
+            committed = store.committed()
+            if wanted is not None and wanted not in committed:
+                raise SpecError("checkpoint.resume_from", f"{store.path(wanted)} is not a committed checkpoint",
+                                f"choose a committed step ({', '.join(map(str, committed)) or 'none there'})")
+            step = ck.newest_intact(store, [wanted] if wanted is not None else committed)
+            if step is None:
+                raise SpecError("checkpoint.resume_from", f"{store.location} has no intact committed checkpoint"
+                                + (f" ({'; '.join(ck.warnings)})" if ck.warnings else ""),
+                                "point it at a run directory or checkpoint location with a committed step")
+        for warning in ck.warnings:
+            self._event(event="checkpoint_damaged", message=warning)
+            self._say(f"warning: {warning}")
+        ck.warnings.clear()
+        return None if step is None else (store, step)
+
     def maybe_resume(self) -> None:
-        step = self.checkpointer.store.latest()
-        if step is not None:
-            self.load_checkpoint(step)
+        found = self.newest_checkpoint()
+        if found is not None:
+            store, step = found
+            self.load_checkpoint(step, store=store)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train_step(self) -> TrainRecord:

@@ -1,0 +1,143 @@
+"""DCP storage that records checksums when it writes and runs no code when it reads.
+
+Writing: each rank hashes the shard files it wrote (SHA-256) into `__<rank>_.sha256` in the step directory
+before it reports its write done, so once the coordinator writes `.metadata` every rank's list exists.
+The files use `sha256sum` format: `cd step-XXXXXXXX && sha256sum -c *.sha256` checks a checkpoint by hand.
+
+Reading: DCP unpickles `.metadata` and `torch.load`s non-tensor entries with `weights_only=False`; a
+checkpoint in a writable bucket would then be code execution. The reader here unpickles `.metadata` with
+an allowlist of DCP's own metadata types, and the load planner reads non-tensor entries `weights_only`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint._traverse import set_element
+
+from shardline.errors import ShardlineError
+
+CHECKSUM_SUFFIX = ".sha256"
+_HASH_CHUNK = 8 << 20
+
+# What a DCP `.metadata` pickle may name: DCP's own dataclasses, and the torch/pathlib values inside them.
+_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def sha256_stream(stream: Any) -> str:
+    digest = hashlib.sha256()
+    while chunk := stream.read(_HASH_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksum_lines(hashes: dict[str, str]) -> str:
+    return "".join(f"{h}  {name}\n" for name, h in sorted(hashes.items()))
+
+
+def parse_checksums(text: str, source: str) -> dict[str, str]:
+    hashes = {}
+    for line in text.splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise ShardlineError(source, f"is not a sha256sum list (line {line[:80]!r})",
+                                 "the checkpoint's checksum list is damaged: resume from an earlier checkpoint")
+        hashes[name] = digest
+    return hashes
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
+        return super().find_class(module, name)
+
+
+class _SafeMetadata:
+    """`read_metadata` through the allowlist unpickler (mixed into DCP's readers)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                raise ShardlineError(str(path), f"is not a DCP checkpoint index ({e})",
+                                     "the checkpoint was damaged or replaced: resume from another checkpoint "
+                                     "(checkpoint.resume_from) and check who can write to the bucket") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    pass
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor entries (counters, optimizer hyper-parameters) load with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ShardlineError(read_item.dest_index.fqn, f"in the checkpoint holds a non-data object ({e})",
+                                 "checkpoints hold tensors and plain values only; this one was written by "
+                                 "something else: resume from another checkpoint") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _Checksummed:
+    """`write_data` that hashes this rank's files once they are written (mixed into DCP's writers)."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        hashes = {}
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                hashes[name] = sha256_stream(f)
+        listing = self.fs.concat_path(self.path, f"{plan.storage_data.prefix}{CHECKSUM_SUFFIX}")
+        with self.fs.create_stream(listing, "wb") as f:
+            f.write(checksum_lines(hashes).encode())
+            if self.sync_files:
+                with contextlib.suppress(AttributeError, io.UnsupportedOperation):
+                    os.fsync(f.fileno())
+        return future
+
+
+class ChecksummedFileSystemWriter(_Checksummed, FileSystemWriter):
+    pass
+
+
+class ChecksummedFsspecWriter(_Checksummed, FsspecWriter):
+    pass

@@ -1,0 +1,132 @@
+"""Checkpoints carry checksums and no code: damage is detected and skipped; a planted pickle never runs."""
+
+import os
+import pickle
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from rich.console import Console
+
+from shardline.errors import ShardlineError
+from shardline.train.checkpoint import CheckpointStore, step_name
+from shardline.train.state import rng_state, set_rng_state
+from shardline.train.trainer import Trainer
+from tests.conftest import small_spec
+
+
+def _trainer(ctx, tmp, prepared, *overrides) -> Trainer:
+    spec = small_spec(tmp, "train.precision=fp32", "train.peak_tflops=1", "checkpoint.async_save=false", *overrides)
+    return Trainer(spec, ctx, prepared, tmp / "run", Console(quiet=True))
+
+
+def _events(trainer: Trainer, kind: str) -> list[dict]:
+    import json
+
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == kind]
+
+
+def test_every_checkpoint_file_is_listed_in_sha256sum_format(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared)
+    t.train_step()
+    t.save_checkpoint()
+    step_dir = tmp_path / "run" / "checkpoints" / step_name(1)
+    lists = sorted(p.name for p in step_dir.glob("*.sha256"))
+    assert lists == ["__0_.sha256", "commit.sha256"]
+    # coreutils' own sha256sum is the oracle: every file verifies, and every file but the lists is covered
+    out = subprocess.run(["sha256sum", "-c", *lists], cwd=step_dir, capture_output=True, text=True, check=True)
+    checked = {line.split(":")[0] for line in out.stdout.splitlines()}
+    on_disk = {str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()}
+    assert checked == on_disk - {"COMMITTED", *lists}
+    assert CheckpointStore(str(step_dir.parent)).verify(1) == []
+
+
+@pytest.mark.parametrize("damage", ["flip_shard_byte", "truncate_metadata", "delete_shard_list"])
+def test_damaged_checkpoint_is_skipped_for_the_newest_intact_one_with_a_warning(ctx, tmp_path, prepared, damage):
+    t = _trainer(ctx, tmp_path, prepared, "checkpoint.keep_last=2")
+    t.train_step()
+    t.save_checkpoint()
+    t.train_step()
+    t.save_checkpoint()
+    step_dir = tmp_path / "run" / "checkpoints" / step_name(2)
+    if damage == "flip_shard_byte":
+        shard = step_dir / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate_metadata":
+        meta = step_dir / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:-10])
+    else:
+        (step_dir / "__0_.sha256").unlink()
+    fresh = _trainer(ctx, tmp_path, prepared, "checkpoint.keep_last=2")
+    fresh.maybe_resume()
+    assert fresh.step == 1  # before: loaded the damaged step 2 (or crashed inside DCP)
+    [warning] = _events(fresh, "checkpoint_damaged")
+    assert step_name(2) in warning["message"]
+
+
+class _Planted:
+    """What an attacker with write access to the bucket would put in a checkpoint."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_a_planted_pickle_in_metadata_is_refused_and_never_runs(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared)
+    t.train_step()
+    t.save_checkpoint()
+    marker = tmp_path / "owned"
+    meta = tmp_path / "run" / "checkpoints" / step_name(1) / ".metadata"
+    meta.write_bytes(pickle.dumps(_Planted(str(marker))))
+    with pytest.raises(ShardlineError, match="not a DCP checkpoint index"):
+        t.checkpointer.load(1, {"model": {}})
+    assert not marker.exists()
+
+
+def test_a_planted_pickle_in_a_checkpoint_value_is_refused_and_never_runs(ctx, tmp_path):
+    marker = tmp_path / "owned"
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    dcp.save({"train": {"step": _Planted(str(marker))}}, storage_writer=store.writer(1))
+    assert not marker.exists()
+    from shardline.spec import CheckpointSpec
+    from shardline.train.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(CheckpointSpec(async_save=False), str(tmp_path / "ckpt"), on_gpu=False)
+    with pytest.raises(ShardlineError, match="non-data object"):
+        checkpointer.load(1, {"train": {"step": 0}})  # before: torch.load(weights_only=False) ran it
+    assert not marker.exists()
+
+
+def test_rng_streams_are_tensors_and_round_trip_exactly():
+    random.gauss(0, 1)  # leaves a cached Gaussian in both Python and NumPy streams
+    np.random.standard_normal()
+    saved = {k: v.clone() for k, v in rng_state().items()}
+    assert all(isinstance(v, torch.Tensor) for v in saved.values())
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.standard_normal(),
+                torch.rand(3))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    set_rng_state(saved)
+    got = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.standard_normal(), torch.rand(3))
+    assert got[:4] == expected[:4] and torch.equal(got[4], expected[4])
+
+
+def test_checkpoint_holds_no_pickled_objects_for_rng(ctx, tmp_path, prepared):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    t = _trainer(ctx, tmp_path, prepared)
+    t.train_step()
+    t.save_checkpoint()
+    meta = t.checkpointer.store.reader(1).read_metadata().state_dict_metadata
+    rng = {k: v for k, v in meta.items() if k.startswith("rng_rank0.")}
+    assert rng and all(isinstance(v, TensorStorageMetadata) for v in rng.values())
+    shutil.rmtree(tmp_path / "run")
