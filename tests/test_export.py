@@ -111,10 +111,21 @@ def test_checkpoint_without_tokenizer_falls_back_to_prepared_data(full_run, full
     shutil.rmtree(ckpt / "tokenizer", ignore_errors=True)
     for name in ("spec.yaml", "meta.json"):
         (ckpt / name).unlink(missing_ok=True)
+    for listing in ckpt.glob("*.sha256"):  # checkpoints of that age had no checksum lists either
+        listing.unlink()
     out = export_run(run_dir, tmp_path / "hf")
     assert (out / "tokenizer.json").read_text() == (full_export / "tokenizer.json").read_text()
     a, b = load_file(out / "model.safetensors"), load_file(full_export / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(full_run, tmp_path):
+    run_dir = tmp_path / "damaged-run"
+    shutil.copytree(full_run.run_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000002" / "tokenizer")
+    with pytest.raises(ShardlineError, match="is damaged: tokenizer/.*missing") as e:
+        export_run(run_dir, tmp_path / "hf")
+    assert "--step" in e.value.fix
 
 
 def test_lora_adapter_loads_with_peft(lora_run, tmp_path):

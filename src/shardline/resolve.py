@@ -105,6 +105,23 @@ def load_spec(source: str | None = None, overrides: list[str] | None = None) -> 
         raise
 
 
+def read_spec_file(path: str, text: str) -> JobSpec:
+    """A resolved spec written by shardline (a run's or a checkpoint's `spec.yaml`); a bad field is a SpecError
+    naming the field and the file."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(path, f"is not YAML ({e})", "restore the file or start a new run") from None
+    if not isinstance(data, dict):
+        raise SpecError(path, "is not a spec (not a mapping)", "restore the file or start a new run")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        error = _validation_to_spec_error(e, data)
+        raise SpecError(error.where, f"{error.problem} (in {path})",
+                        f"{error.fix}; a file written by another shardline version needs that version") from None
+
+
 def spec_to_yaml(spec: JobSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
 

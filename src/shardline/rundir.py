@@ -11,14 +11,11 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
-import yaml
-
 from shardline import __version__
 from shardline.errors import SpecError
-from shardline.resolve import spec_hash, spec_to_yaml
+from shardline.resolve import read_spec_file, spec_hash, spec_to_yaml
 from shardline.resume_policy import changed_fields, check_resume
 from shardline.spec import JobSpec
-
 
 ATTEMPTS_DIR = "attempts"
 
@@ -93,7 +90,7 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
 
 
 def read_spec(path: Path) -> JobSpec:
-    return JobSpec.model_validate(yaml.safe_load(path.read_text()))
+    return read_spec_file(str(path), path.read_text())
 
 
 def read_manifest(run_dir: Path) -> dict:

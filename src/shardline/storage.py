@@ -14,8 +14,7 @@ from shardline.errors import SpecError
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
-
-    from shardline.spec import JobSpec
+    from pydantic import BaseModel
 
 SCHEME_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
                    "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
@@ -63,8 +62,10 @@ def require_local(location: str | None, field: str) -> None:
                         "only checkpoint.dir takes s3:// or gs:// URLs")
 
 
-def check_locations(spec: JobSpec, fields: tuple[str, ...] = (*LOCAL_FIELDS, *URL_FIELDS)) -> None:
-    """The locations `fields` of `spec` are usable from this machine, or a SpecError names the field and the fix."""
+def check_locations(spec: BaseModel, fields: tuple[str, ...] = (*LOCAL_FIELDS, *URL_FIELDS)) -> None:
+    """The locations `fields` of a JobSpec are usable from this machine, or a SpecError names the field and the fix.
+
+    Typed as a pydantic model, not JobSpec: this module stays below the spec in the import graph."""
     for field in fields:
         section, name = field.split(".")
         value = getattr(getattr(spec, section), name)

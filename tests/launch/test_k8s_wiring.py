@@ -59,7 +59,8 @@ def test_rendered_pods_train_to_completion_across_two_network_namespaces(target,
             mounts = mount_map(pod, objects, tmp_path / "volumes")
             command = [str(mounts[SPEC_MOUNT] / a[len(SPEC_MOUNT) + 1:]) if a.startswith(SPEC_MOUNT + "/") else a
                        for a in pod.container["command"]]
-            cwd = pod.container.get("workingDir") or str(storage)  # TrainJob: the runtime image's workdir
+            # TrainJob: no workingDir, the image's own; the command's --chdir enters the storage
+            cwd = pod.container.get("workingDir") or str(tmp_path)
             procs[i] = net.start(i, pod, pod_env(pod, {}), command, Path(cwd), logs / f"pod-{i}.log")
             if i == 1:
                 _wait_for_text(logs / "pod-1.log", "waiting for rendezvous host", 60)

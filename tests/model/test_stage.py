@@ -54,7 +54,7 @@ def test_changed_config_is_staged_again(tmp_path, monkeypatch):
 def test_rewritten_weights_are_staged_again(tmp_path, monkeypatch):
     src = _source(tmp_path)
     spec = ModelSpec(path=str(src), local_cache=str(tmp_path / "cache"))
-    first = stage(spec)
+    stage(spec)
     weights = src / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
     weights.write_bytes(b"\1" * WEIGHTS_BYTES)

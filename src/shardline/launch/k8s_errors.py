@@ -22,7 +22,7 @@ class Request:
     name: str | None = None
 
     def __str__(self) -> str:
-        target = f"{self.resource}/{self.name}" if self.name else self.resource
+        target = f"{self.resource} {self.name}" if self.name else self.resource  # as kubectl takes them
         return f"{self.verb} {target} in namespace {self.namespace}"
 
     @property
@@ -69,10 +69,10 @@ def _fix(request: Request, code: int, status: dict) -> str:
             product = CRD_HINT.get(request.group, "its API")
             return (f"the cluster does not serve {request.resource}: install {product} (its CRD and controller) "
                     "or choose another --target; `kubectl api-resources` lists what it serves")
-        return (f"{request.resource}/{request.name} is gone (deleted, or launched with another namespace or "
+        return (f"{request.resource} {request.name} is gone (deleted, or launched with another namespace or "
                 "context): check launch.kubernetes.namespace and launch.kubernetes.context")
     if code == 409:
-        return (f"{request.resource}/{request.name} already exists (an earlier launch of this run id?): launch again "
+        return (f"{request.resource} {request.name} already exists (an earlier launch of this run id?): launch again "
                 f"for a new run id, or delete it with `kubectl delete {request.resource} {request.name} -n {ns}`")
     if code in (400, 422):
         return ("the API server or an admission webhook rejected the object: fix what the message names; "

@@ -27,6 +27,7 @@ import yaml
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, save_record
 from shardline.launch.command import cluster_spec
+from shardline.launch.k8s_api import create_all
 from shardline.launch.profiles import get_profile, nccl_environment
 from shardline.launch.secret_env import from_environment
 from shardline.resolve import spec_to_yaml
@@ -261,9 +262,7 @@ class RayJobBackend:
             spec = spec.model_copy(deep=True)
             spec.run.id = new_run_id(spec.run.name)
         objects = rayjob_manifests(spec, task)
-        api = self._api_factory(spec.launch.kubernetes.context)
-        for obj in objects:
-            api.create(obj)
+        create_all(self._api_factory(spec.launch.kubernetes.context), objects)  # a refused RayJob leaves no ConfigMap
         return LaunchRecord(target=self.target, run_id=spec.run.id,
                             submitted_at=datetime.now(UTC).isoformat(timespec="seconds"),
                             namespace=spec.launch.kubernetes.namespace, context=spec.launch.kubernetes.context,

@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import yaml
-from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.api import CheckpointException
-from pydantic import ValidationError
 
 from shardline.errors import ShardlineError
+from shardline.resolve import read_spec_file
 from shardline.rundir import checkpoint_location, read_spec
 from shardline.spec import CheckpointSpec, JobSpec
+from shardline.storage import filesystem_for
 from shardline.train.checkpoint_storage import (
     CHECKSUM_SUFFIX,
     ChecksummedFileSystemWriter,
@@ -46,6 +46,7 @@ from shardline.train.checkpoint_storage import (
     parse_checksums,
     sha256_stream,
 )
+from shardline.train.faults import maybe_fail
 
 log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"
@@ -66,7 +67,7 @@ class CheckpointStore:
 
     def __init__(self, location: str) -> None:
         self.location = location.rstrip("/")
-        self.fs, self.root = url_to_fs(self.location)
+        self.fs, self.root = filesystem_for(self.location, "checkpoint.dir")
         self.remote = "://" in location and not location.startswith("file://")
 
     def path(self, step: int) -> str:
@@ -75,11 +76,11 @@ class CheckpointStore:
     def _fs_path(self, step: int) -> str:
         return f"{self.root}/{step_name(step)}"
 
-    def writer(self, step: int) -> dcp.StorageWriter:
+    def writer(self, step: int, after_write: Callable[[], None] | None = None) -> dcp.StorageWriter:
         if self.remote:
-            return ChecksummedFsspecWriter(self.path(step), sync_files=False)
+            return ChecksummedFsspecWriter(self.path(step), sync_files=False, after_write=after_write)
         Path(self.path(step)).mkdir(parents=True, exist_ok=True)
-        return ChecksummedFileSystemWriter(self.path(step), sync_files=True)
+        return ChecksummedFileSystemWriter(self.path(step), sync_files=True, after_write=after_write)
 
     def reader(self, step: int) -> dcp.StorageReader:
         if self.remote:
@@ -175,21 +176,11 @@ def parse_resume_from(value: str) -> tuple[str, int | None]:
 
 def checkpoint_spec(store: CheckpointStore, step: int) -> JobSpec | None:
     """The spec saved with a checkpoint (its weights belong to it); None for a checkpoint without one."""
-    source = f"{store.path(step)}/spec.yaml"
     try:
-        data = yaml.safe_load(store.read_text(step, "spec.yaml"))
+        text = store.read_text(step, "spec.yaml")
     except FileNotFoundError:
         return None
-    except yaml.YAMLError as e:
-        raise ShardlineError(source, f"is not YAML ({e})", "the checkpoint is damaged: resume from another one") from None
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise ShardlineError(source, f"is not a spec this shardline version reads ({field}: {first['msg']})",
-                             "use the shardline version that wrote the checkpoint (see its manifest), or resume "
-                             "with checkpoint.resume_from from a checkpoint this version wrote") from None
+    return read_spec_file(f"{store.path(step)}/spec.yaml", text)
 
 
 def resume_source(value: str) -> tuple[CheckpointStore, int | None]:
@@ -262,12 +253,13 @@ class Checkpointer:
         """Start (async) or do (sync) a save; returns the seconds training was stalled."""
         start = time.perf_counter()
         self.wait()
+        writer = self.store.writer(step, after_write=lambda: maybe_fail("checkpoint_write", self.rank, step))
         if self.use_async and not blocking:
-            future = dcp.async_save(state, storage_writer=self.store.writer(step), process_group=self.group)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             self.pending = _Pending(step, future, start, files)
         else:
             try:
-                dcp.save(state, storage_writer=self.store.writer(step))
+                dcp.save(state, storage_writer=writer)
             except (Exception, CheckpointException) as e:
                 self._write_failed(step, e)
             self._commit(step, start, files)
@@ -317,11 +309,14 @@ class Checkpointer:
     def _commit(self, step: int, started: float, files: dict[str, str]) -> None:
         seconds = time.perf_counter() - started
         if self.rank == 0:
-            for name, text in files.items():
-                self.store.write_text(step, name, text)
-            hashes = {name: self.store.hash_file(step, name) for name in [".metadata", *files]}
-            self.store.write_text(step, COORDINATOR_CHECKSUMS, checksum_lines(hashes))
-            self.store.write_text(step, COMMITTED, json.dumps({"step": step, "time": time.time()}))
+            try:
+                for name, text in files.items():
+                    self.store.write_text(step, name, text)
+                hashes = {name: self.store.hash_file(step, name) for name in [".metadata", *files]}
+                self.store.write_text(step, COORDINATOR_CHECKSUMS, checksum_lines(hashes))
+                self.store.write_text(step, COMMITTED, json.dumps({"step": step, "time": time.time()}))
+            except OSError as e:
+                self._write_failed(step, e)
             self._apply_retention(step)
         self.events.append({"event": "checkpoint_committed", "step": step, "save_s": round(seconds, 3),
                             "location": self.store.path(step)})

@@ -16,14 +16,15 @@ import hashlib
 import io
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint._traverse import set_element
 
 from shardline.errors import ShardlineError
 
@@ -117,11 +118,19 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 class _Checksummed:
-    """`write_data` that hashes this rank's files once they are written (mixed into DCP's writers)."""
+    """`write_data` that hashes this rank's files once they are written (mixed into DCP's writers).
+
+    `after_write` runs between the two (fault drills stop a rank there)."""
+
+    def __init__(self, *args: Any, after_write: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_write = after_write
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
         results = future.wait()
+        if self.after_write is not None:
+            self.after_write()
         hashes = {}
         for name in sorted({r.storage_data.relative_path for r in results}):
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:

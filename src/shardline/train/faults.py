@@ -1,14 +1,18 @@
-"""Fault injection for tests and failure drills: `SHARDLINE_FAULT=<point>[:rank=R][:step=S]`.
+"""Fault injection for tests and failure drills: `SHARDLINE_FAULT=<point>[:rank=R][:step=S][:action=stop]`.
 
-At the named point (`train_step`, `validation`, `checkpoint`, `sql_evaluation`) the matching rank raises
-`InjectedFault`, exactly as a real error would surface there. Unset (always, outside drills), it does nothing.
+At the named point (`train_step`, `validation`, `checkpoint`, `sql_evaluation`, `checkpoint_write` — inside a
+save, after this rank's shard files are on disk and before it reports them) the matching rank raises
+`InjectedFault`, exactly as a real error would surface there; with `action=stop` it stops itself (SIGSTOP)
+instead, so a drill can kill it at exactly that point. Unset (always, outside drills), it does nothing.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
-POINTS = ("train_step", "validation", "checkpoint", "sql_evaluation")
+POINTS = ("train_step", "validation", "checkpoint", "sql_evaluation", "checkpoint_write")
+ACTIONS = ("raise", "stop")
 
 
 class InjectedFault(RuntimeError):
@@ -23,5 +27,11 @@ def maybe_fail(point: str, rank: int, step: int) -> None:
     if name not in POINTS:
         raise ValueError(f"SHARDLINE_FAULT={spec!r}: unknown point {name!r}; choose from {', '.join(POINTS)}")
     wanted = dict(c.split("=", 1) for c in conditions)
+    action = wanted.get("action", "raise")
+    if action not in ACTIONS:
+        raise ValueError(f"SHARDLINE_FAULT={spec!r}: unknown action {action!r}; choose from {', '.join(ACTIONS)}")
     if name == point and int(wanted.get("rank", rank)) == rank and int(wanted.get("step", step)) == step:
+        if action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         raise InjectedFault(f"injected fault at {point} (rank {rank}, step {step})")

@@ -16,7 +16,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-
 PYTHON_RNG_VERSION = 3
 RNG_STREAMS = {"python", "python_gauss", "numpy", "numpy_pos", "numpy_gauss", "torch"}
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from rich.console import Console
 
 from shardline.data.loader import StepSampler, eval_batches, make_batch
@@ -151,7 +150,7 @@ class Trainer:
                 "consumed_rows": self.step * self.spec.train.global_batch_size,
                 "base_model": self.spec.model.path or f"model.arch, model.init_seed={self.spec.model.init_seed}"}
         files = {"spec.yaml": spec_to_yaml(self.spec), "meta.json": json.dumps(meta, indent=2)}
-        tok_dir = self.data.root / "tokenizer"
+        tok_dir = self.data.file("tokenizer")
         files |= {f"tokenizer/{p.name}": p.read_text() for p in tok_dir.iterdir() if p.is_file()}
         return files
 
