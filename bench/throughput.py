@@ -62,14 +62,16 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int) -> dict:
     from shardline.data.tokenizer import special_ids
     from shardline.model.build import build_model
     from shardline.resolve import load_spec
+    from shardline.tasks import get_task
 
     torch.set_num_threads(threads)
     spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1"])
     data = PreparedData(prepared_root)
     tok, pad, seq = data.tokenizer(), data.meta["pad_id"], spec.train.seq_len
+    template = get_task(spec.data.task).prompt
     features = []
     for ex in data.examples("train"):
-        prompt, answer = encode_prompt(tok, ex.question, ex.context, "plain"), encode_answer(tok, ex.answer)
+        prompt, answer = encode_prompt(tok, template, ex.question, ex.context, "plain"), encode_answer(tok, ex.answer)
         if len(prompt) + len(answer) <= seq:
             features.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
     special = special_ids(tok, pad)

@@ -1,7 +1,8 @@
 """Validate rendered Kubernetes objects offline, strictly.
 
 Built-in kinds: `kubernetes-validate` against the Kubernetes 1.31 OpenAPI schemas, strict (unknown fields fail).
-Custom resources: the upstream CRD's `openAPIV3Schema` from ../shared/crds (pinned copies, see SOURCES.txt),
+Custom resources: the upstream CRD's `openAPIV3Schema` from tests/crds (pinned upstream copies;
+repository, commit and path in SOURCES.txt),
 with `additionalProperties: false` added wherever the schema lists properties and does not preserve unknown
 fields — the API server prunes/rejects those, so a typo in a field name must fail here too.
 CEL rules and admission webhooks (e.g. Trainer's reserved PET_* check) are not enforced offline.
@@ -15,10 +16,9 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
-import pytest
 import yaml
 
-CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "crds"
+CRD_DIR = Path(__file__).resolve().parent / "crds"
 KUBERNETES_VERSION = "1.31.0"
 BUILTIN_GROUPS = {"v1", "apps/v1", "batch/v1", "rbac.authorization.k8s.io/v1", "policy/v1",
                   "scheduling.k8s.io/v1", "networking.k8s.io/v1", "storage.k8s.io/v1"}
@@ -51,8 +51,6 @@ def _strict(schema: dict) -> dict:
 
 @cache
 def _crd_schemas() -> dict[tuple[str, str], dict]:
-    if not CRD_DIR.is_dir():
-        pytest.skip(f"CRD schemas not found at {CRD_DIR} (CI checks out ../shared beside the repository)")
     out = {}
     for f in sorted(CRD_DIR.glob("*.yaml")):
         crd = yaml.safe_load(f.read_text())
@@ -70,7 +68,7 @@ def validate(obj: dict) -> None:
         return
     schema = _crd_schemas().get((api_version, kind))
     if schema is None:
-        raise AssertionError(f"no schema for {api_version} {kind}: add its CRD to ../shared/crds")
+        raise AssertionError(f"no schema for {api_version} {kind}: add its pinned CRD to tests/crds (and SOURCES.txt)")
     jsonschema.validate(obj, schema, cls=jsonschema.Draft7Validator)
 
 

@@ -11,7 +11,7 @@ from shardline import cli
 from shardline.environment import check_environment
 from shardline.errors import SpecError
 from shardline.failures import read_failures
-from shardline.launch.backend import get_backend
+from shardline.launch.registry import get_backend
 from shardline.resolve import load_spec
 from shardline.rundir import create_run
 from tests.conftest import free_port, small_overrides

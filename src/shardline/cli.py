@@ -1,4 +1,4 @@
-"""Command line: parses arguments, calls one function per verb, prints. Exit codes per DESIGN.md §5."""
+"""Command line: parses arguments, calls one function per verb, prints. Exit codes per docs/architecture.md §7."""
 
 from __future__ import annotations
 
@@ -147,10 +147,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = _resolve(args)
     if args.device or args.memory_gb is not None:
         device = get_device(args.device or current_device().kind, args.memory_gb)
-    else:  # this machine's GPU; on a CPU-only host, hub models are planned for an H100
+    else:  # this machine's GPU; on a CPU-only host, hub models are planned for the profile's GPU (or an H100)
         device = current_device()
         if device.kind == "cpu" and spec.model.path is not None:
-            device = get_device("h100")
+            from shardline.launch.profiles import get_profile
+
+            gpu = get_profile(spec.launch.profile).gpu
+            device = get_device(gpu.key if gpu else "h100")
     plan = plan_memory(spec, device)
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
@@ -223,7 +226,7 @@ def cmd_cluster_plan_gke(args: argparse.Namespace) -> int:
 
 
 def _run_ops_task(args: argparse.Namespace, task: str, settings: dict[str, object]) -> int:
-    from shardline.ops.tasks import run_task_locally
+    from shardline.launch.local import run_task_locally
 
     overrides = [f"launch.{task}.{k}={v}" for k, v in settings.items() if v is not None]
     if args.nproc:  # the task trains nothing: keep the batch valid for whatever world size is asked for
@@ -271,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
     p = verbs.add_parser("plan", help="per-device memory estimate, whether it fits, and what would make it fit")
     _add_spec_args(p)
-    p.add_argument("--device", help="h100, h200, b200, a100, l4 or cpu (default: this machine's device)")
+    p.add_argument("--device", help="h100, h200, b200, a100, l4, … (hardware.py) or cpu (default: this machine's "
+                   "device)")
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table)")
     p.add_argument("--from-run", metavar="RUN_DIR", help="project the cost from this run's measured throughput")
     p.set_defaults(func=cmd_plan)

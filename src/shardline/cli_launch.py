@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from shardline.errors import EXIT_OK
-from shardline.launch.backend import JobState, get_backend, load_record, save_record, wait_for
-from shardline.launch.registry import BACKENDS
+from shardline.launch.backend import JobState, load_record, save_record, wait_for
+from shardline.launch.registry import BACKENDS, get_backend
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
 

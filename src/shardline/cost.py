@@ -1,5 +1,5 @@
 """What a run costs: the one price table, the price a run pays, the projection `shardline plan` prints,
-and the meter that puts dollars on every step record (DESIGN.md §3: `cost_usd`).
+and the meter that puts dollars on every step record (docs/architecture.md §5: `cost_usd`).
 
 Money is device-hours × $/device-hour. A *device* is one rank: a GPU, or on CPU one worker process (there
 is no table price for CPUs — a CPU run is priced only when the spec gives `cost.usd_per_device_hour`).
@@ -8,77 +8,30 @@ is no table price for CPUs — a CPU run is priced only when the spec gives `cos
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.errors import SpecError
+from shardline.hardware import PRICES_AS_OF, match_device
+from shardline.hardware import price_table as catalogue_price_table
 
 if TYPE_CHECKING:
     from shardline.spec import JobSpec
 
-PROVISIONING = ("on-demand", "spot", "dws-flex-start", "reservation")
-
-# $/GPU-hour: the whole accelerator-optimized VM (GPU + its bundled vCPUs, memory, local SSD) divided by
-# its GPUs (a3-highgpu-8g H100, a3-ultragpu-8g H200, a4-highgpu-8g B200, a2-ultragpu-1g A100 80GB,
-# g2-standard-8 L4), approximate Google Cloud us-central1 list prices of mid-2025 (source: the public pages
-# cloud.google.com/compute/gpus-pricing, /compute/vm-instance-pricing, /spot-vms/pricing; not re-checked
-# since — verify before relying on them). List prices change, spot prices move daily, and all differ by
-# region and contract:
-# - spot: the spot list price of that day (varies; up to 91 % off);
-# - dws-flex-start: Dynamic Workload Scheduler flex-start (queued, up to 7 days, no preemption), which
-#   Google prices at a discount of roughly 50 % off on-demand for GPUs;
-# - reservation: a 1-year committed-use price for reserved capacity.
-# Put your own (negotiated) prices in the spec: `cost.prices` or `cost.usd_per_device_hour`.
-PRICES_USD_PER_GPU_HOUR: dict[str, dict[str, float]] = {
-    #          on-demand  spot   dws-flex-start  reservation
-    "b200": {"on-demand": 14.27, "spot": 5.10, "dws-flex-start": 7.14, "reservation": 9.99},
-    "h200": {"on-demand": 10.85, "spot": 3.72, "dws-flex-start": 5.43, "reservation": 7.60},
-    "h100": {"on-demand": 11.06, "spot": 3.72, "dws-flex-start": 5.53, "reservation": 7.74},
-    "a100": {"on-demand": 5.07, "spot": 1.57, "dws-flex-start": 2.54, "reservation": 3.19},
-    "l4": {"on-demand": 0.85, "spot": 0.31, "dws-flex-start": 0.43, "reservation": 0.54},
-}
-PRICES_AS_OF = "2025-06, GCP us-central1 list prices (approximate)"
-
 
 def price_table(spec: JobSpec) -> dict[str, dict[str, float]]:
-    """The table with the spec's `cost.prices` entries merged over it (per GPU, per provisioning model)."""
-    table = {gpu: dict(row) for gpu, row in PRICES_USD_PER_GPU_HOUR.items()}
-    for gpu, row in spec.cost.prices.items():
-        table.setdefault(gpu.lower(), {}).update(row)
-    return table
+    """The catalogue's prices (hardware.py) with the spec's `cost.prices` merged over them, $/GPU-hour per
+    accelerator key and provisioning model (`PROVISIONING`)."""
+    return catalogue_price_table(spec.cost.prices)
 
 
 def device_key(device_name: str) -> str | None:
-    """Price-table key of a device name as CUDA reports it ('NVIDIA H100 80GB HBM3' → 'h100'); None if unknown.
-    Whole-word match, so an L40S is not priced as an L4."""
-    name = device_name.lower()
-    for key in PRICES_USD_PER_GPU_HOUR:
-        if re.search(rf"(?<![a-z0-9]){re.escape(key)}(?![a-z0-9])", name):
-            return key
-    return None
-
-
-def check_cost(spec: JobSpec) -> None:
-    """Spec rules for the `cost` section (called from the spec's validator)."""
-    c = spec.cost
-    for gpu, row in c.prices.items():
-        for provisioning, usd in row.items():
-            if usd < 0:
-                raise SpecError(f"cost.prices.{gpu}.{provisioning}", f"{usd} is negative",
-                                "give the price of one GPU-hour in US dollars (≥ 0)")
-    if c.usd_per_device_hour is None and c.gpu is not None:
-        table = price_table(spec)
-        gpu = c.gpu.lower()
-        if gpu not in table:
-            raise SpecError("cost.gpu", f"{c.gpu!r} is not in the price table",
-                            f"use one of {', '.join(table)}, add its prices under cost.prices.{gpu}, "
-                            "or set cost.usd_per_device_hour")
-        if c.provisioning not in table[gpu]:
-            raise SpecError("cost.provisioning", f"no {c.provisioning} price for {gpu}",
-                            f"add cost.prices.{gpu}.{c.provisioning} or choose one of {', '.join(table[gpu])}")
+    """Price-table key of a device name as CUDA reports it ('NVIDIA H100 80GB HBM3' → 'h100'): the catalogue
+    key (hardware.match_device), also for a GPU the table has no price for; None if not catalogued."""
+    gpu = match_device(device_name)
+    return None if gpu is None else gpu.key
 
 
 @dataclass(frozen=True)
@@ -211,6 +164,17 @@ class CostMeter:
         if total is not None and self.tokens:
             out["cost_usd_per_1m_tokens"] = round(total / self.tokens * 1e6, 6)
         return out
+
+    def summary_line(self) -> str | None:
+        """The cost line of the end-of-run summary, or None when the run had no price."""
+        summary = self.summary()
+        total = summary["cost_usd_total"]
+        if total is None:
+            return None
+        per_m = summary.get("cost_usd_per_1m_tokens")
+        per_m = f", ${per_m:.4g} per 1M tokens" if per_m is not None else ""
+        return (f"cost: ${total:.4g} in total{per_m} (${summary['usd_per_device_hour']:.4g}/device-hour × "
+                f"{summary['cost_devices']} devices, {summary['price_source']})")
 
     def describe(self) -> str:
         if not self.price.known:

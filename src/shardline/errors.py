@@ -1,6 +1,6 @@
 """Errors meant for people: each names what is wrong (field or file), the bad value and the fix.
 
-The CLI prints these without a traceback and exits with code 2 (DESIGN.md §5); anything else is a bug.
+The CLI prints these without a traceback and exits with code 2 (docs/architecture.md §7); anything else is a bug.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Device capacities and the fixed per-process memory the planner adds to tensor bytes.
+"""Devices the planner plans for, and the fixed per-process memory it adds to tensor bytes.
 
-Capacities are the totals `nvidia-smi` reports (what the CUDA allocator can ever use), in MiB.
+GPU capacities come from the hardware catalogue (hardware.py: the totals `nvidia-smi` reports).
 Runtime constants live here, in one place, with how they were obtained.
 """
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.errors import SpecError
+from shardline.hardware import GPUS, match_device
 
 MiB, GiB = 2**20, 2**30
 
@@ -21,7 +22,7 @@ CUDA_RUNTIME_BYTES = int(1.5 * GiB)
 
 # CPU: resident runtime of a worker before any model tensor: python + torch 2.13 (CPU) + transformers 5.23 +
 # peft + shardline imports, the gloo process group, one tiny Llama forward/backward. Measured as the peak
-# RSS of a fresh process running `measure_cpu_runtime_bytes()` on the 2-core dev machine: 380.6 MiB (3 runs);
+# RSS of a fresh process running `bench/cpu_runtime.py` on the 2-core dev machine: 380.6 MiB (3 runs);
 # a real worker (tokenizer and data memory maps loaded) read 382 MiB just before building its model.
 CPU_RUNTIME_BYTES = 382 * MiB
 
@@ -47,16 +48,6 @@ class Device:
         return CUDA_RUNTIME_BYTES if self.kind == "cuda" else CPU_RUNTIME_BYTES
 
 
-# key → (display name, nvidia-smi total MiB). Lookup of a CUDA device name: first substring match wins.
-GPUS: dict[str, tuple[str, int]] = {
-    "b200": ("B200 180GB", 183_359),
-    "h200": ("H200 141GB", 143_771),
-    "h100": ("H100 80GB", 81_559),
-    "a100": ("A100 80GB", 81_920),
-    "l4": ("L4 24GB", 23_034),
-}
-
-
 def host_memory_bytes() -> int:
     """MemTotal from /proc/meminfo (0 where unavailable)."""
     try:
@@ -69,17 +60,16 @@ def host_memory_bytes() -> int:
 
 
 def device_names() -> list[str]:
-    return [*GPUS, "cpu"]
+    return [*(gpu.key for gpu in GPUS), "cpu"]
 
 
 def get_device(name: str, memory_gb: float | None = None) -> Device:
-    """A device from the table (`h100`, `h200`, `b200`, `a100`, `l4`, `cpu`); `memory_gb` (GiB) overrides."""
-    key = name.lower()
-    if key == "cpu":
+    """`cpu` or a GPU of the catalogue (`h100`, `h200`, `b200`, `a100`, `l4`, …, or a name as CUDA reports it);
+    `memory_gb` (GiB) overrides the capacity."""
+    if name.lower() == "cpu":
         device = Device("cpu (host RAM)", host_memory_bytes(), "cpu")
-    elif key in GPUS:
-        label, mib = GPUS[key]
-        device = Device(label, mib * MiB, "cuda")
+    elif (gpu := match_device(name)) is not None and gpu.kind == "gpu":
+        device = Device(gpu.name, gpu.memory_bytes, "cuda")
     else:
         raise SpecError("--device", f"unknown device {name!r}", f"choose one of {', '.join(device_names())} "
                         "or give --memory-gb")
@@ -89,34 +79,17 @@ def get_device(name: str, memory_gb: float | None = None) -> Device:
 
 
 def current_device() -> Device:
-    """The device this process trains on: the CUDA GPU (table or its reported total) or the host."""
+    """The device this process trains on: the CUDA GPU or the host."""
     import torch
 
     if not torch.cuda.is_available():
         return get_device("cpu")
-    gpu = torch.cuda.get_device_name()
-    for key, (label, mib) in GPUS.items():
-        if key in gpu.lower():
-            return Device(label, mib * MiB, "cuda")
-    return Device(gpu, torch.cuda.get_device_properties(0).total_memory, "cuda")
+    return cuda_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
 
 
-def measure_cpu_runtime_bytes() -> int:
-    """Re-measure `CPU_RUNTIME_BYTES`: run this in a fresh process (peak RSS is a process-lifetime maximum)."""
-    import os
-    import resource
-
-    import torch
-    import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import shardline.worker  # noqa: F401 - the worker's imports (trainer, data, peft)
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=1, num_key_value_heads=1))
-    model(input_ids=torch.randint(0, 256, (1, 16))).logits.sum().backward()
-    dist.destroy_process_group()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def cuda_device(name: str, total_bytes: int) -> Device:
+    """A CUDA device by the name it reports: the catalogue's entry, else that name and its reported total."""
+    gpu = match_device(name)
+    if gpu is None:
+        return Device(name, total_bytes, "cuda")
+    return Device(gpu.name, gpu.memory_bytes, "cuda")

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md §2): `runs/<run_id>/` with spec.yaml, manifest.json, metrics, logs."""
+"""The run directory (docs/architecture.md §4): `runs/<run_id>/` with spec.yaml, manifest.json, metrics, logs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The job spec: one typed tree that every part of shardline reads (DESIGN.md §1).
+"""The job spec: one typed tree that every part of shardline reads (docs/architecture.md §3).
 
 Every field here is read by some part of the code; unknown keys are errors.
 """
@@ -12,6 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 Precision = Literal["bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
+TaskName = Literal["text_to_sql", "none"]
+"""The tasks `data.task` can name (shardline.tasks.TASKS holds one for each)."""
 WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
 ActivationCheckpointing = Literal["none", "full", "selective"]
 
@@ -85,7 +87,12 @@ class ColumnsSpec(Section):
 
 class DataSpec(Section):
     path: str | None = None
-    """Local .jsonl/.parquet file or a hub dataset name; None uses the generated text-to-SQL set."""
+    """Local .jsonl/.parquet file or a hub dataset name; None uses the task's own data set (`task`)."""
+    task: TaskName | None = None
+    """What the examples are for (shardline/tasks/). `text_to_sql`: the schema + question prompt, its generated
+    set when `path` is unset, and at the end SQL generated for the test questions, scored by test-suite
+    execution accuracy. `none`: a neutral prompt (context, blank line, question), no data of its own,
+    validation loss only. None: `text_to_sql` without `path`, `none` with it (written out in the resolved spec)."""
     columns: ColumnsSpec = ColumnsSpec()
     seed: int = 1234
     """Seeds the generated set and the split of a user dataset into train/validation/test."""
@@ -99,6 +106,12 @@ class DataSpec(Section):
     """Pack whole examples into `train.seq_len` rows; False pads one example per row."""
     cache_dir: str | None = None
     """Where prepared data is cached, content-addressed; default `<run.dir>/prepared`."""
+
+    @model_validator(mode="after")
+    def _default_task(self) -> DataSpec:
+        if self.task is None:  # the generated set is text-to-SQL; a user's own data is not assumed to be
+            self.task = "text_to_sql" if self.path is None else "none"
+        return self
 
 
 class TrainSpec(Section):
@@ -120,7 +133,8 @@ class TrainSpec(Section):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(100, ge=1)
     eval_examples: int = Field(200, ge=0)
-    """Test examples to generate SQL for at the end (0 skips the execution-accuracy eval)."""
+    """Test examples generated for at the end and scored by the task's metric (text_to_sql: execution
+    accuracy); 0 skips it. A task without a generation metric (`data.task: none`) skips it always."""
     eval_max_new_tokens: int = Field(96, ge=1)
 
     @model_validator(mode="after")
@@ -401,6 +415,20 @@ class JobSpec(Section):
     @property
     def world_size(self) -> int:
         return self.launch.nnodes * (self.parallel.nproc_per_node or 1)
+
+    @property
+    def is_elastic(self) -> bool:
+        """`launch.min_nnodes` below `launch.nnodes`: the job runs on any node count in between."""
+        return self.launch.min_nnodes is not None and self.launch.min_nnodes < self.launch.nnodes
+
+    @property
+    def node_counts(self) -> range:
+        low = self.launch.min_nnodes if self.is_elastic else self.launch.nnodes
+        return range(low, self.launch.nnodes + 1)
+
+    @property
+    def allowed_world_sizes(self) -> list[int]:
+        return [n * (self.parallel.nproc_per_node or 1) for n in self.node_counts]
 
     @property
     def grad_accum_steps(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardline.errors import SpecError
+from shardline.hardware import price_table
 
 if TYPE_CHECKING:
     from shardline.spec import JobSpec
@@ -67,9 +68,44 @@ def check_combinations(spec: JobSpec) -> None:
     w = spec.observe.wandb_project
     if w is not None and not w.strip():
         raise SpecError("observe.wandb_project", "is empty", "name a W&B project, or use null to turn W&B off")
-    from shardline.cost import check_cost
-
     check_cost(spec)
-    from shardline.launch.elastic import check_elastic
-
     check_elastic(spec)
+
+
+def check_elastic(spec: JobSpec) -> None:
+    lo, hi = spec.launch.min_nnodes, spec.launch.nnodes
+    if lo is None:
+        return
+    if lo > hi:
+        raise SpecError("launch.min_nnodes", f"{lo} is more than launch.nnodes={hi}",
+                        f"use a value from 1 to {hi} (nnodes is the most nodes the job runs on)")
+    p, t = spec.parallel, spec.train
+    if lo < hi and (p.dp_replicate != 1 or p.dp_shard is not None):
+        raise SpecError("parallel.dp_replicate", "HSDP fixes the world size, but launch.min_nnodes lets it change",
+                        "use plain FSDP (dp_replicate 1, dp_shard null) for elastic jobs")
+    for world in spec.allowed_world_sizes:
+        if t.global_batch_size % (world * t.micro_batch_size):
+            raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by world size × "
+                            f"micro-batch = {world} × {t.micro_batch_size} for {world // (p.nproc_per_node or 1)} "
+                            "nodes, a size this elastic job may run at",
+                            "make it a multiple of every world size from launch.min_nnodes to launch.nnodes")
+
+
+def check_cost(spec: JobSpec) -> None:
+    """Rules of the `cost` section: prices are not negative; a named GPU has a price for its provisioning."""
+    c = spec.cost
+    for gpu, row in c.prices.items():
+        for provisioning, usd in row.items():
+            if usd < 0:
+                raise SpecError(f"cost.prices.{gpu}.{provisioning}", f"{usd} is negative",
+                                "give the price of one GPU-hour in US dollars (≥ 0)")
+    if c.usd_per_device_hour is None and c.gpu is not None:
+        table = price_table(c.prices)
+        gpu = c.gpu.lower()
+        if gpu not in table:
+            raise SpecError("cost.gpu", f"{c.gpu!r} is not in the price table",
+                            f"use one of {', '.join(table)}, add its prices under cost.prices.{gpu}, "
+                            "or set cost.usd_per_device_hour")
+        if c.provisioning not in table[gpu]:
+            raise SpecError("cost.provisioning", f"no {c.provisioning} price for {gpu}",
+                            f"add cost.prices.{gpu}.{c.provisioning} or choose one of {', '.join(table[gpu])}")

@@ -1,4 +1,4 @@
-"""The one worker entry point every launcher starts (DESIGN.md §4):
+"""The one worker entry point every launcher starts (docs/architecture.md §6):
 
     torchrun <rendezvous flags> -m shardline.worker --spec <resolved spec.yaml> [--task train|eval|netcheck|gpucheck]
 """
@@ -20,7 +20,6 @@ from shardline.data.prepare import PreparedData, prepare
 from shardline.environment import check_environment
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
-from shardline.launch.elastic import allowed_world_sizes
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
 from shardline.resolve import load_spec
@@ -56,7 +55,7 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
     with distributed() as ctx:
         trainer: Trainer | None = None
         try:
-            if ctx.world not in allowed_world_sizes(spec):  # elastic jobs (launch.min_nnodes) allow a range
+            if ctx.world not in spec.allowed_world_sizes:  # elastic jobs (launch.min_nnodes) allow a range
                 raise SpecError("parallel.nproc_per_node", f"the spec expects world size {spec.world_size} "
                                 f"but {ctx.world} processes joined", "launch with the spec's nnodes × nproc_per_node")
             if ctx.is_main and not (run_dir / "spec.yaml").exists():
@@ -82,7 +81,7 @@ def _evaluate(trainer: Trainer) -> int:
     store, step = found
     trainer.load_checkpoint(step, with_optimizer=False, store=store)
     trainer.validate()
-    trainer.evaluate_sql()
+    trainer.evaluate_generation()
     return EXIT_OK
 
 

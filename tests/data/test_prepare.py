@@ -10,6 +10,7 @@ from shardline.data import prepare as prepare_mod
 from shardline.data.prepare import prepare
 from shardline.data.template import encode_answer, encode_prompt
 from shardline.errors import DataError, SpecError
+from shardline.tasks.text_to_sql.prompt import SQL_PROMPT
 from tests.conftest import small_spec
 
 
@@ -25,8 +26,8 @@ def test_loss_mask_covers_exactly_answer_and_eos(prepared):
     rows = prepared.rows("train")
     answers = {}
     for ex in prepared.examples("train"):
-        ids = encode_prompt(tok, ex.question, ex.context, "plain") + encode_answer(tok, ex.answer)
-        answers[tuple(ids)] = len(encode_prompt(tok, ex.question, ex.context, "plain"))
+        ids = encode_prompt(tok, SQL_PROMPT, ex.question, ex.context, "plain") + encode_answer(tok, ex.answer)
+        answers[tuple(ids)] = len(encode_prompt(tok, SQL_PROMPT, ex.question, ex.context, "plain"))
     checked = 0
     for r in range(len(rows.n_real)):
         for a, b in _docs_of(rows, r):
@@ -46,7 +47,7 @@ def test_packing_keeps_every_token_and_pads_are_not_eos(prepared):
     rows = prepared.rows("train")
     stats = prepared.stats["splits"]["train"]
     assert int(rows.n_real.sum()) == stats["tokens"]
-    lengths = [len(encode_prompt(tok, e.question, e.context, "plain")) + len(encode_answer(tok, e.answer))
+    lengths = [len(encode_prompt(tok, SQL_PROMPT, e.question, e.context, "plain")) + len(encode_answer(tok, e.answer))
                for e in prepared.examples("train")]
     expected = sum(n for n in lengths if n <= prepared.meta["seq_len"])
     assert expected == stats["tokens"]

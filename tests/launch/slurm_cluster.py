@@ -1,7 +1,7 @@
 """A real single-host Slurm for tests: munged, slurmctld and two slurmd as two simulated nodes.
 
-Recipe: ../shared/notes/infra-recipes.md §1. Everything lives in a scratch directory (config, state,
-logs, a private munge socket), clients find it through SLURM_CONF, and every daemon is stopped by PID.
+Debian's slurm-wlm and munge packages (installed by scripts/setup). Everything lives in a scratch directory
+(config, state, logs, a private munge socket), clients find it through SLURM_CONF, and every daemon is stopped by PID.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardline.errors import SpecError
-from shardline.launch.backend import get_backend
 from shardline.launch.command import node_torchrun_command
+from shardline.launch.registry import get_backend
 from shardline.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, free_port, read_metrics, small_overrides
 

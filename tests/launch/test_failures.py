@@ -63,7 +63,7 @@ def test_bad_input_found_by_the_workers_exits_2_with_one_message(tmp_path):
                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     assert eval_proc.returncode == 2, eval_proc.stderr[-2000:]
     _no_torchrun_dump(eval_proc)
-    assert "has no committed checkpoint — train the run first" in eval_proc.stderr
+    assert "has no intact committed checkpoint — train the run first" in eval_proc.stderr
     assert "no checkpoint was committed in this run yet" in eval_proc.stderr
 
 

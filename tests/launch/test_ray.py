@@ -15,11 +15,12 @@ import pytest
 import yaml
 
 from shardline.errors import ShardlineError, SpecError
-from shardline.launch.backend import get_backend, wait_for
+from shardline.launch.backend import wait_for
+from shardline.launch.registry import get_backend
 from shardline.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
 
-CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "crds"
+CRDS = Path(__file__).resolve().parents[1] / "crds"
 
 
 def _strict(schema: dict) -> dict:

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from shardline.errors import ShardlineError, SpecError
-from shardline.launch.backend import get_backend, load_record, wait_for
+from shardline.launch.backend import load_record, wait_for
+from shardline.launch.registry import get_backend
 from shardline.launch.slurm import parse_job
 from shardline.resolve import load_spec
 from shardline.rundir import create_run, read_spec

@@ -1,11 +1,11 @@
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from shardline.data.generate import generate_splits
 from shardline.data.loader import make_batch
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import train_bpe
 from shardline.model.build import build_model
+from shardline.tasks.text_to_sql.generate import generate_splits
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides, small_spec
 
 CHAT_TEMPLATE = (

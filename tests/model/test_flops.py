@@ -67,6 +67,8 @@ def test_lora_counts_frozen_weights_at_four_flops_per_parameter():
     ("NVIDIA H200", torch.bfloat16, 989.0),
     ("NVIDIA B200", torch.bfloat16, 2250.0),
     ("NVIDIA A100-SXM4-80GB", torch.float32, 156.0),
+    ("NVIDIA L40S", torch.bfloat16, 362.0),  # not the L4's 121
+    ("Tesla T4", torch.bfloat16, None),  # no bf16 tensor cores: the trainer measures instead
     ("Some Future GPU", torch.bfloat16, None),
 ])
 def test_peak_table(name, dtype, peak):

@@ -7,44 +7,51 @@ import pytest
 
 from shardline.cli import main
 from shardline.cost import (
-    PRICES_USD_PER_GPU_HOUR,
-    PROVISIONING,
     CostMeter,
     Price,
     device_key,
     estimated_step_time,
     previous_cost_usd,
+    price_table,
     project_cost,
     resolve_price,
 )
 from shardline.errors import SpecError
-from shardline.plan_devices import GPUS
+from shardline.hardware import PROVISIONING
 from shardline.resolve import load_spec
 from tests.conftest import small_spec
 
 TMP = Path("/tmp")
+TABLE = price_table(small_spec(TMP))
 
 
-def test_price_table_has_every_planner_gpu_and_every_provisioning_model():
-    assert set(PRICES_USD_PER_GPU_HOUR) == set(GPUS)
-    for gpu, row in PRICES_USD_PER_GPU_HOUR.items():
+def test_price_table_has_the_gcp_gpus_and_every_provisioning_model():
+    assert {"h100", "h200", "b200", "a100", "l4"} <= set(TABLE)
+    for gpu, row in TABLE.items():
         assert tuple(row) == PROVISIONING, gpu
         assert row["spot"] < row["dws-flex-start"] < row["on-demand"] and row["reservation"] < row["on-demand"]
 
 
 @pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
-                                       ("NVIDIA L4", "l4"), ("NVIDIA L40S", None), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"), ("NVIDIA H200", "h200"),
                                        ("cpu", None)])
 def test_cuda_device_names_map_to_table_rows_by_whole_word(name, key):
     assert device_key(name) == key
 
 
+def test_a_catalogued_gpu_without_a_table_price_asks_for_one():
+    price = resolve_price(small_spec(TMP), "NVIDIA L40S")
+    assert not price.known and "cost.prices.l40s.on-demand" in price.source
+    priced = resolve_price(small_spec(TMP, "cost.prices={l40s: {on-demand: 1.8}}"), "NVIDIA L40S")
+    assert (priced.usd_per_device_hour, priced.source) == (1.8, "cost.prices.l40s.on-demand")
+
+
 def test_table_price_follows_device_and_provisioning():
     spec = small_spec(TMP, "cost.provisioning=spot")
     price = resolve_price(spec, "NVIDIA H100 80GB HBM3")
-    assert price.usd_per_device_hour == PRICES_USD_PER_GPU_HOUR["h100"]["spot"] and "h100 spot" in price.source
+    assert price.usd_per_device_hour == TABLE["h100"]["spot"] and "h100 spot" in price.source
     pinned = resolve_price(small_spec(TMP, "cost.gpu=a100"), "NVIDIA H100 80GB HBM3")
-    assert pinned.usd_per_device_hour == PRICES_USD_PER_GPU_HOUR["a100"]["on-demand"]
+    assert pinned.usd_per_device_hour == TABLE["a100"]["on-demand"]
 
 
 def test_cpu_is_priced_only_by_the_spec():
@@ -111,7 +118,7 @@ def test_projection_is_steps_times_step_time_times_devices_times_price():
     spec = load_spec("llama-3.1-70b-fsdp", ["cost.provisioning=spot"])
     step_s = estimated_step_time(spec, peak_tflops=989.0)
     p = project_cost(spec, "NVIDIA H100 80GB HBM3", step_s, "estimated")
-    spot = PRICES_USD_PER_GPU_HOUR["h100"]["spot"]
+    spot = TABLE["h100"]["spot"]
     assert p.total_usd == pytest.approx(spec.train.max_steps * step_s * spec.world_size / 3600 * spot)
     assert set(p.by_provisioning) == set(PROVISIONING) and p.by_provisioning["spot"] == pytest.approx(p.total_usd)
     # 70B: ~6 × 70e9 FLOPs per token (+ attention); 1024 rows × 512 tokens per step at 40 % of 989 TFLOP/s × 16

@@ -194,7 +194,7 @@ def test_a_local_run_serves_metrics_on_loopback_and_cluster_specs_on_all_interfa
         port = int(read_manifest(run_dir)["metrics_url"].rsplit(":", 1)[1].split("/")[0])
         with socket.socket() as s:  # the port is free on another address: bound to 127.0.0.1, not to all
             s.bind(("127.0.0.2", port))
-    from shardline.launch.backend import get_backend
+    from shardline.launch.registry import get_backend
 
     cluster = spec.model_copy(deep=True)
     cluster.launch.image = "registry.example/shardline:1"

@@ -19,6 +19,7 @@ from shardline.ops.gpucheck import (
     assess,
     check_rank,
     exit_code,
+    expected_peaks,
     own_reading,
     stragglers,
     summarize,
@@ -84,6 +85,7 @@ def test_gpu_ranks_with_recorded_nvml_fail_on_the_faulty_gpu_and_the_slow_one(mo
     results = [check_rank(spec, i, torch.device("cuda", i), reader_factory=RecordedReader) for i in range(8)]
     assert results[0].reading["temperature_c"] == 34 and results[0].driver_version == "550.90.07"
     assert results[0].peak_tflops == 989.0 and results[0].peak_fraction == pytest.approx(720 / 989)
+    assert results[0].memory_fraction == pytest.approx(2900 / expected_peaks("NVIDIA H100 80GB HBM3")[1])
     summary = summarize(results, spec)
     assert summary.gpu and not summary.passed and summary.stragglers == [6]
     text = "\n".join(summary.reasons)

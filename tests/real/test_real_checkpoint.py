@@ -16,10 +16,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardline.data.generate import generate_splits
 from shardline.data.prepare import PreparedData
-from shardline.data.template import CHAT_USER
 from shardline.spec import ModelSpec
+from shardline.tasks.text_to_sql.generate import generate_splits
+from shardline.tasks.text_to_sql.prompt import CHAT_USER
 from tests.conftest import REPO, only_run, read_metrics
 from tests.oracle import documents_of_rows, unpacked_loss
 from tests.real.checkpoint import smollm2_dir
@@ -51,7 +51,8 @@ def user_file(tmp_path_factory) -> Path:
 
 def _sets(real: Path, data: Path, root: Path, nproc: int, *extra: str) -> list[str]:
     values = [f"run.dir={root / 'runs'}", f"data.cache_dir={root / 'prepared'}",
-              f"model.path={real}", f"data.path={data}", "data.prompt_format=chat", "data.train_size=null",
+              f"model.path={real}", f"data.path={data}", "data.prompt_format=chat", "data.task=text_to_sql",
+              "data.train_size=null",
               "data.validation_size=8", "data.test_size=8", "train.seq_len=384", "train.micro_batch_size=1",
               "train.global_batch_size=2", "train.lr=1e-4", "train.log_every=1", "train.eval_examples=0",
               "train.peak_tflops=1", f"parallel.nproc_per_node={nproc}", "observe.metrics_port=null",

@@ -1,7 +1,7 @@
 """Prepare once: source → tokenizer → prompt/answer ids → packed, memory-mapped token shards.
 
 The result lives in a content-addressed directory `<cache_dir>/<version>/`, where `version` hashes the
-source data, tokenizer, template, seq len, packing and split settings; it is the dataset version
+source data, tokenizer, the task's prompt template, seq len, packing and split settings; it is the dataset version
 recorded for a run. It is built in a temporary directory and renamed into place atomically, under a
 file lock, so concurrent ranks (or nodes sharing a filesystem) prepare it once and never see a
 half-written directory. `meta.json` lists every file with its size; a directory that does not match
@@ -27,14 +27,15 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from shardline.data.generate import Example
+from shardline.data.example import Example
 from shardline.data.packing import Document, PackedRows, pack
 from shardline.data.sources import SPLITS, SourceData, load_source
-from shardline.data.template import TEMPLATE_VERSION, encode_answer, encode_prompt
+from shardline.data.template import encode_answer, encode_prompt
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
 from shardline.spec import JobSpec
 from shardline.storage import check_locations
+from shardline.tasks import get_task
 
 PREPARE_VERSION = "1"
 PACKED_SPLITS = ("train", "validation")
@@ -151,7 +152,8 @@ def dataset_version(spec: JobSpec, source: SourceData) -> str:
     d, m = spec.data, spec.model
     tokenizer_src = m.tokenizer or m.path
     tokenizer_id = tokenizer_fingerprint(tokenizer_src) if tokenizer_src else f"bpe:{m.arch.vocab_size}"
-    parts = [PREPARE_VERSION, source.fingerprint, tokenizer_id, TEMPLATE_VERSION, d.prompt_format,
+    prompt_version = get_task(d.task).prompt.version
+    parts = [PREPARE_VERSION, source.fingerprint, tokenizer_id, prompt_version, d.prompt_format,
              str(spec.train.seq_len), str(d.packing)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -178,11 +180,12 @@ def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec
             dropped: Counter, progress: Progress | None, split: str) -> list[Document]:
     docs = []
     seq_len = spec.train.seq_len
+    template = get_task(spec.data.task).prompt
     batch = 512
     for start in range(0, len(examples), batch):
         chunk = examples[start : start + batch]
         for ex in chunk:
-            prompt = encode_prompt(tok, ex.question, ex.context, spec.data.prompt_format)
+            prompt = encode_prompt(tok, template, ex.question, ex.context, spec.data.prompt_format)
             answer = encode_answer(tok, ex.answer, spec.data.prompt_format)
             if len(prompt) + len(answer) > seq_len:
                 dropped[f"{split}:too_long"] += 1

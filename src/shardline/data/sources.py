@@ -1,7 +1,8 @@
-"""Where examples come from: the generated text-to-SQL set, a local JSONL/Parquet file, or a hub dataset.
+"""Where examples come from: the task's own data set (`data.task`), a local JSONL/Parquet file, or a hub dataset.
 
 Every source yields the same three fields (`question`, `context`, `answer`) plus an optional `db_id`
-(the generated database a query runs against). Bad rows are counted by reason, never silently dropped.
+(text-to-SQL: the generated database a query runs against). Bad rows are counted by reason, never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardline.data.generate import Example, generate_splits
+from shardline.data.example import Example
 from shardline.errors import DataError
 from shardline.spec import DataSpec
+from shardline.tasks import get_task
 
 SPLITS = ("train", "validation", "test")
 
@@ -33,13 +35,18 @@ class SourceData:
 
 def load_source(spec: DataSpec) -> SourceData:
     if spec.path is None:
-        return _generated(spec)
+        return _bundled(spec)
     rows, fingerprint = _read_rows(spec.path)
     return _split_rows(rows, spec, fingerprint)
 
 
-def _generated(spec: DataSpec) -> SourceData:
-    splits = generate_splits(spec.seed, spec.train_size or 4000, spec.validation_size, spec.test_size)
+def _bundled(spec: DataSpec) -> SourceData:
+    task = get_task(spec.task)
+    if task.bundled_splits is None:
+        raise DataError("data.path", f"is unset, and data.task={spec.task} brings no data of its own",
+                        "set data.path to your .jsonl/.parquet file or hub dataset, or data.task=text_to_sql "
+                        "for the generated text-to-SQL set")
+    splits = task.bundled_splits(spec)
     digest = hashlib.sha256()
     for name in SPLITS:
         for ex in splits[name]:

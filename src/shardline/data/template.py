@@ -1,5 +1,6 @@
 """Prompt templates: one example → prompt token ids (no loss) and answer token ids + its end (loss).
 
+The words of a prompt are the task's (`PromptTemplate`, `shardline.tasks`); how they become tokens is here.
 Prompt and answer are tokenized separately so the boundary is exact and inference sees the same
 prompt tokens as training. The answer ends with what makes the model stop: EOS for the plain template; for
 `chat`, the end-of-turn the tokenizer's own chat template writes after an assistant message (`<|im_end|>`
@@ -8,24 +9,35 @@ for ChatML, `<|eot_id|>` for Llama 3), which need not be the tokenizer's EOS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from transformers import PreTrainedTokenizerBase
 
 from shardline.spec import PromptFormat
 
-TEMPLATE_VERSION = "2"
-INSTRUCTION = "Write the SQL query that answers the question, using the schema."
-PLAIN_PROMPT = "### Schema:\n{context}\n### Question:\n{question}\n### SQL:\n"
-CHAT_USER = INSTRUCTION + "\n<SCHEMA>\n{context}\n</SCHEMA>\n<USER_QUERY>\n{question}\n</USER_QUERY>"
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How a task turns an example's question and context into prompt text."""
+
+    plain: Callable[[str, str], str]
+    """(question, context) → the whole prompt of `data.prompt_format: plain`; the answer follows it directly."""
+    chat: Callable[[str, str], str]
+    """(question, context) → the user message of `data.prompt_format: chat` (the tokenizer's template wraps it)."""
+    version: str
+    """Changes whenever the text does: part of the dataset version, so a new text is prepared anew."""
 
 
-def encode_prompt(tok: PreTrainedTokenizerBase, question: str, context: str, fmt: PromptFormat) -> list[int]:
+def encode_prompt(tok: PreTrainedTokenizerBase, template: PromptTemplate, question: str, context: str,
+                  fmt: PromptFormat) -> list[int]:
     if fmt == "chat":
-        messages = [{"role": "user", "content": CHAT_USER.format(context=context, question=question)}]
+        messages = [{"role": "user", "content": template.chat(question, context)}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     # Exactly one BOS, added here, never again by the tokenizer.
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return bos + tok.encode(PLAIN_PROMPT.format(context=context, question=question), add_special_tokens=False)
+    return bos + tok.encode(template.plain(question, context), add_special_tokens=False)
 
 
 def encode_answer(tok: PreTrainedTokenizerBase, answer: str, fmt: PromptFormat = "plain") -> list[int]:

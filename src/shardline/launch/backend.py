@@ -72,15 +72,6 @@ class Backend(Protocol):
     def cancel(self, record: LaunchRecord) -> None: ...
 
 
-def get_backend(target: str) -> Backend:
-    from shardline.launch import registry
-
-    factories: dict[str, Callable[[], Backend]] = registry.BACKENDS
-    if target not in factories:
-        raise SpecError("--target", f"unknown target {target!r}", f"use one of {', '.join(sorted(factories))}")
-    return factories[target]()
-
-
 def record_path(run_dir: Path) -> Path:
     return run_dir / "launch.json"
 
@@ -104,7 +95,7 @@ def load_record(run: str, runs_dir: str = "runs") -> LaunchRecord:
 
 def wait_for(backend: Backend, record: LaunchRecord, timeout_s: float | None, poll_s: float = 5.0,
              on_change: Callable[[JobState], None] | None = None) -> int:
-    """Poll until the job ends: 0 succeeded, 1 failed, 124 timed out (DESIGN.md §5)."""
+    """Poll until the job ends: 0 succeeded, 1 failed, 124 timed out (docs/architecture.md §7)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last: tuple | None = None
     while True:

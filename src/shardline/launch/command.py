@@ -1,4 +1,4 @@
-"""The one worker command line (DESIGN.md §4) and the torchrun line every cluster engine runs on each node.
+"""The one worker command line (docs/architecture.md §6) and the torchrun line every cluster engine runs on each node.
 
 Cluster engines differ only in how they supply node rank and the rendezvous host: torchrun reads
 `PET_NODE_RANK`, `PET_MASTER_ADDR` and `PET_MASTER_PORT` as defaults for its flags, the variables
@@ -28,7 +28,7 @@ def cluster_spec(spec: JobSpec) -> JobSpec:
 
 
 def worker_command(spec_path: Path | str, task: str = "train") -> list[str]:
-    """The worker invocation shared by every launcher (DESIGN.md §4)."""
+    """The worker invocation shared by every launcher (docs/architecture.md §6)."""
     return ["-m", "shardline.worker", "--spec", str(spec_path), "--task", task]
 
 

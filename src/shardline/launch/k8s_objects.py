@@ -1,7 +1,7 @@
 """Kubernetes objects for one run: the resolved spec as a ConfigMap plus an Indexed Job (with its headless
 Service), a JobSet, or a Kubeflow TrainJob. All three run the same pod (launch/k8s_pod.py).
 
-Failure handling follows DESIGN.md §5 on every target:
+Failure handling follows docs/architecture.md §7 on every target:
 - exit 2 (bad input) fails the job at once, never retried;
 - exit 75 (preempted; a checkpoint was committed) and node disruption replace the pods without using up
   the restart budget — all ranks agree to stop at the same step, so every pod exits 75 together;
@@ -15,7 +15,6 @@ from __future__ import annotations
 from shardline.errors import SpecError
 from shardline.launch import k8s_pod
 from shardline.launch.command import cluster_spec
-from shardline.launch.elastic import is_elastic
 from shardline.launch.k8s_trainjob import check_trainjob, split_pod
 from shardline.launch.profiles import RENDEZVOUS_PORT
 from shardline.resolve import spec_to_yaml
@@ -80,7 +79,7 @@ def rank0_host(spec: JobSpec, target: str) -> str:
 
 def rdzv_endpoint(spec: JobSpec, target: str) -> str | None:
     """An elastic job's c10d store: rank 0's pod by its stable DNS name, so every pod joins the same one."""
-    return f"{rank0_host(spec, target)}:{RENDEZVOUS_PORT}" if is_elastic(spec) else None
+    return f"{rank0_host(spec, target)}:{RENDEZVOUS_PORT}" if spec.is_elastic else None
 
 
 def _rank_env(spec: JobSpec, target: str) -> list[dict]:

@@ -60,7 +60,7 @@ def image_ref(spec: JobSpec) -> str:
 def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
                  workdir: str | None = None) -> list[str]:
     """Wait for the rendezvous host's DNS record (and enter `workdir` where the engine cannot set the
-    container's working directory), then the one torchrun line (DESIGN.md §4)."""
+    container's working directory), then the one torchrun line (docs/architecture.md §6)."""
     chdir = ["--chdir", workdir] if workdir else []
     return ["python", "-m", "shardline.launch.wait_rendezvous", *chdir, "--",
             *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from shardline.errors import SpecError
 from shardline.launch import k8s_pod
-from shardline.launch.elastic import is_elastic
 from shardline.spec import JobSpec
 
 TARGET = "trainjob"
@@ -35,7 +34,7 @@ CONTAINER_CARRIED_OTHERWISE = ("workingDir",)
 
 def check_trainjob(spec: JobSpec) -> None:
     """Refuse the spec fields a TrainJob cannot honour, each with what to do instead."""
-    if is_elastic(spec):
+    if spec.is_elastic:
         raise SpecError("launch.min_nnodes", f"is {spec.launch.min_nnodes} of launch.nnodes={spec.launch.nnodes} "
                         "(an elastic job), which target trainjob cannot run: Kubeflow Trainer has no elastic policy, "
                         "gives every node a fixed PET_NNODES, and owns the rendezvous host",

@@ -4,7 +4,7 @@ Every launcher (Kubernetes, Slurm, Ray), `shardline netcheck` and `shardline clu
 nothing else hard-codes a machine type, an NCCL variable or an expected bandwidth.
 
 Sources: A3 Ultra / A4 (RDMA over gIB) settings are the ones in the reference tutorial this project
-replaces (../shared/seeds: `nccl_params` and the 8 GB all_gather busbw of ~376 GB/s on A4). A3 High
+replaces (its `nccl_params` and the 8 GB all_gather busbw of ~376 GB/s on A4). A3 High
 (GPUDirect-TCPX) and A3 Mega (GPUDirect-TCPXO) follow Google's GKE "maximize GPU network bandwidth"
 pages; they have not been run on hardware by this project — check them against the plugin version your
 cluster's NCCL installer DaemonSet ships.
@@ -13,6 +13,8 @@ cluster's NCCL installer DaemonSet ships.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from shardline.hardware import Accelerator, match_device
 
 RENDEZVOUS_PORT = 29500
 """torchrun's rendezvous port on every engine (Kubeflow Trainer's constant, so one command fits all)."""
@@ -58,6 +60,11 @@ class NetworkProfile:
     node_manifests: tuple[str, ...] = ()
     """Google's node DaemonSets this fabric needs (NCCL/gIB or TCPX(O) installer, NRI device injector), pinned
     to a commit of GoogleCloudPlatform/container-engine-accelerators; `cluster plan gke` applies them."""
+
+    @property
+    def gpu(self) -> Accelerator | None:
+        """The catalogue entry of this machine type's GPU (from its GKE accelerator label); None for any cluster."""
+        return match_device(self.accelerator) if self.accelerator else None
 
 
 _GIB_COMMON = {

@@ -1,4 +1,4 @@
-"""Ray Train entry point: the one worker under `TorchTrainer` (DESIGN.md §4).
+"""Ray Train entry point: the one worker under `TorchTrainer` (docs/architecture.md §6).
 
 Ray starts one worker actor per rank and creates the torch process group itself (gloo on CPU workers,
 `cpu:gloo,cuda:nccl` on GPU workers); each actor then calls `train_loop_per_worker`, which runs the same

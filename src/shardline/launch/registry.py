@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardline.errors import SpecError
+from shardline.launch.backend import Backend
+
 
 def _kubernetes(target: str) -> Callable:
     def make():
@@ -29,7 +32,7 @@ def _ray(target: str) -> Callable:
     return make
 
 
-BACKENDS: dict[str, Callable] = {
+BACKENDS: dict[str, Callable[[], Backend]] = {
     "k8s-job": _kubernetes("k8s-job"),
     "jobset": _kubernetes("jobset"),
     "trainjob": _kubernetes("trainjob"),
@@ -37,3 +40,9 @@ BACKENDS: dict[str, Callable] = {
     "ray": _ray("ray"),
     "rayjob": _ray("rayjob"),
 }
+
+
+def get_backend(target: str) -> Backend:
+    if target not in BACKENDS:
+        raise SpecError("--target", f"unknown target {target!r}", f"use one of {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[target]()

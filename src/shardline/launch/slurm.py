@@ -6,7 +6,7 @@ and the rendezvous address from `PET_MASTER_ADDR` (the first host of the allocat
 `PET_MASTER_PORT`. The resolved spec is written next to the script; the worker creates the run
 directory from it on first start and resumes from its last committed checkpoint on every later one.
 
-Preemption (DESIGN.md §5): `--signal=B:USR1@<launch.grace_seconds>` sends SIGUSR1 to the batch shell
+Preemption (docs/architecture.md §7): `--signal=B:USR1@<launch.grace_seconds>` sends SIGUSR1 to the batch shell
 before the time limit; its trap forwards the signal to the srun step (srun → torchrun → workers), the
 trainer checkpoints and exits 75, and the script runs `scontrol requeue`, so the job starts again with
 the same id and resumes. SIGTERM (scancel, node drain) is forwarded the same way without a requeue.
@@ -32,7 +32,6 @@ from pathlib import Path
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
 from shardline.launch.command import cluster_spec, node_torchrun_command
-from shardline.launch.elastic import is_elastic
 from shardline.launch.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.launch.secret_env import check_no_literal_secrets, from_environment
 from shardline.resolve import spec_to_yaml
@@ -123,7 +122,7 @@ def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
     _check_directive_values(spec, run_dir, workdir)
     s, logs = spec.launch.slurm, run_dir / "logs"
     gpus = spec.parallel.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
-    elastic = is_elastic(spec)
+    elastic = spec.is_elastic
     nodes = f"{spec.launch.min_nnodes}-{spec.launch.nnodes}" if elastic else str(spec.launch.nnodes)
     opts = [f"--job-name={spec.run.id}", f"--nodes={nodes}", "--ntasks-per-node=1"]
     opts += ["--no-kill"] if elastic else []  # a lost node leaves the job running on the others
@@ -141,7 +140,7 @@ def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
     env = {**nccl_environment(get_profile(spec.launch.profile)), "PET_MASTER_PORT": str(RENDEZVOUS_PORT)}
     rdzv = ['export PET_RDZV_ENDPOINT="$PET_MASTER_ADDR:$PET_MASTER_PORT"'] if elastic else []
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-             f"# shardline run {spec.run.id}, task {task}: the same torchrun line on every node (DESIGN.md §4)",
+             f"# shardline run {spec.run.id}, task {task}: the same torchrun line on every node",
              "set -uo pipefail",
              "# rendezvous on the first node of the allocation, at the address Slurm itself uses to reach it",
              'master="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',

@@ -12,7 +12,7 @@ Training FLOPs per token (PaLM appendix B; torchtitan `get_dense_model_nparams_a
 - 12·L·d·T is attention's QKᵀ and AV over a context of T tokens, forward + backward, without halving
   for the causal mask (the torchtitan/PaLM convention; MaxText halves it).
 
-MFU = achieved model FLOP/s per device ÷ the device's dense peak for the compute dtype.
+MFU = achieved model FLOP/s per device ÷ the device's dense peak for the compute dtype (hardware.py).
 """
 
 from __future__ import annotations
@@ -23,22 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-FORMULA = "6·N_trainable + 4·N_frozen + 12·L·d·T (PaLM/torchtitan, no causal halving)"
+from shardline.hardware import match_device
 
-# Dense peak TFLOP/s per device: bf16, and tf32 for fp32 compute. Order matters: first substring match wins.
-PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
-    ("GB200", 2500.0, 1250.0),
-    ("B200", 2250.0, 1125.0),
-    ("B300", 2250.0, 1125.0),
-    ("H200", 989.0, 494.5),
-    ("H100 PCIe", 756.0, 378.0),
-    ("H100 NVL", 835.0, 417.5),
-    ("H100", 989.0, 494.5),
-    ("A100", 312.0, 156.0),
-    ("L40S", 362.0, 183.0),
-    ("L4", 121.0, 60.0),
-    ("A10G", 70.0, 35.0),
-)
+FORMULA = "6·N_trainable + 4·N_frozen + 12·L·d·T (PaLM/torchtitan, no causal halving)"
 
 
 @dataclass(frozen=True)
@@ -81,10 +68,11 @@ def flops_per_token(counts: ParamCounts, num_layers: int, hidden: int, seq_len: 
 
 
 def table_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
-    for key, bf16, tf32 in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            return bf16 if dtype == torch.bfloat16 else tf32
-    return None
+    """The catalogue's dense peak of this GPU for `dtype` (bf16, else tf32/fp32); None when not catalogued."""
+    gpu = match_device(device_name)
+    if gpu is None:
+        return None
+    return gpu.bf16_tflops if dtype == torch.bfloat16 else gpu.fp32_tflops
 
 
 def probe_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:

@@ -7,7 +7,7 @@ targets per job. What does differ per device (utilisation, memory, temperature, 
 exported per GPU by NVIDIA's DCGM exporter, which the dashboard and alerts use next to these series.
 `shardline_mem_peak_bytes` is rank 0's peak (FSDP ranks hold equal shards, to the remainder of a split).
 
-Names derive from the metrics-record fields (DESIGN.md §3): `shardline_<field>`, with a trailing `_s`
+Names derive from the metrics-record fields (docs/architecture.md §5): `shardline_<field>`, with a trailing `_s`
 spelled `_seconds` (Prometheus base units), for the value of the latest step. Running sums are counters
 named `shardline_train_<field>_total` (tokens, steps, step and data-wait time, checkpoint stall), so that
 `rate()` gives exact averages between scrapes however many steps fall between two of them; checkpoints,
@@ -38,7 +38,7 @@ def metric_name(field: str) -> str:
     return PREFIX + (field[:-2] + "_seconds" if field.endswith("_s") else field)
 
 
-# Step-record fields exported as gauges (the value of the latest step); DESIGN.md §3 plus cost.
+# Step-record fields exported as gauges (the value of the latest step); docs/architecture.md §5 plus cost.
 TRAIN_GAUGES: dict[str, str] = {
     "step": "Optimizer steps completed.",
     "loss": "Training loss of the latest step (global token-weighted mean).",

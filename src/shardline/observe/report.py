@@ -2,7 +2,7 @@
 
 The page is self-contained (the plots are embedded as data URIs, no script, no external asset), so it
 can be mailed or opened from a bucket; the PNGs sit beside it for slides and tickets. It reads only the
-run directory contract (DESIGN.md §2): metrics.jsonl, manifest.json, summary.json, eval.json, spec.yaml.
+run directory contract (docs/architecture.md §4): metrics.jsonl, manifest.json, summary.json, eval.json, spec.yaml.
 """
 
 from __future__ import annotations

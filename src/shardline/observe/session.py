@@ -155,14 +155,3 @@ def observing(spec: JobSpec, run_dir: Path, trainer: Trainer, console: Console) 
         raise
     finally:
         session.close(status)
-
-
-def summary_line(summary: dict) -> str | None:
-    """The cost line of the end-of-run summary, or None when the run had no price."""
-    total = summary.get("cost_usd_total")
-    if total is None:
-        return None
-    per_m = summary.get("cost_usd_per_1m_tokens")
-    per_m = f", ${per_m:.4g} per 1M tokens" if per_m is not None else ""
-    return (f"cost: ${total:.4g} in total{per_m} (${summary['usd_per_device_hour']:.4g}/device-hour × "
-            f"{summary['cost_devices']} devices, {summary['price_source']})")

@@ -2,7 +2,8 @@
 
 Each rank checks its own device: the NVML readings of that GPU (ECC, retired/remapped pages, temperature
 and throttle reasons, clocks, power, PCIe link, NVLink), the bf16 matmul TFLOP/s against the device's
-dense peak (model/flops.py, the one peak table) and the copy bandwidth of device memory. Rank 0 gathers
+dense peak and the copy bandwidth of device memory against its HBM bandwidth (both from hardware.py, the
+one catalogue; only the peak is a pass/fail check, copies reach well under the HBM figure). Rank 0 gathers
 every rank's result and flags stragglers: ranks slower than the median by more than
 `launch.gpucheck.straggler_threshold` (one slow GPU sets the pace of every synchronous step).
 
@@ -25,7 +26,8 @@ from typing import Literal, Protocol
 import torch
 
 from shardline.errors import EXIT_FAILURE, EXIT_OK
-from shardline.model.flops import probe_matmul_tflops, table_peak_tflops
+from shardline.hardware import match_device
+from shardline.model.flops import probe_matmul_tflops
 from shardline.spec import JobSpec
 
 EXIT_NO_GPU = 3
@@ -249,10 +251,21 @@ class RankResult:
     findings: list[dict] = field(default_factory=list)
     nvml_error: str | None = None
     driver_version: str | None = None
+    peak_memory_gbps: float | None = None
 
     @property
     def peak_fraction(self) -> float | None:
         return self.matmul_tflops / self.peak_tflops if self.peak_tflops else None
+
+    @property
+    def memory_fraction(self) -> float | None:
+        return self.memory_gbps / self.peak_memory_gbps if self.peak_memory_gbps else None
+
+
+def expected_peaks(device_name: str) -> tuple[float | None, float | None]:
+    """What a healthy GPU of this name reaches at most: dense bf16 TFLOP/s and memory GB/s (None: not catalogued)."""
+    gpu = match_device(device_name)
+    return (None, None) if gpu is None else (gpu.bf16_tflops, gpu.hbm_gbps)
 
 
 def own_reading(readings: list[GpuReading], device_uuid: str | None, local_index: int) -> GpuReading | None:
@@ -273,9 +286,10 @@ def check_rank(spec: JobSpec, rank: int, device: torch.device, reader_factory=Py
         return RankResult(rank, socket.gethostname(), "cpu", tflops, "bfloat16", None,
                           memory_bandwidth_gbps(device, seconds, 256 << 20))
     name = torch.cuda.get_device_name(device)
+    peak_tflops, peak_gbps = expected_peaks(name)
     result = RankResult(rank, socket.gethostname(), name,
                         probe_matmul_tflops(torch.bfloat16, device, n=8192, seconds=seconds), "bfloat16",
-                        table_peak_tflops(name, torch.bfloat16), memory_bandwidth_gbps(device, seconds, 1 << 30))
+                        peak_tflops, memory_bandwidth_gbps(device, seconds, 1 << 30), peak_memory_gbps=peak_gbps)
     try:
         reader = reader_factory()
     except NvmlUnavailable as e:
@@ -328,4 +342,5 @@ def exit_code(summary: Summary) -> int:
 def result_document(results: list[RankResult], summary: Summary) -> dict:
     return {"kind": "gpucheck", "gpu": summary.gpu, "passed": summary.passed,
             "stragglers": summary.stragglers, "reasons": summary.reasons,
-            "ranks": [asdict(r) | {"peak_fraction": r.peak_fraction} for r in results]}
+            "ranks": [asdict(r) | {"peak_fraction": r.peak_fraction, "memory_fraction": r.memory_fraction}
+                      for r in results]}

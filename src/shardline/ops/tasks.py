@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,7 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 from shardline.errors import EXIT_FAILURE, EXIT_OK
-from shardline.resolve import spec_to_yaml
 from shardline.spec import JobSpec
 
 OPS_TASKS = ("netcheck", "gpucheck")
@@ -97,13 +92,14 @@ def gpucheck_table(results) -> Table:
     """One row per rank; NVML columns only when some rank has readings."""
     nvml = any(r.reading for r in results)
     t = Table(title="gpucheck", title_justify="left")
-    cols = ["rank", "host", "device", "bf16 TFLOP/s", "% peak", "mem GB/s"]
+    cols = ["rank", "host", "device", "bf16 TFLOP/s", "% peak", "mem GB/s (% HBM)"]
     cols += ["°C", "W / limit", "PCIe", "NVLink"] if nvml else []
     for col in [*cols, "findings"]:
         t.add_column(col, justify="left" if col in ("host", "device", "findings") else "right")
     for r in results:
         frac = f"{r.peak_fraction:.0%}" if r.peak_fraction is not None else "–"
-        row = [str(r.rank), r.host, r.device, f"{r.matmul_tflops:.2f}", frac, f"{r.memory_gbps:.1f}"]
+        mem = f"{r.memory_gbps:.1f}" + (f" ({r.memory_fraction:.0%})" if r.memory_fraction is not None else "")
+        row = [str(r.rank), r.host, r.device, f"{r.matmul_tflops:.2f}", frac, mem]
         if nvml:
             g = r.reading or {}
             row += [str(g.get("temperature_c") or "–"),
@@ -152,48 +148,3 @@ def document_exit_code(doc: dict) -> int:
 
         return EXIT_NO_GPU
     return EXIT_OK if doc.get("passed") else EXIT_FAILURE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_task_locally(spec: JobSpec, task: str, out: Path | None) -> int:
-    """The task under `torchrun --standalone` on this machine (the local launcher's command + `--out`).
-
-    gpucheck on a machine without CUDA runs in this process instead: there is no GPU to check per rank,
-    only the CPU probe to report, and exit code 3 says so without torchrun's failure report around it.
-    """
-    import torch
-
-    with tempfile.TemporaryDirectory(prefix=f"shardline-{task}-") as tmp:
-        result = Path(tmp) / f"{task}.json"
-        if task == "gpucheck" and not torch.cuda.is_available():
-            env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(_free_port())}
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                code = run_gpucheck(spec, Console(soft_wrap=True), result)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        else:
-            from shardline.launch.local import torchrun_command
-
-            spec_path = Path(tmp) / "spec.yaml"
-            spec_path.write_text(spec_to_yaml(spec))
-            env = dict(os.environ)
-            env.setdefault("TOKENIZERS_PARALLELISM", "false")
-            code = subprocess.run([*torchrun_command(spec, spec_path, task), "--out", str(result)], env=env).returncode
-        if not result.is_file():
-            return code or EXIT_FAILURE
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(result, out)
-        return document_exit_code(json.loads(result.read_text()))

@@ -1,4 +1,4 @@
-"""Evaluation on the sharded model: validation loss, and greedy SQL generation scored on test suites.
+"""Evaluation on the sharded model: validation loss, and greedy generation scored by the task's metric.
 
 Every rank runs the same number of forward passes (FSDP all-gathers in lockstep): validation batches
 are padded to equal counts, and generation uses `synced_gpus` so ranks that finish early keep
@@ -7,26 +7,17 @@ stepping until all are done.
 
 from __future__ import annotations
 
-import sqlite3
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from shardline.data.generate import Database, Example, generate_databases
+from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
-from shardline.data.sql_suite import exact_match, suite_databases, suite_match
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.spec import JobSpec
-
-SUITE_SIZE = 8  # generated databases per test question, after the real database where there is one
-METRIC = (f"test-suite execution accuracy (Zhong et al., 2020): a prediction counts only if its result equals "
-          f"the gold's on every database of its question's suite ({SUITE_SIZE} generated from the schema, with "
-          f"values seeded by the gold's literals, after the real database where there is one); row order counts "
-          f"only when the gold has ORDER BY; a gold that runs on no database counts as wrong")
+from shardline.tasks import GenerationScores, Task
 
 
 def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -49,45 +40,12 @@ def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device
     return float(total[0] / total[1].clamp(min=1))
 
 
-@dataclass
-class SqlEvalResult:
-    accuracy: float
-    exact_match: float
-    n: int
-    metric: str
-    samples: list[dict]
-
-
 def unique_questions(examples: list[Example]) -> list[Example]:
     """The first example of each (question, context): a repeated question must not count twice."""
     first: dict[tuple[str, str], Example] = {}
     for ex in examples:
         first.setdefault((ex.question, ex.context), ex)
     return list(first.values())
-
-
-def score_predictions(examples: list[Example], predictions: list[str], seed: int,
-                      databases: dict[str, Database]) -> SqlEvalResult:
-    """Score each prediction on its question's suite: the real database from ``databases`` (by ``db_id``) if
-    any, then ``SUITE_SIZE`` generated from the context and the gold SQL with ``seed``."""
-    real: dict[str, sqlite3.Connection] = {}
-    samples = []
-    for ex, pred in zip(examples, predictions, strict=True):
-        if ex.db_id in databases and ex.db_id not in real:
-            real[ex.db_id] = databases[ex.db_id].connect()
-        suite = suite_databases(ex.context, ex.answer, SUITE_SIZE, seed, real.get(ex.db_id))
-        result = suite_match(suite, pred, ex.answer)
-        for conn in suite:
-            conn.close()
-        samples.append({"question": ex.question, "gold": ex.answer, "pred": pred, "match": result.match,
-                        "exact_match": exact_match(pred, ex.answer), "databases": result.databases,
-                        **({"gold_errors": result.gold_errors} if result.gold_errors else {})})
-    for conn in real.values():
-        conn.close()
-    n = max(1, len(samples))
-    return SqlEvalResult(accuracy=sum(s["match"] for s in samples) / n,
-                         exact_match=sum(s["exact_match"] for s in samples) / n, n=len(samples), metric=METRIC,
-                         samples=samples)
 
 
 @torch.no_grad()
@@ -107,22 +65,24 @@ def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[i
     return [c[: next((i for i, t in enumerate(c) if t in stop), len(c))] for c in continuations]
 
 
-def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
-                       pad: int, device: torch.device, batch_size: int = 16) -> SqlEvalResult:
-    """Greedy-generate SQL for each distinct question of `examples` (split over ranks); score it on rank 0."""
+def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
+                    task: Task, pad: int, device: torch.device, batch_size: int = 16) -> GenerationScores | None:
+    """Greedy-generate an answer for each distinct question of `examples` (split over ranks) with the task's
+    prompt; rank 0 returns the task's scores of them, other ranks None. The task must have a metric."""
+    assert task.score is not None, f"task {task.name} has no generation metric"
     examples = unique_questions(examples)
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = -(-len(examples) // world)
     mine = list(range(rank * per_rank, min(len(examples), (rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)
     model.eval()
-    stop = stop_ids(tok, spec.data.prompt_format)  # EOS, or the chat template's end of turn
+    fmt = spec.data.prompt_format
+    stop = stop_ids(tok, fmt)  # EOS, or the chat template's end of turn
     predictions: list[tuple[int, str]] = []
     for b in range(n_batches):
         index = mine[b * batch_size : (b + 1) * batch_size]
         todo = index or [0]  # a rank with no work still steps in lockstep
-        prompts = [encode_prompt(tok, examples[i].question, examples[i].context, spec.data.prompt_format)
-                   for i in todo]
+        prompts = [encode_prompt(tok, task.prompt, examples[i].question, examples[i].context, fmt) for i in todo]
         outputs = _generate(model, prompts, pad, stop, spec.train.eval_max_new_tokens, device, world > 1)
         if index:
             texts = [tok.decode(o, skip_special_tokens=True).strip() for o in outputs]
@@ -131,7 +91,6 @@ def sql_execution_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, predictions)
     if rank != 0:
-        return SqlEvalResult(accuracy=float("nan"), exact_match=float("nan"), n=0, metric=METRIC, samples=[])
+        return None
     texts = dict(p for part in gathered for p in part)
-    databases = generate_databases(spec.data.seed) if spec.data.path is None else {}
-    return score_predictions(examples, [texts[i] for i in range(len(examples))], spec.data.seed, databases)
+    return task.score(examples, [texts[i] for i in range(len(examples))], spec.data)

@@ -1,4 +1,4 @@
-"""Step records (DESIGN.md §3): one JSON object per line in metrics.jsonl, and the rank-0 step line."""
+"""Step records (docs/architecture.md §5): one JSON object per line in metrics.jsonl, and the rank-0 step line."""
 
 from __future__ import annotations
 

@@ -39,9 +39,10 @@ from shardline.resolve import spec_to_yaml
 from shardline.resume_policy import check_resume
 from shardline.rundir import checkpoint_location
 from shardline.spec import JobSpec
+from shardline.tasks import get_task
 from shardline.train.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.train.distributed import DistContext
-from shardline.train.evaluate import sql_execution_eval, token_loss_sum, validation_loss
+from shardline.train.evaluate import generation_eval, token_loss_sum, validation_loss
 from shardline.train.faults import maybe_fail
 from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.train.optim import build_optimizer, build_scheduler
@@ -61,6 +62,7 @@ class Trainer:
         self.phase = "setup"
         """What the run is doing now (`shardline.failures.PHASES`): a failure record names it."""
         self.tokenizer = data.tokenizer()
+        self.task = get_task(spec.data.task)
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
         torch.manual_seed(spec.train.seed + ctx.rank)
@@ -333,12 +335,10 @@ class Trainer:
                 self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
         summary = self.summarize(records, wall, val_loss)
-        summary |= self.evaluate_sql()
-        if self.metrics and self.metrics.cost is not None:  # after the SQL eval: its device time is paid too
-            from shardline.observe.session import summary_line
-
+        summary |= self.evaluate_generation()
+        if self.metrics and self.metrics.cost is not None:  # after the generation eval: its device time counts
             summary |= self.metrics.cost.summary()
-            if line := summary_line(summary):
+            if line := self.metrics.cost.summary_line():
                 self._say(line)
         if self.ctx.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -377,31 +377,30 @@ class Trainer:
                       f"launch.grace_seconds={self.spec.launch.grace_seconds})")
         return summary
 
-    def evaluate_sql(self) -> dict:
+    def evaluate_generation(self) -> dict:
+        """Greedy generations for the first `train.eval_examples` test examples, scored by the task's metric
+        (`data.task`); the scores on rank 0, {} elsewhere and for a task without a generation metric."""
         n = min(self.spec.train.eval_examples, len(self.data.examples("test")))
-        if n == 0:
+        if self.task.score is None or n == 0:
             return {}
         examples = self.data.examples("test")[:n]
         self.phase = "sql_evaluation" if self.phase != "evaluation" else self.phase
         maybe_fail("sql_evaluation", self.ctx.rank, self.step)
         start = time.perf_counter()
-        result = sql_execution_eval(self.model, self.tokenizer, examples, self.spec, self.data.meta["pad_id"],
-                                    self.ctx.device)
-        if not self.ctx.is_main:
+        result = generation_eval(self.model, self.tokenizer, examples, self.spec, self.task,
+                                 self.data.meta["pad_id"], self.ctx.device)
+        if result is None:
             return {}
         seconds = time.perf_counter() - start
-        (self.run_dir / "eval.json").write_text(json.dumps(vars(result), indent=2))
-        self.metrics.write("eval", {"step": self.step, "sql_execution_accuracy": result.accuracy,
-                                    "sql_exact_match": result.exact_match, "n": result.n})
+        (self.run_dir / "eval.json").write_text(json.dumps(
+            {"task": self.task.name, **result.scores, "n": result.n, "metric": result.metric,
+             "samples": result.samples}, indent=2))
+        self.metrics.write("eval", {"step": self.step, **result.scores, "n": result.n})
         for s in result.samples[:3]:
-            mark = "[green]✓[/]" if s["match"] else "[red]✗[/]"
-            self.console.print(f"{mark} {s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
-        suite = max((s["databases"] for s in result.samples), default=0)
-        self._say(f"SQL execution accuracy: {100 * result.accuracy:.1f}% (test suite, up to {suite} databases per "
-                  f"question) · exact match {100 * result.exact_match:.1f}% · {result.n} distinct test questions "
-                  f"({seconds:.0f}s)")
-        return {"sql_execution_accuracy": result.accuracy, "sql_exact_match": result.exact_match,
-                "sql_eval_n": result.n}
+            mark = {True: "[green]✓[/] ", False: "[red]✗[/] "}.get(s.get("match"), "")
+            self.console.print(f"{mark}{s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
+        self._say(f"{result.headline} ({seconds:.0f}s)")
+        return {**result.scores, "eval_n": result.n}
 
 
 def _planned_peak(spec: JobSpec) -> int | None:

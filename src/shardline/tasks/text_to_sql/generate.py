@@ -1,8 +1,8 @@
 """Deterministic, seeded generator of text-to-SQL examples over small synthetic sqlite databases.
 
-Every domain in :mod:`shardline.data.sql_domains` becomes a :class:`Database`; every query family enumerates
-all of its (question, SQL) specs over those databases, and splits are drawn from the shuffled specs, so no
-question can appear twice.
+Every domain in :mod:`shardline.tasks.text_to_sql.domains` becomes a :class:`Database`; every query family
+enumerates all of its (question, SQL) specs over those databases, and splits are drawn from the shuffled specs,
+so no question can appear twice.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import random
 import re
 import sqlite3
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import combinations
 from pathlib import Path
 
-from shardline.data.sql_domains import (
+from shardline.data.example import Example
+from shardline.tasks.text_to_sql.domains import (
     DOMAINS,
     OPS,
     Column,
@@ -36,20 +37,6 @@ FAMILIES: dict[str, float] = {  # query family -> sampling weight
 }
 
 Render = Callable[[random.Random], tuple[str, str, tuple[str, ...]]]  # rng -> (question, sql, tables used)
-
-
-@dataclass(frozen=True)
-class Example:
-    """One training example: a question, the CREATE TABLE context, the gold SQL and its database."""
-
-    question: str
-    context: str
-    answer: str
-    db_id: str
-
-    def to_dict(self) -> dict[str, str]:
-        """Plain dict with keys question, context, answer, db_id."""
-        return asdict(self)
 
 
 @dataclass(frozen=True)

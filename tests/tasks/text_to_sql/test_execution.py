@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from shardline.data.sql_exec import SqlResult, execution_match, results_match, run_sql
+from shardline.tasks.text_to_sql.execution import SqlResult, execution_match, results_match, run_sql
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
-from shardline.data.sql_exec import execution_match, run_sql
+from shardline.tasks.text_to_sql.execution import execution_match, run_sql
 
 _TOKEN = re.compile(r"""(?P<ws>\s+|--[^\n]*|/\*[\s\S]*?\*/)|(?P<str>'(?:[^']|'')*')
     |(?P<qid>"(?:[^"]|"")*"|`[^`]*`|\[[^\]]*\])|(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)

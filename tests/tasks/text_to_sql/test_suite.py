@@ -5,10 +5,12 @@ import sqlite3
 
 import pytest
 
-from shardline.data.generate import Example, generate_databases, generate_splits
-from shardline.data.sql_exec import execution_match, run_sql
-from shardline.data.sql_suite import exact_match, suite_databases, suite_match
-from shardline.train.evaluate import SUITE_SIZE, score_predictions, unique_questions
+from shardline.data.example import Example
+from shardline.tasks.text_to_sql.execution import execution_match, run_sql
+from shardline.tasks.text_to_sql.generate import generate_databases, generate_splits
+from shardline.tasks.text_to_sql.score import SUITE_SIZE, score_predictions
+from shardline.tasks.text_to_sql.suite import exact_match, suite_databases, suite_match
+from shardline.train.evaluate import unique_questions
 
 SHOP = """CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT, age INTEGER);
 CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id), product VARCHAR(30),
@@ -191,7 +193,8 @@ def test_repeated_questions_are_scored_once_and_each_sample_says_how_it_was_chec
     assert [s["match"] for s in result.samples] == [True, False] + [True] * 5
     assert [s["exact_match"] for s in result.samples] == [True, False] + [True] * 5
     assert [s["databases"] for s in result.samples] == [SUITE_SIZE] * 2 + [SUITE_SIZE + 1] * 5  # + the real one
-    assert result.n == 7 and result.accuracy == pytest.approx(6 / 7) and f"{SUITE_SIZE} generated" in result.metric
+    assert result.n == 7 and f"{SUITE_SIZE} generated" in result.metric
+    assert result.scores == {"sql_execution_accuracy": pytest.approx(6 / 7), "sql_exact_match": pytest.approx(6 / 7)}
 
 
 def test_every_generated_gold_runs_on_its_whole_suite_and_matches_itself():

@@ -4,7 +4,8 @@ from collections import Counter
 
 import pytest
 
-from shardline.data.generate import (
+from shardline.tasks.text_to_sql.execution import run_sql
+from shardline.tasks.text_to_sql.generate import (
     FAMILIES,
     Database,
     Example,
@@ -13,7 +14,6 @@ from shardline.data.generate import (
     query_family,
     write_jsonl,
 )
-from shardline.data.sql_exec import run_sql
 
 SEED = 1234
 SIZES = {"train": 5000, "validation": 300, "test": 300}

@@ -1,0 +1,43 @@
+"""What a task is: its own data (if any), its prompt words and its generation metric (if any)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shardline.data.example import Example
+from shardline.data.template import PromptTemplate
+from shardline.spec import DataSpec
+
+Splits = dict[str, list[Example]]
+"""Examples by split: `train`, `validation`, `test`."""
+
+
+@dataclass
+class GenerationScores:
+    """A generation metric's verdict on one set of greedy generations."""
+
+    scores: dict[str, float]
+    """Named scores (0-1): the keys of the `eval` records in metrics.jsonl, of summary.json and eval.json."""
+    n: int
+    """Examples scored."""
+    metric: str
+    """What the scores mean, in words (shown in the run report)."""
+    headline: str
+    """One line for the console."""
+    samples: list[dict] = field(default_factory=list)
+    """Per example: `question`, `gold`, `pred` and, where the metric gives one, a bool `match`."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task the trainer can run: everything it knows about the text it trains on comes through here."""
+
+    name: str
+    prompt: PromptTemplate
+    bundled_splits: Callable[[DataSpec], Splits] | None
+    """The task's own data set, used when `data.path` is unset (drawn with `data.seed` and the split sizes);
+    None: the task brings no data."""
+    score: Callable[[list[Example], list[str], DataSpec], GenerationScores] | None
+    """Scores the greedy generations (one per example, the prompt's continuation up to the answer's end);
+    None: the task has no generation metric, and validation loss is its only evaluation."""

@@ -1,0 +1,110 @@
+"""The import graph: no module imports itself back through others (no cycles), and layers only point down."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the shardline modules it imports anywhere in its body (lazy and type-only imports count)."""
+    files = {_module(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets |= {f"{base}.{a.name}" for a in node.names} | {base}
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the groups of modules that import each other (size > 1)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back_through_others():
+    cycles = strongly_connected(import_graph())
+    assert cycles == [], "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in cycles)
+
+
+# docs/architecture.md §1: the layers, bottom (1) to top (7), by module-name prefix (the longest prefix wins).
+LAYERS = {
+    "shardline.errors": 1, "shardline.hardware": 1, "shardline.storage": 1, "shardline.failures": 1,
+    "shardline.spec": 2, "shardline.spec_checks": 2, "shardline.resolve": 2, "shardline.resume_policy": 2,
+    "shardline.presets": 2,
+    "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.plan_devices": 3,
+    "shardline.cost": 3, "shardline.rundir": 3,
+    "shardline.train": 4,
+    "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
+    "shardline.ops": 5,
+    "shardline.launch": 6,
+    "shardline.cli": 7, "shardline.cli_launch": 7, "shardline": 7,
+}
+# docs/architecture.md §1.1: upward imports that are allowed, each with its reason there.
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
+
+
+def layer(module: str) -> int:
+    prefixes = [p for p in LAYERS if module == p or module.startswith(p + ".")]
+    return LAYERS[max(prefixes, key=len)]
+
+
+def test_every_module_has_a_layer():
+    assert all(layer(m) for m in import_graph())
+
+
+def test_imports_point_down_except_the_documented_few():
+    upward = {(m, t) for m, targets in import_graph().items() for t in targets if layer(t) > layer(m)}
+    assert upward <= ALLOWED_UPWARD, "imports from a lower layer up:\n" + "\n".join(
+        f"{m} (layer {layer(m)}) -> {t} (layer {layer(t)})" for m, t in sorted(upward - ALLOWED_UPWARD))
+    assert len(ALLOWED_UPWARD) <= 3
