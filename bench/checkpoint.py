@@ -61,8 +61,8 @@ def make_trainer(model: str, ctx, tmp: Path, run_id: str, async_save: bool):
     from rich.console import Console
 
     from shardline.data.prepare import prepare
-    from shardline.resolve import load_spec
     from shardline.rundir import create_run
+    from shardline.spec.resolve import load_spec
     from shardline.train.trainer import Trainer
 
     overrides = [f"run.dir={tmp / 'runs'}", f"data.cache_dir={tmp / 'prepared'}", f"run.id={run_id}",

@@ -61,7 +61,7 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int) -> dict:
     from shardline.data.template import encode_answer, encode_prompt
     from shardline.data.tokenizer import special_ids
     from shardline.model.build import build_model
-    from shardline.resolve import load_spec
+    from shardline.spec.resolve import load_spec
     from shardline.tasks import get_task
 
     torch.set_num_threads(threads)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardline.data.prepare import PreparedData, prepare
-from shardline.resolve import load_spec
 from shardline.spec import JobSpec
+from shardline.spec.resolve import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -79,16 +79,14 @@ def test_no_module_imports_itself_back_through_others():
 
 # docs/architecture.md §1: the layers, bottom (1) to top (7), by module-name prefix (the longest prefix wins).
 LAYERS = {
-    "shardline.errors": 1, "shardline.hardware": 1, "shardline.storage": 1, "shardline.failures": 1,
-    "shardline.spec": 2, "shardline.spec_checks": 2, "shardline.resolve": 2, "shardline.resume_policy": 2,
-    "shardline.presets": 2,
-    "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.plan_devices": 3,
-    "shardline.cost": 3, "shardline.rundir": 3,
+    "shardline": 1, "shardline.errors": 1, "shardline.profiles": 1, "shardline.hardware": 1, "shardline.storage": 1, "shardline.failures": 1,
+    "shardline.spec": 2, "shardline.presets": 2,
+    "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.rundir": 3,
     "shardline.train": 4,
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
     "shardline.ops": 5,
     "shardline.launch": 6,
-    "shardline.cli": 7, "shardline.cli_launch": 7, "shardline": 7,
+    "shardline.cli": 7, "shardline.cli_launch": 7,
 }
 # docs/architecture.md §1.1: upward imports that are allowed, each with its reason there.
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

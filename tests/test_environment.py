@@ -12,8 +12,8 @@ from shardline.environment import check_environment
 from shardline.errors import SpecError
 from shardline.failures import read_failures
 from shardline.launch.registry import get_backend
-from shardline.resolve import load_spec
 from shardline.rundir import create_run
+from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, small_overrides
 
 NEEDS_PACKAGES = ["model.attn_implementation=flash_attention_2", "observe.tensorboard=true",

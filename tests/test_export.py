@@ -19,8 +19,8 @@ from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
 from shardline.export import export_run
 from shardline.model.build import build_model
-from shardline.resolve import spec_to_yaml
 from shardline.rundir import create_run, read_manifest
+from shardline.spec.resolve import spec_to_yaml
 from shardline.train.trainer import Trainer
 from tests.conftest import REPO, small_spec
 

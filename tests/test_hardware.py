@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import shardline
-from shardline.cost import device_key, price_table
 from shardline.hardware import ACCELERATORS, GPUS, match_device
-from shardline.launch.profiles import PROFILES
 from shardline.model.flops import table_peak_tflops
 from shardline.ops.gpucheck import expected_peaks
-from shardline.plan_devices import MiB, cuda_device, device_names, get_device
+from shardline.plan.cost import device_key, price_table
+from shardline.plan.devices import MiB, cuda_device, device_names, get_device
+from shardline.profiles import PROFILES
 from tests.conftest import small_spec
 
 # `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` as printed on real machines (public logs,

@@ -18,7 +18,8 @@ from shardline.data.prepare import prepare
 from shardline.errors import SpecError
 from shardline.model.build import decoder_layers, llama_config
 from shardline.model.lora import apply_lora
-from shardline.plan import (
+from shardline.plan.devices import GiB, get_device
+from shardline.plan.memory import (
     KNOWN_MODELS,
     block_saved_bytes,
     model_shape,
@@ -27,9 +28,8 @@ from shardline.plan import (
     planned_peak_bytes,
     suggest,
 )
-from shardline.plan_devices import GiB, get_device
-from shardline.resolve import load_spec, spec_to_yaml
 from shardline.spec import LoraSpec
+from shardline.spec.resolve import load_spec, spec_to_yaml
 from shardline.train.evaluate import token_loss_sum
 from shardline.train.trainer import Trainer
 from tests.conftest import free_port, run_cli, small_spec

@@ -7,7 +7,7 @@ import pytest
 
 from shardline import rundir
 from shardline.errors import SpecError
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from tests.conftest import small_spec
 
 

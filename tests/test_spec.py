@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from shardline.errors import SpecError
-from shardline.resolve import apply_override, load_spec, preset_names, spec_hash, spec_to_yaml
+from shardline.spec.resolve import apply_override, load_spec, preset_names, spec_hash, spec_to_yaml
 from tests.conftest import run_cli
 
 

@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from shardline.errors import EXIT_BAD_INPUT
-from shardline.resolve import spec_to_yaml
+from shardline.spec.resolve import spec_to_yaml
 from tests.conftest import REPO, small_spec
 
 

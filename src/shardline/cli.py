@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, ShardlineError, SpecError
-from shardline.resolve import load_spec, preset_names, spec_to_yaml
+from shardline.spec.resolve import load_spec, preset_names, spec_to_yaml
 
 console = Console(soft_wrap=True)
 
@@ -141,8 +141,8 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardline.plan import gib, plan_memory, plan_rows, suggest
-    from shardline.plan_devices import current_device, get_device
+    from shardline.plan.devices import current_device, get_device
+    from shardline.plan.memory import gib, plan_memory, plan_rows, suggest
 
     spec = _resolve(args)
     if args.device or args.memory_gb is not None:
@@ -150,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:  # this machine's GPU; on a CPU-only host, hub models are planned for the profile's GPU (or an H100)
         device = current_device()
         if device.kind == "cpu" and spec.model.path is not None:
-            from shardline.launch.profiles import get_profile
+            from shardline.profiles import get_profile
 
             gpu = get_profile(spec.launch.profile).gpu
             device = get_device(gpu.key if gpu else "h100")
@@ -173,7 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     share = f" ({p.nproc_per_node} processes share the host)" if plan.device.kind == "cpu" else ""
     table.add_row(f"capacity{share}", gib(plan.capacity_bytes))
     console.print(table)
-    from shardline.cost import plan_cost_lines
+    from shardline.plan.cost import plan_cost_lines
 
     for line in plan_cost_lines(spec, plan.device.kind, plan.device.name,
                                 Path(args.from_run) if args.from_run else None):

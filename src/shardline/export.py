@@ -30,9 +30,9 @@ from shardline.errors import ShardlineError
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
-from shardline.resolve import load_spec, spec_hash
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
+from shardline.spec.resolve import load_spec, spec_hash
 from shardline.storage import filesystem_for
 from shardline.train.checkpoint import CheckpointStore, checkpoint_spec, step_name
 from shardline.train.checkpoint_storage import WeightsOnlyLoadPlanner

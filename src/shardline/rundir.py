@@ -13,9 +13,9 @@ from pathlib import Path
 
 from shardline import __version__
 from shardline.errors import SpecError
-from shardline.resolve import read_spec_file, spec_hash, spec_to_yaml
-from shardline.resume_policy import changed_fields, check_resume
 from shardline.spec import JobSpec
+from shardline.spec.resolve import read_spec_file, spec_hash, spec_to_yaml
+from shardline.spec.resume_policy import changed_fields, check_resume
 
 ATTEMPTS_DIR = "attempts"
 

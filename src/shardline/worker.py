@@ -22,9 +22,9 @@ from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPT
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
-from shardline.resolve import load_spec
 from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
+from shardline.spec.resolve import load_spec
 from shardline.storage import check_locations
 from shardline.train.distributed import DistContext, distributed
 from shardline.train.signals import Preempted, StopRequest

@@ -14,7 +14,7 @@ import pytest
 from shardline.errors import SpecError
 from shardline.launch.command import node_torchrun_command
 from shardline.launch.registry import get_backend
-from shardline.resolve import load_spec, spec_to_yaml
+from shardline.spec.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, free_port, read_metrics, small_overrides
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from shardline.errors import ClusterError
-from shardline.launch.k8s_api import ClusterApi
-from shardline.launch.kubernetes import KubernetesBackend
-from shardline.resolve import load_spec
+from shardline.launch.kubernetes.api import ClusterApi
+from shardline.launch.kubernetes.backend import KubernetesBackend
+from shardline.spec.resolve import load_spec
 from tests.launch.k8s_apiserver import (
     ApiServerStub,
     closed_port_url,

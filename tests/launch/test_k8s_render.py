@@ -9,10 +9,10 @@ import yaml
 
 from shardline.errors import SpecError
 from shardline.launch.backend import LaunchRecord, wait_for
-from shardline.launch.k8s_objects import render_objects
-from shardline.launch.k8s_status import explain
-from shardline.launch.kubernetes import KubernetesBackend
-from shardline.resolve import load_spec
+from shardline.launch.kubernetes.backend import KubernetesBackend
+from shardline.launch.kubernetes.objects import render_objects
+from shardline.launch.kubernetes.status import explain
+from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate, validate_all
 
 BASE = ["run.id=demo-20261122-000000", "launch.image=registry.example/shardline:1", "launch.nnodes=2",

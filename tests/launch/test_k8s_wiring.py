@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shardline.launch.k8s_objects import render_objects
-from shardline.launch.k8s_pod import SPEC_MOUNT
-from shardline.resolve import load_spec
+from shardline.launch.kubernetes.objects import render_objects
+from shardline.launch.kubernetes.pod import SPEC_MOUNT
+from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
 from tests.k8s_schemas import validate_all
 from tests.launch.k8s_pods import NetnsCluster, mount_map, netns_available, pod_env, pods_from

@@ -17,7 +17,7 @@ import yaml
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import wait_for
 from shardline.launch.registry import get_backend
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
 
 CRDS = Path(__file__).resolve().parents[1] / "crds"

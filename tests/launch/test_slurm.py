@@ -14,8 +14,8 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import load_record, wait_for
 from shardline.launch.registry import get_backend
 from shardline.launch.slurm import parse_job
-from shardline.resolve import load_spec
 from shardline.rundir import create_run, read_spec
+from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, read_metrics, small_overrides
 from tests.launch import slurm_cluster
 from tests.launch.slurm_cluster import SlurmCluster

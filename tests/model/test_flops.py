@@ -5,7 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardline.model.build import build_model
 from shardline.model.flops import count_params, flops_per_token, table_peak_tflops
 from shardline.model.lora import apply_lora
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 
 SEQ = 64
 

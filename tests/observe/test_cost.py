@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from shardline.cli import main
-from shardline.cost import (
+from shardline.errors import SpecError
+from shardline.hardware import PROVISIONING
+from shardline.plan.cost import (
     CostMeter,
     Price,
     device_key,
@@ -16,9 +18,7 @@ from shardline.cost import (
     project_cost,
     resolve_price,
 )
-from shardline.errors import SpecError
-from shardline.hardware import PROVISIONING
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from tests.conftest import small_spec
 
 TMP = Path("/tmp")

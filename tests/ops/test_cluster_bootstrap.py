@@ -10,7 +10,7 @@ import yaml
 from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.ops.cluster_bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 
 CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "crds"
 A4 = ["launch.profile=a4", "launch.nnodes=2"]

@@ -19,7 +19,7 @@ import yaml
 from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.ops.gke_plan import GkePlanOptions, plan_steps, write_plan
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("SHARDLINE_UPDATE_SNAPSHOTS") == "1"

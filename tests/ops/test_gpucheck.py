@@ -24,7 +24,7 @@ from shardline.ops.gpucheck import (
     stragglers,
     summarize,
 )
-from shardline.resolve import load_spec, spec_to_yaml
+from shardline.spec.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, run_cli
 from tests.ops.nvml_recorded import RecordedReader
 

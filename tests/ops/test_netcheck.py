@@ -9,7 +9,7 @@ import torch.distributed as dist
 from shardline.errors import SpecError
 from shardline.ops import netcheck
 from shardline.ops.netcheck import Record, bandwidths, element_count, evaluate, expected_busbw, measure, message_sizes
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from tests.conftest import run_cli
 
 

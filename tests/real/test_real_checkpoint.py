@@ -117,7 +117,7 @@ def _oracle_loss(model, docs: list[tuple[int, ...]], reference: dict[tuple[int, 
 
 def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(real, tok, user_file, tmp_path):
     from shardline.data.prepare import prepare
-    from shardline.resolve import load_spec
+    from shardline.spec.resolve import load_spec
 
     args = _sets(real, user_file, tmp_path, 1)
     data = prepare(load_spec("tiny", args[1::2]))

@@ -15,8 +15,8 @@ from shardline.data.example import Example
 from shardline.data.prepare import prepare
 from shardline.errors import DataError, SpecError
 from shardline.observe.prometheus import EVAL_GAUGES
-from shardline.resolve import load_spec
 from shardline.spec import TaskName
+from shardline.spec.resolve import load_spec
 from shardline.tasks import TASKS, get_task
 from tests.conftest import REPO, free_port, small_spec
 
@@ -113,7 +113,7 @@ from pathlib import Path
 from rich.console import Console
 import shardline.worker  # everything a training process imports
 from shardline.data.prepare import prepare
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from shardline.tasks import get_task
 from shardline.train.distributed import distributed
 from shardline.train.trainer import Trainer

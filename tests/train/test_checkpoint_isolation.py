@@ -6,7 +6,7 @@ from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
-from shardline.resolve import spec_to_yaml
+from shardline.spec.resolve import spec_to_yaml
 from shardline.train.checkpoint import CheckpointStore, step_name
 from shardline.train.trainer import Trainer
 from tests.conftest import small_spec

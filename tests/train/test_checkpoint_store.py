@@ -12,7 +12,7 @@ from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
-from shardline.resume_policy import check_resume
+from shardline.spec.resume_policy import check_resume
 from shardline.train.checkpoint import COMMITTED, COORDINATOR_CHECKSUMS, CheckpointStore, retained, step_name
 from shardline.train.trainer import Trainer
 from tests.conftest import free_port, small_spec

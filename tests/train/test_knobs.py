@@ -148,7 +148,7 @@ def test_worker_refuses_a_spec_for_a_different_world_size(tmp_path):
     import subprocess
     import sys
 
-    from shardline.resolve import spec_to_yaml
+    from shardline.spec.resolve import spec_to_yaml
 
     spec = small_spec(tmp_path, "parallel.nproc_per_node=2", "run.id=mismatch")
     path = tmp_path / "spec.yaml"

@@ -5,7 +5,7 @@ from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
-from shardline.resolve import load_spec
+from shardline.spec.resolve import load_spec
 from shardline.train.trainer import Trainer
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides, small_spec
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from shardline.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, SpecError
 from shardline.launch.command import torchrun_policy_flags, worker_command
 from shardline.ops.tasks import document_exit_code, run_gpucheck
-from shardline.resolve import spec_to_yaml
 from shardline.rundir import read_manifest
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_to_yaml
 
 
 def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> list[str]:

@@ -27,12 +27,12 @@ import yaml
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, save_record
 from shardline.launch.command import cluster_spec
-from shardline.launch.k8s_api import create_all
-from shardline.launch.profiles import get_profile, nccl_environment
+from shardline.launch.kubernetes.api import create_all
 from shardline.launch.secret_env import from_environment
-from shardline.resolve import spec_to_yaml
+from shardline.profiles import get_profile, nccl_environment
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_to_yaml
 
 ENTRYPOINT_MODULE = "shardline.launch.ray_train"
 PHASES = {"PENDING": "queued", "RUNNING": "running", "SUCCEEDED": "succeeded", "FAILED": "failed",
@@ -171,8 +171,8 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
     Pods are built by the Kubernetes launcher's helpers (image, env with the NCCL profile and secrets,
     volumes with the spec, /dev/shm, host libraries and shared storage, GPU NIC annotations, node
     selector, tolerations): one source of truth for what a training pod needs."""
-    from shardline.launch import k8s_pod
-    from shardline.launch.k8s_objects import config_map, job_annotations, queue_labels
+    from shardline.launch.kubernetes import pod as k8s_pod
+    from shardline.launch.kubernetes.objects import config_map, job_annotations, queue_labels
 
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
@@ -251,7 +251,7 @@ class RayJobBackend:
 
     def __init__(self, api_factory=None, poll_s: float = 3.0) -> None:
         if api_factory is None:
-            from shardline.launch.k8s_api import ClusterApi as api_factory
+            from shardline.launch.kubernetes.api import ClusterApi as api_factory
         self._api_factory, self.poll_s = api_factory, poll_s
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:

@@ -10,7 +10,7 @@ from shardline.launch.backend import Backend
 
 def _kubernetes(target: str) -> Callable:
     def make():
-        from shardline.launch.kubernetes import KubernetesBackend
+        from shardline.launch.kubernetes.backend import KubernetesBackend
 
         return KubernetesBackend(target)
 

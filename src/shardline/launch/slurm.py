@@ -32,11 +32,11 @@ from pathlib import Path
 from shardline.errors import ShardlineError, SpecError
 from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
 from shardline.launch.command import cluster_spec, node_torchrun_command
-from shardline.launch.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.launch.secret_env import check_no_literal_secrets, from_environment
-from shardline.resolve import spec_to_yaml
+from shardline.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.rundir import new_run_id, read_manifest
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_to_yaml
 
 SCRIPT = "job.sbatch"
 SPEC = "spec.yaml"

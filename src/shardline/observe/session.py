@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
-from shardline.resolve import spec_hash
+from shardline.plan.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
 from shardline.rundir import read_manifest, update_manifest
+from shardline.spec.resolve import spec_hash
 
 if TYPE_CHECKING:
     from rich.console import Console

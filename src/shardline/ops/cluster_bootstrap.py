@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from shardline.errors import SpecError
-from shardline.launch.profiles import NetworkProfile, get_profile
+from shardline.profiles import NetworkProfile, get_profile
 from shardline.spec import JobSpec
 
 KUEUE_API = "kueue.x-k8s.io/v1beta2"

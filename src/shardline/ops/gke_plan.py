@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 from shardline.errors import SpecError
-from shardline.launch.profiles import NetworkProfile, get_profile, gpu_network_names
 from shardline.ops.cluster_bootstrap import BOOTSTRAP_FILE, BootstrapOptions, write_bootstrap
+from shardline.profiles import NetworkProfile, get_profile, gpu_network_names
 from shardline.spec import JobSpec
 
 KUEUE_VERSION = "v0.19.2"

@@ -234,7 +234,7 @@ def sweep(spec: JobSpec, device: torch.device, on_record: Callable[[Record], Non
 
 
 def expected_busbw(spec: JobSpec) -> float | None:
-    from shardline.launch.profiles import get_profile
+    from shardline.profiles import get_profile
 
     return spec.launch.netcheck.expect_busbw_gbps or get_profile(spec.launch.profile).expected_busbw_gbps
 

@@ -31,9 +31,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardline.errors import ShardlineError
-from shardline.resolve import read_spec_file
 from shardline.rundir import checkpoint_location, read_spec
 from shardline.spec import CheckpointSpec, JobSpec
+from shardline.spec.resolve import read_spec_file
 from shardline.storage import filesystem_for
 from shardline.train.checkpoint_storage import (
     CHECKSUM_SUFFIX,

@@ -34,11 +34,11 @@ from shardline.model.flops import (
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
-from shardline.plan import planned_peak_bytes
-from shardline.resolve import spec_to_yaml
-from shardline.resume_policy import check_resume
+from shardline.plan.memory import planned_peak_bytes
 from shardline.rundir import checkpoint_location
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_to_yaml
+from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
 from shardline.train.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.train.distributed import DistContext

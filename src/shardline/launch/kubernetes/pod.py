@@ -11,9 +11,9 @@ import json
 
 from shardline.errors import SpecError
 from shardline.launch.command import node_torchrun_command
-from shardline.launch.profiles import get_profile, gpu_network_names, nccl_environment
-from shardline.resolve import spec_hash
+from shardline.profiles import get_profile, gpu_network_names, nccl_environment
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_hash
 
 SPEC_MOUNT = "/etc/shardline"
 SPEC_PATH = f"{SPEC_MOUNT}/spec.yaml"

@@ -407,7 +407,7 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> JobSpec:
-        from shardline.spec_checks import check_combinations
+        from shardline.spec.rules import check_combinations
 
         check_combinations(self)
         return self

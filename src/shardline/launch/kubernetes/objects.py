@@ -13,12 +13,12 @@ Failure handling follows docs/architecture.md §7 on every target:
 from __future__ import annotations
 
 from shardline.errors import SpecError
-from shardline.launch import k8s_pod
 from shardline.launch.command import cluster_spec
-from shardline.launch.k8s_trainjob import check_trainjob, split_pod
-from shardline.launch.profiles import RENDEZVOUS_PORT
-from shardline.resolve import spec_to_yaml
+from shardline.launch.kubernetes import pod as k8s_pod
+from shardline.launch.kubernetes.trainjob import check_trainjob, split_pod
+from shardline.profiles import RENDEZVOUS_PORT
 from shardline.spec import JobSpec
+from shardline.spec.resolve import spec_to_yaml
 
 TARGETS = ("k8s-job", "jobset", "trainjob")
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from shardline.errors import ClusterError, ShardlineError
-from shardline.launch.k8s_errors import Request, api_error
+from shardline.launch.kubernetes.api_errors import Request, api_error
 
 KINDS = {  # apiVersion/kind → (group, version, plural) for custom objects
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io", "v1alpha2", "jobsets"),

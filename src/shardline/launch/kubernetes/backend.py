@@ -11,11 +11,11 @@ from datetime import UTC, datetime
 import yaml
 
 from shardline.errors import ClusterError
-from shardline.launch import k8s_pod
 from shardline.launch.backend import TERMINAL, JobState, LaunchRecord
-from shardline.launch.k8s_api import Api, ClusterApi, create_all
-from shardline.launch.k8s_objects import render_objects
-from shardline.launch.k8s_status import INDEX_ANNOTATION, explain
+from shardline.launch.kubernetes import pod as k8s_pod
+from shardline.launch.kubernetes.api import Api, ClusterApi, create_all
+from shardline.launch.kubernetes.objects import render_objects
+from shardline.launch.kubernetes.status import INDEX_ANNOTATION, explain
 from shardline.spec import JobSpec
 
 

@@ -17,7 +17,7 @@ way, or refused with the spec field that asks for it — never dropped:
 from __future__ import annotations
 
 from shardline.errors import SpecError
-from shardline.launch import k8s_pod
+from shardline.launch.kubernetes import pod as k8s_pod
 from shardline.spec import JobSpec
 
 TARGET = "trainjob"
