@@ -79,7 +79,8 @@ def test_no_module_imports_itself_back_through_others():
 
 # docs/architecture.md §1: the layers, bottom (1) to top (7), by module-name prefix (the longest prefix wins).
 LAYERS = {
-    "shardline": 1, "shardline.errors": 1, "shardline.profiles": 1, "shardline.hardware": 1, "shardline.storage": 1, "shardline.failures": 1,
+    "shardline": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1, "shardline.storage": 1,
+    "shardline.failures": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.rundir": 3,
     "shardline.train": 4,

@@ -18,7 +18,7 @@ I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 - temporaries: the unsharded lm_head gradient c·V·d (held through backward), block backward
   intermediates, the root's fp32 reduce-scatter buffer, AdamW's foreach temporaries (CPU, unfused).
 The peak is the largest of five moments: start of backward, first block reduce-scatter, end of backward,
-root reduce-scatter, optimizer step. Fixed runtime memory and CPU allocator retention: `plan_devices`.
+root reduce-scatter, optimizer step. Fixed runtime memory and CPU allocator retention: `plan.devices`.
 """
 
 from __future__ import annotations

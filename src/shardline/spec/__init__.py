@@ -1,5 +1,6 @@
 """The job spec (docs/architecture.md §3): sections, rules, resolution and the resume policy."""
 
+from shardline.spec.job import JobSpec
 from shardline.spec.sections import (
     ActivationCheckpointing,
     ArchSpec,
@@ -10,7 +11,7 @@ from shardline.spec.sections import (
     CostSpec,
     DataSpec,
     GpucheckSpec,
-    JobSpec,
+    JobSections,
     KubernetesSpec,
     LaunchSpec,
     LoraSpec,
@@ -33,7 +34,7 @@ from shardline.spec.sections import (
 
 __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
-    "CostSpec", "DataSpec", "GpucheckSpec", "JobSpec", "KubernetesSpec", "LaunchSpec", "LoraSpec", "ModelSpec",
-    "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning", "RaySpec",
-    "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TrainSpec",
+    "CostSpec", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec", "LoraSpec",
+    "ModelSpec", "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning",
+    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TrainSpec",
 ]

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shardline.errors import SpecError
 from shardline.hardware import price_table
-
-if TYPE_CHECKING:
-    from shardline.spec import JobSpec
+from shardline.spec.sections import JobSections
 
 
-def check_combinations(spec: JobSpec) -> None:
+def check_combinations(spec: JobSections) -> None:
     t, a = spec.train, spec.model.arch
     world = spec.world_size
     per_step = world * t.micro_batch_size
@@ -72,7 +68,7 @@ def check_combinations(spec: JobSpec) -> None:
     check_elastic(spec)
 
 
-def check_elastic(spec: JobSpec) -> None:
+def check_elastic(spec: JobSections) -> None:
     lo, hi = spec.launch.min_nnodes, spec.launch.nnodes
     if lo is None:
         return
@@ -91,7 +87,7 @@ def check_elastic(spec: JobSpec) -> None:
                             "make it a multiple of every world size from launch.min_nnodes to launch.nnodes")
 
 
-def check_cost(spec: JobSpec) -> None:
+def check_cost(spec: JobSections) -> None:
     """Rules of the `cost` section: prices are not negative; a named GPU has a price for its provisioning."""
     c = spec.cost
     for gpu, row in c.prices.items():

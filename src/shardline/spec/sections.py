@@ -1,4 +1,4 @@
-"""The job spec: one typed tree that every part of shardline reads (docs/architecture.md §3).
+"""The sections of the job spec: one typed tree that every part of shardline reads (docs/architecture.md §3).
 
 Every field here is read by some part of the code; unknown keys are errors.
 """
@@ -381,7 +381,7 @@ class ObserveSpec(Section):
 
 
 class CostSpec(Section):
-    """Prices for the cost shown by `shardline plan`, step records and the summary (cost.py)."""
+    """Prices for the cost shown by `shardline plan`, step records and the summary (plan/cost.py)."""
 
     gpu: str | None = None
     """Price-table row (h100, h200, b200, a100, l4, or a row of `prices`); null: the device the run uses."""
@@ -394,7 +394,9 @@ class CostSpec(Section):
     """MFU `shardline plan` assumes for the projected step time when no measured run is given (--from-run)."""
 
 
-class JobSpec(Section):
+class JobSections(Section):
+    """The sections of a job spec and what follows from them; `JobSpec` adds the cross-field rules."""
+
     run: RunSpec = RunSpec()
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
@@ -404,13 +406,6 @@ class JobSpec(Section):
     launch: LaunchSpec = LaunchSpec()
     observe: ObserveSpec = ObserveSpec()
     cost: CostSpec = CostSpec()
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> JobSpec:
-        from shardline.spec.rules import check_combinations
-
-        check_combinations(self)
-        return self
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,7 @@
 """The few Kubernetes API calls the launcher makes, behind one small interface.
 
 `ClusterApi` talks to a real API server through the `kubernetes` client and the user's kubeconfig, and turns
-every failed request into a ClusterError (launch/k8s_errors.py). Tests drive the launcher's logic through the
+every failed request into a ClusterError (launch/kubernetes/api_errors.py). Tests drive the launcher's logic through the
 same interface with recorded objects, and `ClusterApi` itself against a local server that answers like one.
 """
 

@@ -1,5 +1,5 @@
 """Kubernetes objects for one run: the resolved spec as a ConfigMap plus an Indexed Job (with its headless
-Service), a JobSet, or a Kubeflow TrainJob. All three run the same pod (launch/k8s_pod.py).
+Service), a JobSet, or a Kubeflow TrainJob. All three run the same pod (launch/kubernetes/pod.py).
 
 Failure handling follows docs/architecture.md §7 on every target:
 - exit 2 (bad input) fails the job at once, never retried;
@@ -137,7 +137,7 @@ def jobset(spec: JobSpec, task: str) -> list[dict]:
 
 def trainjob(spec: JobSpec, task: str) -> list[dict]:
     """TrainJob: the trainer's command/env/resources go in `trainer`; everything else in the pod spec is a
-    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2); launch/k8s_trainjob.py decides."""
+    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2); launch/kubernetes/trainjob.py decides."""
     check_trainjob(spec)
     name = k8s_pod.object_name(spec)
     trainer, patched_pod = split_pod(spec, task, k8s_pod.pod_spec(spec, task, f"{name}-spec", [], subdomain=None))

@@ -1,6 +1,6 @@
 """The training pod, built as typed data from the spec: one container named `node` running the node's torchrun.
 
-Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/k8s_objects.py); only how rank and
+Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/kubernetes/objects.py); only how rank and
 rendezvous host reach the pod differs, and that is passed in as `rank_env`.
 """
 
