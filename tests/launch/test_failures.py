@@ -98,3 +98,17 @@ def test_a_failure_in_the_last_validation_says_training_finished():
     text = failure_message([_failure(0, "boom", phase="validation", step=10)], {})
     assert text.startswith("training finished (step 10 of 10), then rank 0 failed while validating: RuntimeError")
     assert "rank 2 was killed by signal 99" in failure_message([], {2: -99})
+
+
+def test_the_exit_code_is_the_causing_ranks_even_when_a_peer_aborted_first():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardline.launch.torchrun import exit_code
+
+    cause, aborted = ProcessFailure(0, 100, 1, "/nonexistent"), ProcessFailure(1, 101, -6, "/nonexistent")
+    cause.timestamp, aborted.timestamp = 20, 10  # the peer that lost its collective died first (SIGABRT)
+    error = ChildFailedError("worker", {0: cause, 1: aborted})
+    assert exit_code(error) == 128 + 6  # without records: the first to die, as a shell reports a signal
+    records = [_failure(0, "InjectedFault: injected fault at train_step"),
+               _failure(1, "Connection closed by peer [127.0.0.1]:1234")]
+    assert exit_code(error, records) == 1  # before: 134, and Kubernetes/Slurm saw a crash instead of the error

@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from shardline.errors import EXIT_FAILURE, EXIT_PREEMPTED
-from shardline.failures import REPORTER_ENV, failure_message, read_failures
+from shardline.failures import PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
 
 
 def _run_dir(worker_args: list[str]) -> Path | None:
@@ -35,9 +35,12 @@ def _run_dir(worker_args: list[str]) -> Path | None:
         return None
 
 
-def exit_code(error: ChildFailedError) -> int:
-    """The first failed worker's exit code; a worker killed by a signal gives 128 + signal, as a shell does."""
-    _, first = error.get_first_failure()
+def exit_code(error: ChildFailedError, failures: list[WorkerFailure] | None = None) -> int:
+    """The exit code of the worker whose failure caused the others' (the first recorded cause, not a rank that
+    only lost its peer and may have aborted first), else of the first failed worker; a worker killed by a
+    signal gives 128 + signal, as a shell does."""
+    causes = [f.rank for f in failures or [] if not PEER_LOST.search(f.message) and f.rank in error.failures]
+    first = error.failures[causes[0]] if causes else error.get_first_failure()[1]
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
 
 
@@ -48,11 +51,12 @@ def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str
     unexplained = {rank: f.exitcode for rank, f in error.failures.items()
                    if rank not in recorded and not (failures and f.exitcode == -signal.SIGTERM)}
     message = failure_message(failures, unexplained)
-    if run_dir is not None and (run_dir / "manifest.json").exists() and exit_code(error) != EXIT_PREEMPTED:
+    code = exit_code(error, failures)
+    if run_dir is not None and (run_dir / "manifest.json").exists() and code != EXIT_PREEMPTED:
         from shardline.rundir import update_manifest
 
         first = failures[0] if failures else None
-        update_manifest(run_dir, status="failed", exit_code=exit_code(error), end_time=time.time(),
+        update_manifest(run_dir, status="failed", exit_code=code, end_time=time.time(),
                         failure={"message": message, "rank": first.rank if first else min(error.failures),
                                  "phase": first.phase if first else None,
                                  "error_type": first.error_type if first else None,
@@ -67,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        code = exit_code(e)
+        run_dir = _run_dir(list(args.training_script_args))
+        code = exit_code(e, read_failures(run_dir, since=started) if run_dir else [])
         if code != EXIT_PREEMPTED:  # a preempted worker already said what it saved
-            print(f"error: {report(e, _run_dir(list(args.training_script_args)), started)}", file=sys.stderr)
+            print(f"error: {report(e, run_dir, started)}", file=sys.stderr)
         return code
     return 0
 
