@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -45,13 +47,31 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run, "train")}
 
 
-def _assert_continues_exactly(run: Path, reference: dict[int, float], resumed_at: int) -> None:
+def _resume_continues_exactly(run: Path, reference: dict[int, float], resumed_at: int) -> str:
+    """`shardline train RUN_DIR` resumes at `resumed_at` and every step's loss equals the uninterrupted run's;
+    returns what the resumed run printed."""
+    again = _cli("train", str(run))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
     assert resumes[-1]["step"] == resumed_at and resumes[-1]["rng_restored"]
     losses = _losses(run)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+    return again.stdout + again.stderr
+
+
+@contextmanager
+def _training(runs: Path, fault: str | None = None) -> Iterator[subprocess.Popen]:
+    """`shardline train` running in the background, for a drill that acts while it trains; its whole process
+    group is killed if the drill fails half-way."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", *_args(runs)], cwd=REPO, env=_env(fault),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _store(run: Path) -> CheckpointStore:
@@ -86,10 +106,7 @@ def test_kill_9_of_a_rank_inside_a_checkpoint_write_keeps_the_last_good_one(tmp_
     losses, _ = reference
     runs = tmp_path / "runs"
     # rank 1 stops itself inside the save of step 8: its shard files are on disk, the save is not finished
-    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", *_args(runs)], cwd=REPO,
-                            env=_env(f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with _training(runs, f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop") as proc:
         deadline, victim = time.monotonic() + 300, None
         while victim is None:
             assert proc.poll() is None and time.monotonic() < deadline, "the drill never reached the write"
@@ -101,14 +118,9 @@ def test_kill_9_of_a_rank_inside_a_checkpoint_write_keeps_the_last_good_one(tmp_
         assert not (in_flight / ".metadata").exists() and not (in_flight / "COMMITTED").exists()
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, out[-3000:]
     assert _store(run).committed() == [EVERY] and _store(run).verify(EVERY) == []
-    again = _cli("train", str(run))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    _assert_continues_exactly(run, losses, resumed_at=EVERY)
+    _resume_continues_exactly(run, losses, resumed_at=EVERY)
     MATRIX.append(("kill -9 of rank 1 inside the write of step 8 (SIGSTOP there first)",
                    "the save never commits; torchrun stops the job",
                    "step 4, checksums intact; the resume continues exactly"))
@@ -140,9 +152,7 @@ def test_a_full_checkpoint_filesystem_is_a_named_error_and_keeps_the_last_good_o
     assert store.committed() == [EVERY] and store.steps() == [EVERY]  # the torn step 8 was removed
     assert store.verify(EVERY) == []
     subprocess.run(["mount", "-o", f"remount,size={int(size * 4)}", str(mount)], check=True)
-    again = _cli("train", str(run))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    _assert_continues_exactly(run, losses, resumed_at=EVERY)
+    _resume_continues_exactly(run, losses, resumed_at=EVERY)
     MATRIX.append(("checkpoint filesystem full at step 8 (tmpfs of 1.5 checkpoints)",
                    "named error, exit 2; the torn step is deleted",
                    "step 4, intact; after freeing space the resume continues exactly"))
@@ -159,10 +169,8 @@ def test_a_shard_corrupted_after_commit_is_detected_and_resume_falls_back(tmp_pa
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: DCP alone would load it silently
     shard.write_bytes(bytes(data))
-    again = _cli("train", str(run))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"{step_name(2 * EVERY)} is damaged and was skipped" in again.stdout + again.stderr
-    _assert_continues_exactly(run, losses, resumed_at=EVERY)
+    printed = _resume_continues_exactly(run, losses, resumed_at=EVERY)
+    assert f"{step_name(2 * EVERY)} is damaged and was skipped" in printed
     MATRIX.append(("one byte of a committed shard flipped",
                    "checksum mismatch found at resume; a warning names the file",
                    "resume falls back to step 4 and continues exactly"))
@@ -188,9 +196,7 @@ def test_a_taken_metrics_port_never_stops_training(tmp_path, reference):
 def test_prepared_data_deleted_mid_run_is_a_named_error_and_the_resume_prepares_it_again(tmp_path, reference):
     losses, _ = reference
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", *_args(runs)], cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
+    with _training(runs) as proc:
         deadline, run = time.monotonic() + 300, None
         while True:  # delete the prepared data once step 4 is committed and before step 8 is saved
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the drill"
@@ -201,15 +207,10 @@ def test_prepared_data_deleted_mid_run_is_a_named_error_and_the_resume_prepares_
         cache = tmp_path / "prepared-cache"
         shutil.rmtree(cache)
         out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2, out[-3000:]
     assert "the prepared data has no" in out and str(cache) in out
     assert _store(run).committed() == [EVERY] and _store(run).verify(EVERY) == []
-    again = _cli("train", str(run))
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    _assert_continues_exactly(run, losses, resumed_at=EVERY)
+    _resume_continues_exactly(run, losses, resumed_at=EVERY)
     MATRIX.append(("prepared data directory deleted after step 4", "named error naming the directory at its next "
                    "read (the save of step 8), exit 2", "step 4; the resume prepares the same dataset version "
                    "again and continues exactly"))
