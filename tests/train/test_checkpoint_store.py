@@ -1,10 +1,13 @@
 """Checkpoint storage: commit markers, retention, resume policy, and an s3:// round trip on moto."""
 
+import contextlib
+import errno
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +164,36 @@ def test_every_minutes_makes_all_ranks_agree_to_save(ctx, tmp_path, prepared):
     assert _trainer(ctx, tmp_path, prepared)._agree(last_save=time.monotonic() - 1.0) == (False, False)
     t.stop.signum = 10  # as if SIGUSR1 had arrived
     assert t._agree(last_save=time.monotonic()) == (True, False)
+
+
+
+def test_a_failed_write_on_a_full_filesystem_is_reported_as_no_space_whatever_torch_says(tmp_path):
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from shardline.train.checkpoint_storage import ChecksummedFileSystemWriter, out_of_space
+
+    class ShortWrite(ChecksummedFileSystemWriter):  # what torch's zip writer raises when a write comes up short
+        def _write_data(self, planner, file_queue):
+            if fill:
+                with contextlib.suppress(OSError):  # the disk fills up
+                    (Path(self.path) / "filler").write_bytes(b"x" * (8 << 20))
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], check=True)
+    try:
+        writer = ShortWrite(str(mount))
+        writer.set_up_storage_writer(True)
+        plan = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan([]))])[0]
+        fill = False
+        with pytest.raises(RuntimeError, match="unexpected pos"):  # room left: the error is what it was
+            writer.write_data(plan, None)
+        assert not out_of_space(str(mount))
+        fill = True
+        with pytest.raises(OSError) as raised:
+            writer.write_data(plan, None)
+        assert out_of_space(str(mount)) and raised.value.errno == errno.ENOSPC
+        assert "No space left on device" in str(raised.value) and "unexpected pos" in str(raised.value)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

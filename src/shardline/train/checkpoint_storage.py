@@ -12,6 +12,7 @@ an allowlist of DCP's own metadata types, and the load planner reads non-tensor 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -30,6 +31,7 @@ from shardline.errors import ShardlineError
 
 CHECKSUM_SUFFIX = ".sha256"
 _HASH_CHUNK = 8 << 20
+FULL_BELOW_BYTES = 1 << 20  # a local filesystem with less room than this after a failed write is full
 
 # What a DCP `.metadata` pickle may name: DCP's own dataclasses, and the torch/pathlib values inside them.
 _METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
@@ -127,8 +129,16 @@ class _Checksummed:
         self.after_write = after_write
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        results = future.wait()
+        try:
+            future = super().write_data(plan, planner)
+            results = future.wait()
+        except Exception as e:
+            # A full disk does not always say ENOSPC (torch's zip writer reports a short write as
+            # "unexpected pos"). Ask the filesystem now, before any rank hears of the failure and
+            # frees the torn step, so every rank classifies the failure alike.
+            if out_of_space(str(self.path)):
+                raise OSError(errno.ENOSPC, f"No space left on device under {self.path} ({e})") from e
+            raise
         if self.after_write is not None:
             self.after_write()
         hashes = {}
@@ -142,6 +152,16 @@ class _Checksummed:
                 with contextlib.suppress(AttributeError, io.UnsupportedOperation):
                     os.fsync(f.fileno())
         return future
+
+
+def out_of_space(path: str) -> bool:
+    """True when the local filesystem holding `path` has (almost) no room left; False for URLs."""
+    try:
+        stat = os.statvfs(path)
+    except (OSError, ValueError):
+        return False
+    blocks = stat.f_bfree if os.geteuid() == 0 else stat.f_bavail  # root may write into reserved blocks
+    return blocks * stat.f_frsize < FULL_BELOW_BYTES
 
 
 class ChecksummedFileSystemWriter(_Checksummed, FileSystemWriter):
