@@ -113,6 +113,9 @@ def _now() -> str:
 
 
 def _git_commit() -> str | None:
+    """The source commit: the image's build argument (SHARDLINE_GIT_COMMIT; an image holds no .git), else git's."""
+    if commit := os.environ.get("SHARDLINE_GIT_COMMIT"):
+        return commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).parent)
