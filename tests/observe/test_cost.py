@@ -137,7 +137,7 @@ def test_plan_prints_the_projected_cost_estimated_and_measured(tmp_path, capsys)
     code, out = _cli(capsys, "plan", "llama-3.1-70b-fsdp", "--set", "cost.provisioning=spot")
     assert code == 0
     assert "time: 1500 steps ×" in out and "40% MFU (cost.assumed_mfu)" in out
-    assert "table: h100 spot" in out and "by provisioning: on-demand $" in out
+    assert "table: b200 spot" in out and "by provisioning: on-demand $" in out  # the preset's a4 profile: B200
     run = tmp_path / "tiny-measured"
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"mean_tokens_per_s_per_device": 1000.0}))

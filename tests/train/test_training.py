@@ -34,7 +34,8 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     assert any("sql_execution_accuracy" in e for e in evals)
     setup = [e for e in read_metrics(run, "event") if e["event"] == "setup"][0]
     assert setup["world"] == 2 and "probe" in setup["peak_source"]
-    assert "FLOPs/token = 6·N_trainable" in stdout and "MFU peak" in stdout
+    assert "MFU (headline) counts model FLOPs = (6·N_trainable" in stdout and "MFU peak" in stdout
+    assert all(0 < r["mfu_causal"] < r["mfu"] and r["hfu"] > r["mfu_causal"] for r in train)
     committed = sorted(p.name for p in (run / "checkpoints").iterdir() if (p / "COMMITTED").exists())
     assert committed == ["step-00000010", "step-00000020", "step-00000030"]
     manifest = json.loads((run / "manifest.json").read_text())

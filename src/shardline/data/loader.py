@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shardline.data.packing import PackedRows
+from shardline.data.spans import DocumentSpans, document_spans
 
 IGNORE_INDEX = -100
 
@@ -27,10 +28,11 @@ class Batch:
     position_ids: torch.Tensor  # [B, T] long
     n_loss_tokens: int
     n_tokens: int  # non-padding tokens
+    spans: DocumentSpans  # the documents (CPU): document-masked attention and the FLOPs count
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
-                     self.position_ids.to(device, non_blocking=True), self.n_loss_tokens, self.n_tokens)
+                     self.position_ids.to(device, non_blocking=True), self.n_loss_tokens, self.n_tokens, self.spans)
 
 
 def make_batch(rows: PackedRows, index: np.ndarray) -> Batch:
@@ -41,8 +43,9 @@ def make_batch(rows: PackedRows, index: np.ndarray) -> Batch:
     labels = torch.full_like(tokens, IGNORE_INDEX)
     labels[:, :-1] = torch.where(mask[:, 1:], tokens[:, 1:], IGNORE_INDEX)
     positions = torch.from_numpy(np.asarray(rows.position_ids[index], dtype=np.int64))
-    n_real = int(np.asarray(rows.n_real[index]).sum())
-    return Batch(tokens, labels, positions, int(mask[:, 1:].sum()), n_real)
+    n_real = torch.from_numpy(np.asarray(rows.n_real[index], dtype=np.int64))
+    spans = document_spans(positions, n_real)
+    return Batch(tokens, labels, positions, int(mask[:, 1:].sum()), int(n_real.sum()), spans)
 
 
 class StepSampler:

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from shardline.errors import SpecError
+from shardline.model import document_attention
 from shardline.model.sharded_load import materialize
 from shardline.spec import ModelSpec
 
@@ -61,11 +62,20 @@ def build_model(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int],
     """
     config = model_config(spec, vocab_size, special_ids)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn_implementation,
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=hf_attention(spec.attn_implementation),
                                                  dtype=torch.float32)
     if torch.device(device).type != "meta":
         materialize(model, spec, torch.device(device))
     return model
+
+
+def hf_attention(name: str) -> str:
+    """The transformers attention implementation for `model.attn_implementation`: `sdpa` is SDPA per
+    document on packed rows (`shardline.model.document_attention`), plain SDPA everywhere else."""
+    if name == "sdpa":
+        document_attention.register()
+        return document_attention.NAME
+    return name
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

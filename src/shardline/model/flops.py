@@ -1,18 +1,26 @@
-"""Model FLOPs per token, device peaks, and MFU — the formula written once.
+"""Model FLOPs, device peaks, and MFU — the formulas written once.
 
-Training FLOPs per token (PaLM appendix B; torchtitan `get_dense_model_nparams_and_flops`):
+Training FLOPs of a step (PaLM appendix B; torchtitan `get_dense_model_nparams_and_flops`):
 
-    F = 6·N_trainable + 4·N_frozen + 12·L·d·T
+    F = (6·N_trainable + 4·N_frozen)·tokens + 12·L·d·Σ len²
+
 
 - N counts the weights that take part in matmuls: every parameter except the input embedding table
   (a lookup, no FLOPs); the output projection is counted, also when it is tied to the embedding.
 - A trainable weight costs 2 FLOPs per multiply-add forward, 2 for the activation gradient and 2 for
   the weight gradient (6). A frozen weight (LoRA's base) skips the weight gradient but the activation
   gradient still flows through it (4).
-- 12·L·d·T is attention's QKᵀ and AV over a context of T tokens, forward + backward, without halving
-  for the causal mask (the torchtitan/PaLM convention; MaxText halves it).
+- 12·L·d·Σ len² is attention's QKᵀ and AV, forward + backward, over the query-key pairs the document mask
+  keeps: Σ over the documents of a packed batch of len². Per token that is 12·L·d·T for a context of T
+  tokens (one document filling the row: the planner's `flops_per_token`). Packed rows of ~92-token documents
+  in 512-token rows keep 1/5 of the T² pairs; counting T² would inflate MFU with work nobody needs.
+- No halving for the causal mask (the torchtitan/PaLM convention, so numbers compare with theirs);
+  MFU with the causal half only is reported beside it (MaxText halves).
 
-MFU = achieved model FLOP/s per device ÷ the device's dense peak for the compute dtype (hardware.py).
+MFU = achieved model FLOP/s per device ÷ the device's dense peak for the compute dtype (hardware.py): the
+headline. HFU (hardware FLOPs utilisation) counts what the kernels execute instead: padding slots, the
+attention pairs the kernel computes (per-document causal kernels: Σ len·(len+1)/2 over all spans; a
+dense mask: T² per row) and the forward that activation checkpointing recomputes.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from torch import nn
 
 from shardline.hardware import match_device
 
-FORMULA = "6·N_trainable + 4·N_frozen + 12·L·d·T (PaLM/torchtitan, no causal halving)"
+FORMULA = ("(6·N_trainable + 4·N_frozen)·tokens + 12·L·d·Σ len² over documents "
+           "(PaLM/torchtitan, no causal halving)")
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,43 @@ def count_params(model: nn.Module) -> ParamCounts:
 
 
 def flops_per_token(counts: ParamCounts, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Per token when every document fills its `seq_len`-token row (the planner's estimate)."""
     return 6.0 * counts.trainable + 4.0 * counts.frozen + 12.0 * num_layers * hidden * seq_len
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step trained on, summed over the ranks' micro-batches (`shardline.data.spans`)."""
+
+    tokens: int  # real tokens
+    slots: int  # rows × seq_len: what the matmuls process, padding included
+    pairs: int  # Σ len² over documents
+    causal_pairs: int  # Σ len·(len+1)/2 over documents
+    executed_pairs: int  # query-key pairs the attention kernel computes
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    counts: ParamCounts
+    num_layers: int
+    hidden: int
+    recompute_fraction: float = 0.0
+    """Share of the decoder blocks whose forward activation checkpointing runs twice."""
+
+    def model(self, work: StepWork, causal: bool = False) -> float:
+        """The headline's FLOPs (`causal`: with the causal half of attention only)."""
+        dense = 6.0 * self.counts.trainable + 4.0 * self.counts.frozen
+        pairs = work.causal_pairs if causal else work.pairs
+        return dense * work.tokens + 12.0 * self.num_layers * self.hidden * pairs
+
+    def hardware(self, work: StepWork) -> float:
+        """FLOPs the kernels execute: padding slots, the attention pairs computed, recomputed forwards."""
+        weights = self.counts.trainable + self.counts.frozen
+        dense = (6.0 * self.counts.trainable + 4.0 * self.counts.frozen) * work.slots
+        attention = 12.0 * self.num_layers * self.hidden * work.executed_pairs
+        recompute = self.recompute_fraction * (2.0 * weights * work.slots
+                                               + 4.0 * self.num_layers * self.hidden * work.executed_pairs)
+        return dense + attention + recompute
 
 
 def table_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:

@@ -165,15 +165,17 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
             return len(hit) * (c + (1 if kind == "cuda" else c)) * width
         return c * width if hit and not shared else 0
 
-    mask = attn != "flash_attention_2"  # packed rows always carry a block-diagonal mask for sdpa/eager
-    kv_saved = q if (mask and kv < q) else kv  # HF repeats GQA heads when SDPA gets a mask
+    # Packed rows: eager gets a dense block-diagonal mask and repeats GQA heads; shardline's sdpa runs per
+    # document with no mask and native GQA; flash-attention reads the document offsets.
+    kv_saved = q if (attn == "eager" and kv < q) else kv
     b = 2 * (4 * d + (c * d if full else 0) + 4)  # 2 RMSNorms: fp32 input, normalized (weight grad), rsqrt
     b += inputs(("q_proj", "k_proj", "v_proj"), d)
-    b += inputs(("o_proj",), q, shared=attn != "eager")  # SDPA/flash output already has o_proj's layout
+    # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
+    b += inputs(("o_proj",), q, shared=attn == "flash_attention_2")
     if attn == "eager":  # q, repeated k and v, fp32 softmax output and (bf16) its cast: a T² term
         b += c * (q + 2 * kv_saved) + h * seq_len * (4 + (c if c < 4 else 0))
-    else:  # SDPA / flash: q, k, v, output and logsumexp; SDPA also the B×1×T×T mask, converted per block
-        b += c * (2 * q + 2 * kv_saved) + 4 * h + (c * seq_len if attn == "sdpa" else 0)
+    else:  # SDPA / flash: q, k, v, output and logsumexp
+        b += c * (2 * q + 2 * kv_saved) + 4 * h
     b += inputs(("gate_proj", "up_proj"), d) + 3 * c * i  # gate out (SiLU), SiLU out and up out (product)
     b += inputs(("down_proj",), i)
     b += sum(c * lora.r for m in targets if m in LINEARS)  # lora_A outputs

@@ -21,8 +21,13 @@ from shardline.tasks import GenerationScores, Task
 
 
 def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed next-token cross-entropy over loss-bearing positions, in fp32."""
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    """Summed next-token cross-entropy over loss-bearing positions, in fp32.
+
+    The batch's document spans go to the model as varlen keywords: document-masked attention reads them
+    (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the positions."""
+    flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
+    spans = batch.spans.model_kwargs(batch.input_ids.device if flash else torch.device("cpu"))
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 

@@ -26,8 +26,10 @@ class TrainRecord:
     data_wait_s: float
     tokens_per_s_per_device: float  # non-padding tokens
     loss_tokens_per_s_per_device: float
-    tflops_per_device: float
-    mfu: float
+    tflops_per_device: float  # model FLOPs (shardline.model.flops.FORMULA)
+    mfu: float  # the headline: model FLOPs / the device's peak
+    mfu_causal: float  # the same with the causal half of attention only
+    hfu: float  # executed FLOPs (padding, attention as computed, recompute) / the peak
     mem_peak_bytes: int
     epoch: float
 
@@ -83,7 +85,8 @@ class MetricsWriter:
         self.console.print(
             f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
             f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
-            f"MFU {100 * r.mfu:5.1f}%  step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
+            f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
+            f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
             f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB{cost}",
             highlight=False,
         )

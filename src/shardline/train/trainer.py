@@ -24,8 +24,11 @@ from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import SpecError
 from shardline.model.build import build_model
+from shardline.model.document_attention import CPU_LENGTH_BUCKET
 from shardline.model.flops import (
     FORMULA,
+    FlopsModel,
+    StepWork,
     count_params,
     flops_per_token,
     probe_matmul_tflops,
@@ -74,6 +77,7 @@ class Trainer:
         cfg = model.config
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, cfg.hidden_size,
                                                spec.train.seq_len)
+        self.flops = FlopsModel(self.params, cfg.num_hidden_layers, cfg.hidden_size, _recompute_fraction(spec))
         self.mesh = data_parallel_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
@@ -129,7 +133,10 @@ class Trainer:
             f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
-        self._say(f"FLOPs/token = {FORMULA} = {self.flops_per_token / 1e6:.2f} MFLOP")
+        self._say(f"MFU (headline) counts model FLOPs = {FORMULA}; with full {t.seq_len}-token documents "
+                  f"{self.flops_per_token / 1e6:.2f} MFLOP/token. HFU counts executed FLOPs: padding, the attention "
+                  f"the kernel computes ({self.spec.model.attn_implementation}), activation-checkpoint recompute "
+                  f"({self.flops.recompute_fraction:.0%} of blocks)")
         self._say(f"MFU peak = {self.peak_tflops:.3f} TFLOP/s per device ({self.peak_source})")
         stats = self.data.stats["splits"]["train"]
         self._say(f"data {self.data.version}: {stats['rows']} rows of {t.seq_len} tokens, "
@@ -230,8 +237,10 @@ class Trainer:
         batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
         self._trace_samples(indices)
         data_wait = time.perf_counter() - start
-        counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches)],
-                              dtype=torch.float64, device=ctx.device)
+        counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
+                               sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
+                               sum(b.spans.causal_pairs for b in batches),
+                               sum(self._executed_pairs(b) for b in batches)], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(counts)
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -255,14 +264,28 @@ class Trainer:
         tokens_total = int(counts[1])
         self.consumed_tokens += tokens_total
         per_device = tokens_total / step_time / ctx.world
-        tflops = self.flops_per_token * per_device / 1e12
+        work = StepWork(*(int(c) for c in counts[1:].tolist()))
+        per_device_peak = step_time * ctx.world * self.peak_tflops * 1e12
+        tflops = self.flops.model(work) / step_time / ctx.world / 1e12
         return TrainRecord(
             step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=int(counts[0]),
             tokens_total=tokens_total, step_time_s=step_time, data_wait_s=data_wait,
             tokens_per_s_per_device=per_device, loss_tokens_per_s_per_device=int(counts[0]) / step_time / ctx.world,
-            tflops_per_device=tflops, mfu=tflops / self.peak_tflops, mem_peak_bytes=peak_memory_bytes(ctx.device),
+            tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
+            mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
+            hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
             epoch=self.sampler.epoch_of(self.step),
         )
+
+    def _executed_pairs(self, batch) -> int:
+        """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`,
+        `flash_attention_2`), or all T² of each row (`eager` with the dense block mask)."""
+        if self.spec.model.attn_implementation == "eager":
+            rows, seq = batch.input_ids.shape
+            return rows * seq * seq
+        if self.spec.model.attn_implementation == "sdpa" and self.ctx.device.type == "cpu":
+            return batch.spans.executed_causal_pairs(CPU_LENGTH_BUCKET)
+        return batch.spans.executed_causal_pairs()
 
     def _trace_samples(self, indices: list) -> None:
         """Which rows each rank trained on at each step: an audit trail for exact resume."""
@@ -352,6 +375,7 @@ class Trainer:
             "mean_tokens_per_s_per_device": _mean(r.tokens_per_s_per_device for r in steady),
             "mean_tflops_per_device": _mean(r.tflops_per_device for r in steady),
             "mean_mfu": _mean(r.mfu for r in steady),
+            "mean_mfu_causal": _mean(r.mfu_causal for r in steady), "mean_hfu": _mean(r.hfu for r in steady),
             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
             "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
             "mem_planned_bytes": self.planned_peak,
@@ -366,7 +390,8 @@ class Trainer:
                 f"done: {len(records)} steps in {wall:.1f}s · loss {records[0].loss:.3f} → {records[-1].loss:.3f} "
                 f"({100 * drop:.0f}% lower) · val {val_loss:.3f} · "
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
-                f"MFU {100 * summary['mean_mfu']:.1f}% (steps > {WARMUP_STEPS_EXCLUDED})"
+                f"MFU {100 * summary['mean_mfu']:.1f}% (causal half only: {100 * summary['mean_mfu_causal']:.1f}%; "
+                f"HFU {100 * summary['mean_hfu']:.1f}%; steps > {WARMUP_STEPS_EXCLUDED})"
             )
             if self.planned_peak:
                 measured = summary["mem_peak_bytes"]
@@ -401,6 +426,14 @@ class Trainer:
             self.console.print(f"{mark}{s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
         self._say(f"{result.headline} ({seconds:.0f}s)")
         return {**result.scores, "eval_n": result.n}
+
+
+def _recompute_fraction(spec: JobSpec) -> float:
+    """Share of blocks whose forward runs twice: full checkpointing of every k-th block. Selective
+    checkpointing keeps the matmul and attention outputs, so it recomputes no matmul FLOPs."""
+    if spec.parallel.activation_checkpointing != "full":
+        return 0.0
+    return 1.0 / spec.parallel.activation_checkpointing_every
 
 
 def _planned_peak(spec: JobSpec) -> int | None:

@@ -1,0 +1,57 @@
+"""Where the documents are in a batch of packed rows.
+
+Packing restarts position ids at 0 for every document (and for a row's padding tail), so the spans follow
+from the positions. They drive document-masked attention (varlen keywords for the model) and the
+attention term of the FLOPs count (Σ len² per document instead of T² per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DocumentSpans:
+    """Documents of a [B, T] batch of packed rows, as offsets into the flattened B·T tokens (CPU)."""
+
+    cu_seqlens: torch.Tensor  # int32 [n_spans + 1]; every token is in one span, padding tails included
+    lengths: tuple[int, ...]
+    real: tuple[bool, ...]  # False for a row's padding tail
+
+    def model_kwargs(self, device: torch.device) -> dict:
+        """The varlen keywords HF models pass through to the attention function, offsets on `device`."""
+        cu = self.cu_seqlens.to(device, non_blocking=True)
+        longest = max(self.lengths)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the document mask allows, without causal halving: Σ len² over real documents."""
+        return sum(n * n for n, real in zip(self.lengths, self.real, strict=True) if real)
+
+    @property
+    def causal_pairs(self) -> int:
+        """The same with the causal half only: Σ len·(len+1)/2 over real documents."""
+        return sum(n * (n + 1) // 2 for n, real in zip(self.lengths, self.real, strict=True) if real)
+
+    def executed_causal_pairs(self, bucket: int = 1) -> int:
+        """What a per-document causal kernel computes: padding tails are spans too, and each span is
+        rounded up to a multiple of `bucket` tokens (see `shardline.model.document_attention`)."""
+        rounded = (-(-n // bucket) * bucket for n in self.lengths)
+        return sum(n * (n + 1) // 2 for n in rounded)
+
+
+def document_spans(position_ids: torch.Tensor, n_real: torch.Tensor) -> DocumentSpans:
+    """Spans of [B, T] positions that restart at 0 for every document; row r's tokens from `n_real[r]` on
+    are padding. A row boundary always starts a span."""
+    rows, seq = position_ids.shape
+    flat = position_ids.reshape(-1).cpu()
+    starts = torch.nonzero(flat == 0).flatten()
+    row_starts = torch.arange(0, rows * seq, seq)
+    bounds = torch.unique(torch.cat([starts, row_starts, torch.tensor([rows * seq])]))
+    lengths = (bounds[1:] - bounds[:-1]).tolist()
+    real_ends = row_starts + n_real.cpu().long()
+    real = [bool(start < real_ends[start // seq]) for start in bounds[:-1].tolist()]
+    return DocumentSpans(bounds.to(torch.int32), tuple(lengths), tuple(real))

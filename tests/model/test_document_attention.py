@@ -1,0 +1,94 @@
+"""Per-document SDPA on packed rows against transformers' own eager attention with its block mask."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardline.data.loader import make_batch
+from shardline.data.packing import Document, pack
+from shardline.model.build import build_model
+from shardline.model.document_attention import CPU_LENGTH_BUCKET, NAME
+from shardline.model.flops import count_params
+from shardline.spec.resolve import load_spec
+from shardline.train.evaluate import token_loss_sum
+
+VOCAB, SEQ = 256, 64
+
+
+def _model(attn: str):
+    spec = load_spec("tiny", [f"model.arch.vocab_size={VOCAB}", "model.arch.hidden_size=64",
+                              "model.arch.intermediate_size=128", "model.arch.num_layers=2", "model.arch.num_heads=4",
+                              "model.arch.num_kv_heads=2", f"model.attn_implementation={attn}"])
+    return build_model(spec.model, VOCAB, {}), spec.model.arch
+
+
+def _rows(lengths: list[int], seed: int = 0):
+    rng = np.random.default_rng(seed)
+    docs = [Document(ids=rng.integers(3, VOCAB, n).tolist(), n_prompt=n // 2) for n in lengths]
+    return pack(docs, SEQ, pad_id=0)
+
+
+def test_sdpa_means_per_document_sdpa_and_matches_eager_with_the_block_mask_in_loss_and_gradients():
+    ours, _ = _model("sdpa")
+    eager, _ = _model("eager")
+    assert ours.config._attn_implementation == NAME
+    rows = _rows([40, 24, 17, 30, 64, 5, 9, 33])  # documents of every size, padding tails, a full row
+    batch = make_batch(rows, np.arange(len(rows.n_real)))
+    assert len(batch.spans.lengths) > len(rows.n_real)  # several documents per row
+    loss_ours, loss_eager = token_loss_sum(ours, batch), token_loss_sum(eager, batch)
+    assert loss_ours.item() == pytest.approx(loss_eager.item(), rel=1e-5)
+    loss_ours.backward()
+    loss_eager.backward()
+    for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+    # Without spans (generation, padded evaluation) it is plain SDPA: same logits as eager with a padding mask.
+    ids = torch.randint(3, VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits
+        b = eager(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(a[mask.bool()], b[mask.bool()], atol=1e-5)
+
+
+def test_attention_work_is_the_sum_of_squared_document_lengths_not_the_row_length_squared():
+    ours, a = _model("sdpa")
+    rows = _rows([16, 16, 32, 8, 24, 32, 20, 12, 32])  # fills rows exactly: no padding
+    batch = make_batch(rows, np.arange(len(rows.n_real)))
+    assert all(batch.spans.real) and batch.n_tokens == batch.input_ids.numel()
+    # The math backend is plain matmuls the counter sees (it has no formula for the CPU flash kernel).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        token_loss_sum(ours, batch).backward()
+    counts = count_params(ours)
+    # On CPU each span is rounded up to CPU_LENGTH_BUCKET tokens (one kernel per length is cached).
+    executed = sum((-(-n // CPU_LENGTH_BUCKET) * CPU_LENGTH_BUCKET) ** 2 for n in batch.spans.lengths)
+    expected = 6 * counts.trainable * batch.n_tokens + 12 * a.num_layers * a.hidden_size * executed
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
+    assert batch.spans.pairs < executed
+    assert batch.spans.executed_causal_pairs(CPU_LENGTH_BUCKET) == pytest.approx(executed / 2, rel=0.05)
+
+
+def test_cpu_memory_stays_flat_when_every_step_brings_new_document_lengths():
+    """bf16 CPU SDPA keeps one kernel per sequence length: raw lengths grew RSS by ~3 MB per new length."""
+    ours, _ = _model("sdpa")
+    ours = ours.to(torch.bfloat16)
+
+    def hwm() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+    def steps(lengths):
+        for start in range(0, len(lengths), 8):
+            rows = _rows(lengths[start:start + 8], seed=start)
+            token_loss_sum(ours, make_batch(rows, np.arange(len(rows.n_real)))).backward()
+
+    # One document per row, 8 rows per batch (the matmuls see one shape); documents round up to 64 tokens,
+    # padding tails (64 - len) to 32.
+    steps(list(range(33, 41)) * 2)
+    before = hwm()
+    steps(list(range(41, 64)) + list(range(41, 50)))  # 23 lengths never seen, all in seen buckets
+    assert hwm() - before < 20 * 2**20
