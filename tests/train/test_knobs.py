@@ -158,3 +158,15 @@ def test_worker_refuses_a_spec_for_a_different_world_size(tmp_path):
     out = subprocess.run([sys.executable, "-m", "shardline.worker", "--spec", str(path)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert out.returncode == 2 and "world size 2" in out.stdout
+
+
+def test_profile_steps_writes_a_trace_and_an_ops_table_with_the_step_phases(ctx, session_dir, prepared):
+    t = _trainer(ctx, session_dir, prepared, "observe.profile_steps=2")
+    for _ in range(5):
+        t.train_step()
+    out = t.run_dir / "profile"
+    assert sorted(p.name for p in out.iterdir()) == ["ops-rank-0.txt", "trace-rank-0.json"]
+    table = (out / "ops-rank-0.txt").read_text()
+    assert table.startswith("steps 4-5, rank 0")
+    assert all(f"shardline.{phase}" in table for phase in ("data", "forward", "backward", "optimizer", "sync"))
+    assert "aten::mm" in table or "aten::addmm" in table

@@ -378,6 +378,9 @@ class ObserveSpec(Section):
     """offline: W&B writes to `<run>/wandb/` only, nothing leaves the machine (`wandb sync` later); online uploads."""
     no_progress_minutes: float = Field(15.0, gt=0)
     """Alert rules (`shardline observe render`): a run that finished no step for this long is stuck."""
+    profile_steps: int = Field(0, ge=0, le=100)
+    """Record this many training steps (from step 4) with torch.profiler: `<run>/profile/` holds a Chrome trace
+    and an ops/phases table per rank; 0: off."""
 
 
 class CostSpec(Section):

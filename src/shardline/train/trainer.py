@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from torch.profiler import record_function
 
 from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
@@ -50,6 +51,7 @@ from shardline.train.faults import maybe_fail
 from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.train.optim import build_optimizer, build_scheduler
 from shardline.train.parallelize import data_parallel_mesh, parallelize
+from shardline.train.profiling import StepProfiler
 from shardline.train.signals import Preempted, StopRequest
 from shardline.train.state import apply_training_state, training_state
 
@@ -98,6 +100,7 @@ class Trainer:
         self.sample_trace = run_dir / "logs" / f"samples-rank-{ctx.rank}.jsonl"
         self.sample_trace.parent.mkdir(parents=True, exist_ok=True)
         self.peak_tflops, self.peak_source = self._peak_tflops()
+        self.profiler = StepProfiler(spec.observe.profile_steps, run_dir, ctx.rank, ctx.device)
 
     # ---- setup ---------------------------------------------------------------------------------
     def _peak_tflops(self) -> tuple[float, str]:
@@ -233,32 +236,43 @@ class Trainer:
     def train_step(self) -> TrainRecord:
         ctx, start = self.ctx, time.perf_counter()
         maybe_fail("train_step", ctx.rank, self.step + 1)
-        indices = [self.sampler.micro_indices(self.step, k, ctx.rank) for k in range(self.sampler.accum)]
-        batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
-        self._trace_samples(indices)
+        self.profiler.before_step(self.step + 1)
+        with record_function("shardline.data"):
+            indices = [self.sampler.micro_indices(self.step, k, ctx.rank) for k in range(self.sampler.accum)]
+            batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
+            self._trace_samples(indices)
         data_wait = time.perf_counter() - start
-        counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
-                               sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
-                               sum(b.spans.causal_pairs for b in batches),
-                               sum(self._executed_pairs(b) for b in batches)], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(counts)
+        with record_function("shardline.sync"):
+            counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
+                                   sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
+                                   sum(b.spans.causal_pairs for b in batches),
+                                   sum(self._executed_pairs(b) for b in batches)], dtype=torch.float64,
+                                  device=ctx.device)
+            dist.all_reduce(counts)
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in batches:
-            micro_loss = token_loss_sum(self.model, batch)
-            (micro_loss * (ctx.world / loss_tokens)).backward()
+            with record_function("shardline.forward"):
+                micro_loss = token_loss_sum(self.model, batch)
+            with record_function("shardline.backward"):
+                (micro_loss * (ctx.world / loss_tokens)).backward()
             loss_sum += micro_loss.detach().double()
-        max_norm = self.spec.train.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], max_norm, foreach=True
-        )
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        with record_function("shardline.clip"):
+            max_norm = self.spec.train.max_grad_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], max_norm, foreach=True
+            )
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        loss = float(loss_sum / loss_tokens)  # synchronises: the step is complete
+        with record_function("shardline.optimizer"):
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        with record_function("shardline.sync"):
+            dist.all_reduce(loss_sum)
+            loss = float(loss_sum / loss_tokens)  # synchronises: the step is complete
+        if table := self.profiler.after_step(self.step + 1):
+            self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
         step_time = time.perf_counter() - start
         self.step += 1
         tokens_total = int(counts[1])
