@@ -82,7 +82,8 @@ def launch(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               str(Path(__file__).resolve()), "--rows", str(args.rows.resolve()), "--steps", str(args.steps), "--threads", str(per_proc), "--lr", str(args.lr), "--worker-out", str(out)]
+               str(Path(__file__).resolve()), "--rows", str(args.rows.resolve()), "--steps", str(args.steps),
+               "--threads", str(per_proc), "--lr", str(args.lr), "--worker-out", str(out)]
         if args.labels is not None:
             cmd += ["--labels", str(args.labels.resolve())]
         env = dict(os.environ, OMP_NUM_THREADS=str(per_proc), TOKENIZERS_PARALLELISM="false")
@@ -314,7 +315,7 @@ def worker(args: argparse.Namespace) -> None:
             "world": dist.get_world_size(), "threads_per_proc": args.threads,
             "attention": "sdpa causal",
             "torchtitan": torchtitan.__version__, "torch": torch.__version__,
-            "step_s": [round(b - a, 4) for a, b in zip(stamps, stamps[1:])],
+            "step_s": [round(b - a, 4) for a, b in zip(stamps, stamps[1:], strict=False)],
         }
         args.worker_out.write_text(json.dumps(result))
     dist.barrier()

@@ -1,6 +1,7 @@
 """torchtune as a throughput contender on CPU: its stock `full_finetune_distributed` recipe (its file run as
-__main__ under torch.distributed.run, as `tune run` does), its llama3 component builder, FSDP2 sharding, CEWithChunkedOutputLoss, padded/packed collate and
-cosine LR schedule, fed pre-tokenized rows from a .npy file through a small dataset component. Prints one JSON line.
+__main__ under torch.distributed.run, as `tune run` does), its llama3 component builder, FSDP2 sharding,
+CEWithChunkedOutputLoss, padded/packed collate and cosine LR schedule, fed pre-tokenized rows from a .npy file
+through a small dataset component. Prints one JSON line.
 
     /tmp/peers-venv/bin/python bench/peers/torchtune_contender.py --rows rows.npy --steps 40 --threads 2 [--nproc 2]
         [--labels labels.npy] [--positions positions.npy] [--dtype bf16|fp32]
@@ -78,7 +79,7 @@ def rows_dataset(tokenizer, steps: int, global_batch: int, packed: bool = False)
 
                 item = {"tokens": torch.from_numpy(rows[r]), "labels": torch.from_numpy(labels[r]),
                         "input_pos": torch.from_numpy(pos),
-                        "seq_lens": torch.tensor([b - a for a, b in zip(starts, starts[1:])])}
+                        "seq_lens": torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])}
             return item
 
     return Rows()
@@ -101,7 +102,7 @@ class StepStampLogger:
     """torchtune MetricLogger: one JSON line per logged step (loss, the recipe's own tokens/s) with a timestamp."""
 
     def __init__(self, **kwargs):
-        self.f = open(os.environ[METRICS_ENV], "a")
+        self.f = open(os.environ[METRICS_ENV], "a")  # noqa: SIM115 - closed in close(), the recipe's logger protocol
 
     def log(self, name, data, step):
         self.log_dict({name: data}, step)
@@ -246,7 +247,7 @@ def main() -> None:
         "attention": "packed block-causal dense mask (sdpa)" if args.positions else "sdpa causal",
         "recipe_tokens_per_second_per_gpu_last": recs[-1].get("tokens_per_second_per_gpu"),
         "torchtune": torchtune.__version__,
-        "step_s": [round(b["time"] - a["time"], 4) for a, b in zip(recs, recs[1:])],
+        "step_s": [round(b["time"] - a["time"], 4) for a, b in zip(recs, recs[1:], strict=False)],
     }))
 
 

@@ -204,7 +204,7 @@ def cmd_cluster_bootstrap(args: argparse.Namespace) -> int:
     spec = _resolve(args)
     opts = BootstrapOptions(gpus=args.gpus, cpu=args.cpu, memory=args.memory, dws=args.dws, spot=args.spot,
                             priority_classes=args.priority_classes, cluster_queue=args.cluster_queue,
-                            bind_launcher=tuple(args.bind_launcher))
+                            bind_launcher=tuple(args.bind_launcher), managed_prometheus=args.managed_prometheus)
     path = write_bootstrap(spec, opts, Path(args.out))
     console.print(f"wrote {path}; apply with: kubectl apply --server-side -f {path}", highlight=False)
     if spec.launch.kubernetes.queue is None:
@@ -219,7 +219,8 @@ def cmd_cluster_plan_gke(args: argparse.Namespace) -> int:
     if args.profile:
         args.overrides = [*args.overrides, f"launch.profile={args.profile}"]
     opts = GkePlanOptions(project=args.project, zone=args.zone, region=args.region, cluster=args.cluster,
-                          max_nodes=args.max_nodes, dws=args.dws, spot=args.spot)
+                          max_nodes=args.max_nodes, dws=args.dws, spot=args.spot, build=args.build,
+                          repository=args.repository, source=args.source)
     paths = write_plan(_resolve(args), opts, Path(args.out))
     console.print("wrote " + ", ".join(str(p) for p in paths) + "; review, then run setup.sh", highlight=False)
     return EXIT_OK
@@ -321,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-queue", default="shardline", help="ClusterQueue name (default: shardline)")
     p.add_argument("--bind-launcher", action="append", default=[], metavar="SUBJECT",
                    help="bind the shardline-launcher Role: user:NAME, group:NAME, serviceaccount:[NS/]NAME")
+    p.add_argument("--managed-prometheus", action="store_true",
+                   help="GKE Managed Prometheus PodMonitoring that scrapes rank 0's /metrics")
     p.set_defaults(func=cmd_cluster_bootstrap)
     plan = cluster.add_parser("plan", help="reviewable scripts that create a cluster")
     p = plan.add_subparsers(dest="plan_target", required=True).add_parser(
@@ -335,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, help="most GPU nodes per pool (default: launch.nnodes)")
     p.add_argument("--dws", action=argparse.BooleanOptionalAction, default=True, help="DWS flex-start pool")
     p.add_argument("--spot", action=argparse.BooleanOptionalAction, default=True, help="spot-VM pool")
+    p.add_argument("--build", action=argparse.BooleanOptionalAction, default=True,
+                   help="Artifact Registry repository + Cloud Build of the image; setup.sh writes image.txt")
+    p.add_argument("--repository", default="shardline", help="Artifact Registry repository (default: shardline)")
+    p.add_argument("--source", default=".", help="the checkout Cloud Build uploads, as setup.sh sees it (default: .)")
     p.set_defaults(func=cmd_cluster_plan_gke)
     from shardline.cli_launch import add_launch_verbs
 

@@ -60,6 +60,9 @@ class NetworkProfile:
     node_manifests: tuple[str, ...] = ()
     """Google's node DaemonSets this fabric needs (NCCL/gIB or TCPX(O) installer, NRI device injector), pinned
     to a commit of GoogleCloudPlatform/container-engine-accelerators; `cluster plan gke` applies them."""
+    capabilities: tuple[str, ...] = ()
+    """Linux capabilities the trainer container adds (all others dropped). RDMA (gIB) registers GPU and host
+    memory with the NIC, which pins pages: IPC_LOCK lifts the locked-memory limit for that."""
 
     @property
     def gpu(self) -> Accelerator | None:
@@ -67,6 +70,7 @@ class NetworkProfile:
         return match_device(self.accelerator) if self.accelerator else None
 
 
+_RDMA_CAPABILITIES = ("IPC_LOCK",)
 _GIB_COMMON = {
     "NCCL_NET": "gIB",
     "NCCL_CROSS_NIC": "0",
@@ -164,14 +168,16 @@ PROFILES: dict[str, NetworkProfile] = {
         nic_prefix="rdma-", nic_interface_offset=2, extra_networks=("gvnic-1",),
         nccl_env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a3u.txtpb"},
         host_libraries=_GIB_LIBS, ld_library_path=_GIB_LD, expected_busbw_gbps=370.0,
-        gcloud_network_flags="rdma", node_cpus=224, node_memory_gib=2952, node_manifests=(_GIB_INSTALLER,)),
+        gcloud_network_flags="rdma", capabilities=_RDMA_CAPABILITIES, node_cpus=224,
+        node_memory_gib=2952, node_manifests=(_GIB_INSTALLER,)),
     "a4": NetworkProfile(
         name="a4", description="A4, 8× B200, RDMA (RoCE, gIB) over 8 NICs",
         machine_type="a4-highgpu-8g", accelerator="nvidia-b200", gpus_per_node=8, gpu_nics=8,
         nic_prefix="rdma-", nic_interface_offset=2, extra_networks=("gvnic-1",),
         nccl_env={**_GIB_COMMON, "NCCL_TUNER_CONFIG_PATH": "/usr/local/gib/configs/tuner_config_a4.txtpb"},
         host_libraries=_GIB_LIBS, ld_library_path=_GIB_LD, expected_busbw_gbps=370.0,
-        gcloud_network_flags="rdma", node_cpus=224, node_memory_gib=3968, node_manifests=(_GIB_INSTALLER,)),
+        gcloud_network_flags="rdma", capabilities=_RDMA_CAPABILITIES, node_cpus=224,
+        node_memory_gib=3968, node_manifests=(_GIB_INSTALLER,)),
 }
 
 ProfileName = str

@@ -96,6 +96,29 @@ def test_profiles_and_networks_shape_the_multi_nic_annotation():
         _render("k8s-job", "launch.profile=a4", "launch.kubernetes.gpu_networks=[a,b]")
 
 
+@pytest.mark.parametrize("profile, added", [("a4", ["IPC_LOCK"]), ("a3-ultra", ["IPC_LOCK"]), ("a3-mega", None),
+                                            ("a3-high", None), ("generic", None)])
+def test_rdma_profiles_add_ipc_lock_for_memory_registration_and_others_add_no_capability(profile, added):
+    for target in ("k8s-job", "jobset", "trainjob"):
+        objs = _render(target, f"launch.profile={profile}")
+        validate_all(objs)
+        work = objs[-1]
+        if target == "trainjob":
+            patch = work["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+            container = patch["template"]["spec"]["template"]["spec"]["containers"][0]
+        else:
+            container = _pod(objs)["spec"]["containers"][0]
+        caps = container["securityContext"]["capabilities"]
+        assert caps["drop"] == ["ALL"] and caps.get("add") == added, (target, caps)
+
+
+def test_the_trainer_container_names_its_metrics_port_for_the_pod_monitoring():
+    container = _pod(_render("jobset", "observe.metrics_port=9410"))["spec"]["containers"][0]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9410, "protocol": "TCP"}]
+    for off in ("observe.metrics_port=null", "observe.metrics_port=0"):  # 0: a free port, nothing to declare
+        assert "ports" not in _pod(_render("k8s-job", off))["spec"]["containers"][0]
+
+
 def test_two_runs_of_one_name_get_distinct_objects_and_the_rank0_address():
     a, b = _render("k8s-job"), _render("k8s-job", "run.id=demo-20261122-000001")
     assert a[-1]["metadata"]["name"] != b[-1]["metadata"]["name"]

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardline.data.loader import make_batch
 from shardline.data.packing import Document, pack
 from shardline.model.build import build_model
-from shardline.model.document_attention import CPU_LENGTH_BUCKET, NAME
+from shardline.model.document_attention import LENGTH_BUCKET, NAME
 from shardline.model.flops import count_params
 from shardline.spec.resolve import load_spec
 from shardline.train.evaluate import token_loss_sum
@@ -64,12 +64,12 @@ def test_attention_work_is_the_sum_of_squared_document_lengths_not_the_row_lengt
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         token_loss_sum(ours, batch).backward()
     counts = count_params(ours)
-    # On CPU each span is rounded up to CPU_LENGTH_BUCKET tokens (one kernel per length is cached).
-    executed = sum((-(-n // CPU_LENGTH_BUCKET) * CPU_LENGTH_BUCKET) ** 2 for n in batch.spans.lengths)
+    # Each span is rounded up to LENGTH_BUCKET tokens (equal lengths batch; one CPU kernel per length).
+    executed = sum((-(-n // LENGTH_BUCKET) * LENGTH_BUCKET) ** 2 for n in batch.spans.lengths)
     expected = 6 * counts.trainable * batch.n_tokens + 12 * a.num_layers * a.hidden_size * executed
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
     assert batch.spans.pairs < executed
-    assert batch.spans.executed_causal_pairs(CPU_LENGTH_BUCKET) == pytest.approx(executed / 2, rel=0.05)
+    assert batch.spans.executed_causal_pairs(LENGTH_BUCKET) == pytest.approx(executed / 2, rel=0.05)
 
 
 def test_cpu_memory_stays_flat_when_every_step_brings_new_document_lengths():

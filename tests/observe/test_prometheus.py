@@ -20,7 +20,7 @@ from shardline.observe.prometheus import (
     Endpoint,
     PrometheusSink,
     metric_name,
-    pod_monitor,
+    pod_monitoring,
     scrape_annotations,
     serve,
 )
@@ -168,8 +168,13 @@ def test_session_keeps_serving_the_final_status_for_the_linger_time(tmp_path):
 def test_kubernetes_scrape_objects():
     assert scrape_annotations(9405) == {"prometheus.io/scrape": "true", "prometheus.io/port": "9405",
                                         "prometheus.io/path": "/metrics"}
-    pm = pod_monitor("run-metrics", "ml", {"batch.kubernetes.io/job-completion-index": "0"})
-    assert pm["kind"] == "PodMonitor" and pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    pm = pod_monitoring("ml")
+    assert (pm["apiVersion"], pm["kind"]) == ("monitoring.googleapis.com/v1", "PodMonitoring")
+    assert pm["metadata"]["namespace"] == "ml"
+    # rank 0 only: the pod of completion index 0 of a shardline job; other ranks serve nothing
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "shardline",
+                                                     "batch.kubernetes.io/job-completion-index": "0"}
+    assert pm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     json.dumps(pm)
 
 

@@ -199,3 +199,17 @@ def test_cli_reports_bad_input_with_exit_code_2(tmp_path, capsys):
     assert main(["cluster", "bootstrap", "tiny", "--set", "parallel.nproc_per_node=1", "--out", str(tmp_path),
                  "--cpu", "many"]) == 2
     assert "--cpu" in capsys.readouterr().out
+
+
+def test_managed_prometheus_adds_one_pod_monitoring_for_rank_0_of_every_job_in_the_namespace(tmp_path):
+    rc = main(["cluster", "bootstrap", "tiny", "--set", "parallel.nproc_per_node=1", "--set",
+               "launch.kubernetes.namespace=ml", "--out", str(tmp_path), "--managed-prometheus"])
+    assert rc == 0
+    pm = one(list(yaml.safe_load_all((tmp_path / "bootstrap.yaml").read_text())), "PodMonitoring")
+    assert pm["apiVersion"] == "monitoring.googleapis.com/v1" and pm["metadata"]["namespace"] == "ml"
+    assert pm["spec"]["selector"]["matchLabels"]["batch.kubernetes.io/job-completion-index"] == "0"
+    assert pm["spec"]["endpoints"][0]["port"] == "metrics"  # the trainer container's named port
+    assert by_kind(bootstrap_objects(spec_with(), BootstrapOptions()), "PodMonitoring") == []
+    with pytest.raises(SpecError) as e:
+        bootstrap_objects(spec_with("observe.metrics_port=null"), BootstrapOptions(managed_prometheus=True))
+    assert e.value.where == "observe.metrics_port"

@@ -24,8 +24,9 @@ from shardline.spec.resolve import load_spec
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("SHARDLINE_UPDATE_SNAPSHOTS") == "1"
 BUCKET = ["launch.kubernetes.storage.kind=gcsfuse", "launch.kubernetes.storage.bucket=ckpt-bucket"]
+HF_SECRET = ["launch.kubernetes.secret_env.HF_TOKEN.secret=hf-token", "launch.kubernetes.secret_env.HF_TOKEN.key=token"]
 CASES = {  # snapshot name: (spec overrides, plan options)
-    "a4-dws-spot-bucket": (["launch.profile=a4", "launch.nnodes=2", *BUCKET],
+    "a4-dws-spot-bucket": (["launch.profile=a4", "launch.nnodes=2", *BUCKET, *HF_SECRET],
                            GkePlanOptions(project="my-project", zone="us-central1-b")),
     "a3-mega-dws": (["launch.profile=a3-mega", "launch.kubernetes.namespace=ml"],
                     GkePlanOptions(project="my-project", zone="europe-west4-b", cluster="mega", max_nodes=4,
@@ -82,20 +83,34 @@ def test_every_gcloud_create_is_guarded_by_an_existence_check(tmp_path):
                 assert guard.removeprefix("if ! ").startswith(kind + " describe"), (name, guard, line)
 
 
+DIGEST = "sha256:" + "d" * 64
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 STUBS = {
-    "gcloud": """#!/usr/bin/env bash
+    "gcloud": f"""#!/usr/bin/env bash
 echo "gcloud $*" >> "$FAKE_LOG"
 if [[ "$1 $2" == "projects describe" ]]; then echo 123456789; exit 0; fi
+if [[ " $* " == *" images describe "*"--format"* ]]; then echo {DIGEST}; exit 0; fi
 if [[ " $* " == *" describe "* ]]; then [[ "$FAKE_EXISTS" == 1 ]]; exit $?; fi
 """,
     "kubectl": """#!/usr/bin/env bash
 echo "kubectl $*" >> "$FAKE_LOG"
 if [[ " $* " == *" -f - "* ]]; then cat >> "$FAKE_LOG.stdin"; fi
+if [[ "$1" == "get" ]]; then [[ "$FAKE_EXISTS" == 1 ]]; exit $?; fi
+for arg in "$@"; do  # what a Secret key would hold: kubectl reads the file it names
+  if [[ "$arg" == --from-file=* ]]; then
+    kv="${arg#*=}"; echo "${kv%%=*}=$(cat "${kv#*=}")" >> "$FAKE_LOG.secrets"
+  fi
+done
+""",
+    "git": f"""#!/usr/bin/env bash
+echo "git $*" >> "$FAKE_LOG"
+echo {COMMIT}
 """,
 }
 
 
-def run_script(script: Path, tmp_path: Path, exists: bool, args: tuple[str, ...] = ()) -> tuple[int, list[str], str]:
+def run_script(script: Path, tmp_path: Path, exists: bool, args: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> tuple[int, list[str], str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in STUBS.items():
@@ -103,7 +118,7 @@ def run_script(script: Path, tmp_path: Path, exists: bool, args: tuple[str, ...]
         (bin_dir / name).chmod(0o755)
     log = tmp_path / f"{script.name}-{exists}.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
-           "FAKE_EXISTS": "1" if exists else "0"}
+           "FAKE_EXISTS": "1" if exists else "0", "HF_TOKEN": "hf_test_token_value", **(env or {})}
     result = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True)
     calls = log.read_text().splitlines() if log.exists() else []
     stdin = Path(f"{log}.stdin").read_text() if Path(f"{log}.stdin").exists() else ""
@@ -141,7 +156,8 @@ def test_teardown_deletes_what_setup_created_in_reverse_order_and_tolerates_abse
     _, setup_calls, _ = run_script(out / "setup.sh", tmp_path, exists=False)
     rc, calls, err = run_script(out / "teardown.sh", tmp_path, exists=True, args=("--yes",))
     assert rc == 0, err
-    assert resources(calls, "delete") == list(reversed(resources(setup_calls, "create")))
+    kept = [r for r in resources(setup_calls, "create") if r[0] == "storage buckets"]  # runs and checkpoints
+    assert resources(calls, "delete") == [r for r in reversed(resources(setup_calls, "create")) if r not in kept]
     rc, calls, err = run_script(out / "teardown.sh", tmp_path, exists=False, args=("--yes",))
     assert rc == 0, err
     assert resources(calls, "delete") == []
@@ -221,7 +237,7 @@ def test_every_step_that_creates_a_cloud_resource_can_be_torn_down():
     for overrides, opts in CASES.values():
         for step in plan_steps(spec_with(*overrides), opts):
             if re.search(r"gcloud .*\bcreate\b", step.create):
-                assert step.exists and step.delete, step.title
+                assert step.exists and (step.delete or step.keep), step.title
 
 
 @pytest.mark.parametrize("overrides, opts, where", [
@@ -259,3 +275,113 @@ def test_cli_plan_gke_options_reach_the_scripts(tmp_path):
     assert '"${DWS_POOL}"' in setup and "SPOT_POOL" not in setup
     assert main(["cluster", "plan", "gke", "tiny", "--set", "parallel.nproc_per_node=1", "--out",
                  str(tmp_path / "x"), "--project", "proj-123", "--zone", "asia-southeast1-b"]) == 2  # generic profile
+
+
+def test_setup_builds_the_image_with_cloud_build_into_artifact_registry_and_records_its_digest(tmp_path):
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False)
+    assert rc == 0, err
+    assert ("artifacts repositories", "shardline") in resources(calls, "create")
+    (build,) = [c for c in calls if c.startswith("gcloud builds submit")]
+    cloudbuild = yaml.safe_load((Path(__file__).parents[2] / "cloudbuild.yaml").read_text())
+    subs = dict(kv.split("=", 1) for kv in build.split("--substitutions ")[1].split()[0].split(","))
+    assert set(subs) <= set(cloudbuild["substitutions"])  # only substitutions cloudbuild.yaml declares
+    assert subs == {"_REGION": "us-central1", "_REPOSITORY": "shardline", "_TAG": COMMIT[:12], "_GIT_COMMIT": COMMIT}
+    assert "--config ./cloudbuild.yaml" in build and build.startswith("gcloud builds submit . ")
+    image = f"us-central1-docker.pkg.dev/my-project/shardline/shardline:{COMMIT[:12]}"
+    flags = f"--set launch.image={image} --set launch.image_digest={DIGEST}"
+    assert (out / "image.txt").read_text().strip() == flags
+    spec = spec_with("launch.profile=a4", *flags.replace("--set ", "").split())  # what a launch takes
+    assert spec.launch.image == image and spec.launch.image_digest == DIGEST
+    _, calls, _ = run_script(out / "setup.sh", tmp_path, exists=True)
+    assert not any(c.startswith("gcloud builds submit") for c in calls)  # this commit's image exists already
+    _, calls, _ = run_script(out / "teardown.sh", tmp_path, exists=True, args=("--yes",))
+    assert resources(calls, "delete")[-1] == ("artifacts repositories", "shardline")
+
+
+def test_no_build_leaves_out_the_repository_and_the_build(tmp_path):
+    overrides, _ = CASES["a3-high-spot"]
+    write_plan(spec_with(*overrides), GkePlanOptions(project="my-project", zone="us-east4-a", build=False), tmp_path)
+    text = (tmp_path / "setup.sh").read_text()
+    assert "artifacts" not in text and "builds submit" not in text and "cloudbuild" not in text
+
+
+def test_cluster_runs_managed_prometheus_with_dcgm_and_the_bootstrap_scrapes_rank_0(tmp_path):
+    out = render(tmp_path, "a3-mega-dws")
+    _, calls, _ = run_script(out / "setup.sh", tmp_path, exists=False)
+    cluster = next(c for c in calls if "clusters create" in c)
+    assert "--enable-managed-prometheus" in cluster and "--monitoring=SYSTEM,DCGM" in cluster
+    objs = list(yaml.safe_load_all((out / "bootstrap.yaml").read_text()))
+    (pm,) = [o for o in objs if o["kind"] == "PodMonitoring"]
+    assert pm["apiVersion"] == "monitoring.googleapis.com/v1" and pm["metadata"]["namespace"] == "ml"
+    assert pm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    write_plan(spec_with("launch.profile=a3-mega", "observe.metrics_port=null"),
+               GkePlanOptions(project="my-project", zone="europe-west4-b"), tmp_path / "off")
+    assert "PodMonitoring" not in (tmp_path / "off" / "bootstrap.yaml").read_text()
+
+
+def test_node_pools_take_the_gke_versions_default_gpu_driver(tmp_path):
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    _, calls, _ = run_script(out / "setup.sh", tmp_path, exists=False)
+    pools = [c for c in calls if "node-pools create" in c]
+    assert pools and all("gpu-driver-version=default" in c for c in pools)
+
+
+def test_buckets_the_spec_uses_are_created_with_hierarchical_namespace_and_kept_by_teardown(tmp_path):
+    spec = spec_with("launch.profile=a4", *BUCKET, "checkpoint.dir=gs://ckpt-store/runs")
+    write_plan(spec, GkePlanOptions(project="my-project", zone="us-central1-b"), tmp_path / "out")
+    rc, calls, err = run_script(tmp_path / "out" / "setup.sh", tmp_path, exists=False)
+    assert rc == 0, err
+    creates = [c for c in calls if c.startswith("gcloud storage buckets create")]
+    assert [c.split()[4] for c in creates] == ["gs://ckpt-bucket", "gs://ckpt-store"]
+    for c in creates:
+        for flag in ("--location=us-central1", "--uniform-bucket-level-access", "--enable-hierarchical-namespace"):
+            assert flag in c
+    bindings = [c.split()[4] for c in calls if "add-iam-policy-binding" in c]
+    assert bindings == ["gs://ckpt-bucket", "gs://ckpt-store"]
+    rc, calls, err = run_script(tmp_path / "out" / "teardown.sh", tmp_path, exists=True, args=("--yes",))
+    assert rc == 0 and not any("buckets delete" in c or "storage rm" in c for c in calls)
+    assert "kept gs://${CHECKPOINT_BUCKET}" in (tmp_path / "out" / "teardown.sh").read_text()
+    with pytest.raises(SpecError) as e:
+        write_plan(spec_with("launch.profile=a4", "checkpoint.dir=gs://Bad_Bucket/x"),
+                   GkePlanOptions(project="my-project", zone="us-central1-b"), tmp_path / "bad")
+    assert e.value.where == "checkpoint.dir"
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+def test_the_token_secret_is_created_from_the_environment_or_a_file_and_never_written_or_traced(tmp_path, source):
+    token = "hf_Zq9" + "x" * 30
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    text = (out / "setup.sh").read_text()
+    assert "set -x" not in text and "xtrace" not in text and "hf_" not in text
+    env = {"HF_TOKEN": token}
+    if source == "file":
+        (tmp_path / "token").write_text(token)
+        env = {"HF_TOKEN": "", "HF_TOKEN_FILE": str(tmp_path / "token")}
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False, env=env)
+    assert rc == 0, err
+    (create,) = [c for c in calls if c.startswith("kubectl create secret generic")]
+    assert "hf-token" in create and "--namespace default" in create
+    assert Path(f"{tmp_path}/setup.sh-False.log.secrets").read_text() == f"token={token}\n"  # reached kubectl
+    assert token not in "\n".join(calls) and token not in err  # in no argument, no output
+    leaked = [f for f in tmp_path.rglob("*") if f.is_file() and not f.name.endswith(".secrets")
+              and f.name != "token" and token in f.read_text(errors="ignore")]
+    assert leaked == []
+    rc, calls, _ = run_script(out / "setup.sh", tmp_path, exists=True, env=env)
+    assert rc == 0 and not any("create secret" in c for c in calls)  # a Secret that exists stays as it is
+
+
+def test_a_missing_token_stops_setup_with_what_to_set(tmp_path):
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False, env={"HF_TOKEN": ""})
+    assert rc != 0 and "export HF_TOKEN or set HF_TOKEN_FILE" in err
+    assert not any("create secret" in c for c in calls)  # never an empty Secret
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False, env={"HF_TOKEN_FILE": "/nonexistent"})
+    assert rc != 0 and "cannot read HF_TOKEN_FILE=/nonexistent" in err
+
+
+@pytest.mark.parametrize("field,value", [("key", "token;touch /tmp/pwned"), ("key", "$(id)"), ("secret", "hf$(id)")])
+def test_secret_names_and_keys_that_would_reach_the_setup_shell_are_refused(field, value):
+    overrides = [o for o in HF_SECRET if not o.split("=")[0].endswith(f".{field}")]
+    with pytest.raises(SpecError, match=f"launch.kubernetes.secret_env.HF_TOKEN.{field}"):
+        load_spec("tiny", [*overrides, f"launch.kubernetes.secret_env.HF_TOKEN.{field}={value}"])

@@ -191,7 +191,7 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
 
     def pod(role: str, resources: dict, selector: bool) -> dict:
         container = {"name": f"ray-{role}", "image": k8s_pod.image_ref(spec), "env": env, "volumeMounts": mounts,
-                     "securityContext": k8s_pod.CONTAINER_SECURITY}
+                     "securityContext": k8s_pod.container_security(spec)}
         if resources:
             container["resources"] = resources
         if k.storage.kind != "none":

@@ -5,8 +5,9 @@ Hugging Face's `sdpa` path builds that as a dense block-diagonal [T, T] mask, so
 T² query-key pairs and throws most away (rows of 512 tokens holding ~92-token documents keep 1/11 of
 them), and CPU SDPA runs far slower with an explicit mask than with `is_causal`.
 
-`document_sdpa` runs SDPA once per document, causal, with no mask: the work is Σ len² instead of T² per
-row and the fast causal kernels apply (CPU flash, CUDA flash/cuDNN/efficient). The documents come from
+`document_sdpa` runs SDPA per document, causal, with no mask (documents of one rounded length batched
+into one call): the work is Σ len² instead of T² per row and the fast causal kernels apply (CPU flash, CUDA
+flash/cuDNN/efficient). The documents come from
 `shardline.data.spans` (a document starts where its position is 0), passed to the model as the same
 varlen keywords flash-attention-2 reads (`cu_seq_lens_q`, …), so `flash_attention_2` on GPU takes the
 same spans with no work of its own. Without spans (generation, evaluation with padding) the
@@ -26,30 +27,42 @@ NAME = "shardline_document_sdpa"
 """The implementation's key in transformers' attention registry; specs say `sdpa`."""
 
 
-CPU_LENGTH_BUCKET = 32
-"""On CPU a document's span is rounded up to a multiple of this: the CPU flash kernels build and keep one
-kernel per sequence length (bf16: ~3 MB each, measured), so raw lengths would grow memory with every new
-length. The causal mask keeps the extra tokens (the next document's) out of the real queries' view, and
-their own outputs are dropped."""
+LENGTH_BUCKET = 32
+"""Each document's span is rounded up to a multiple of this many tokens, and documents of one rounded
+length run as one batched SDPA call: a handful of calls per layer instead of one per document, and a
+bounded set of shapes (the CPU flash kernels build and keep one kernel per sequence length: ~3 MB each in
+bf16, measured, so raw lengths grew memory with every new length). The causal mask keeps the extra tokens
+(the start of the next document) out of the real queries' view, and their own outputs are dropped."""
 
 
-@torch.compiler.disable  # a Python loop over data-dependent spans: compiled blocks run around it
+@torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
                   scaling: float | None, gqa: bool) -> torch.Tensor:
     b, h, t, d = query.shape
-    bucket = CPU_LENGTH_BUCKET if query.device.type == "cpu" else 1
+    n_tokens = b * t
     # [B, H, T, D] → [H, B·T (+ room to round the last span up), D]: documents are contiguous spans.
-    q, k, v = (F.pad(x.transpose(0, 1).reshape(x.shape[1], b * t, d), (0, 0, 0, bucket - 1)) for x in
-               (query, key, value))
-    outputs, start = [], 0
-    for n in lengths:
-        span = slice(start, start + -(-n // bucket) * bucket)
-        out = F.scaled_dot_product_attention(q[None, :, span], k[None, :, span], v[None, :, span], is_causal=True,
-                                             scale=scaling, enable_gqa=gqa)
-        outputs.append(out[0, :, :n])
-        start += n
+    q, k, v = (F.pad(x.transpose(0, 1).reshape(x.shape[1], n_tokens, d), (0, 0, 0, LENGTH_BUCKET - 1))
+               for x in (query, key, value))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    sizes = torch.tensor(lengths)
+    rounded = (sizes + LENGTH_BUCKET - 1) // LENGTH_BUCKET * LENGTH_BUCKET
+    outputs, positions = [], []
+    for span in rounded.unique().tolist():
+        docs = (rounded == span).nonzero().flatten()
+        offsets = torch.arange(span)
+        index = (starts[docs, None] + offsets).to(query.device)  # [docs, span] token positions
+        flat = index.flatten()
+        # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
+        qb, kb, vb = (x.index_select(1, flat).unflatten(1, (len(docs), span)).transpose(0, 1) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
+        real = (offsets < sizes[docs, None]).to(query.device)  # the document's own tokens, not the rounding
+        outputs.append(out.transpose(0, 1)[:, real])  # [H, real tokens, D]
+        positions.append(index[real])
+    # Every token is in exactly one span: put the pieces back in token order.
+    order = torch.cat(positions).argsort()
+    merged = torch.cat(outputs, 1).index_select(1, order)  # [H, B·T, D]
     # [H, B·T, D] → [B, T, H, D], the layout HF attention functions return.
-    return torch.cat(outputs, 1).reshape(h, b, t, d).permute(1, 2, 0, 3).contiguous()
+    return merged.reshape(h, b, t, d).permute(1, 2, 0, 3).contiguous()
 
 
 def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

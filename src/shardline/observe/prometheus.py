@@ -28,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Info, sta
 log = logging.getLogger("shardline")
 
 PREFIX = "shardline_"
+METRICS_PORT_NAME = "metrics"
+"""Name of the trainer container's `/metrics` port; the PodMonitoring scrapes it by this name."""
 # `evaluating`: the last step is done and the final evaluation runs (long on big models, and no records
 # until it ends: the no-progress alert only watches `running`).
 STATUSES = ("starting", "running", "evaluating", "finished", "preempted", "failed")
@@ -198,14 +200,18 @@ def scrape_annotations(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
-def pod_monitor(name: str, namespace: str, match_labels: dict[str, str], port_name: str = "metrics",
-                interval_s: int = 15) -> dict:
-    """A prometheus-operator PodMonitor (monitoring.coreos.com/v1) scraping the pods that serve `/metrics`
-    through a container port named `port_name`. Only rank 0 serves: match its pod only, e.g. with
-    `batch.kubernetes.io/job-completion-index: "0"` (Indexed Job / JobSet), or other ranks show as down."""
+def pod_monitoring(namespace: str, port: str = METRICS_PORT_NAME, interval_s: int = 15) -> dict:
+    """A Google Cloud Managed Service for Prometheus `PodMonitoring` (monitoring.googleapis.com/v1) that scrapes
+    `/metrics` of every shardline job's rank-0 pod in `namespace`, through the container port named `port`.
+
+    One per namespace, not one per job: it selects by labels every job's pods carry, so a job needs no
+    permission on monitoring objects and launches unchanged on clusters without GMP. Rank 0 is the pod of
+    completion index 0 (Indexed Job, and each JobSet/TrainJob child Job); other ranks serve nothing and would
+    show as down."""
     return {
-        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"selector": {"matchLabels": match_labels},
-                 "podMetricsEndpoints": [{"port": port_name, "path": "/metrics", "interval": f"{interval_s}s"}]},
+        "apiVersion": "monitoring.googleapis.com/v1", "kind": "PodMonitoring",
+        "metadata": {"name": "shardline-rank0", "namespace": namespace},
+        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "shardline",
+                                              "batch.kubernetes.io/job-completion-index": "0"}},
+                 "endpoints": [{"port": port, "path": "/metrics", "interval": f"{interval_s}s"}]},
     }

@@ -12,6 +12,10 @@ Built from the job spec as plain dicts (typed data, never text templates):
   mounted token), and a `shardline-launcher` Role holding exactly what a *user* of `shardline
   launch|status|logs|wait|cancel` needs in that namespace. Bind it with `--bind-launcher` or
   `kubectl create rolebinding shardline-launcher --role shardline-launcher --user alice@example.com -n NS`.
+- Metrics (`--managed-prometheus`, on GKE with Google Cloud Managed Service for Prometheus): one PodMonitoring
+  in the namespace that scrapes rank 0 of every shardline job through its container port `metrics`. It lives
+  here, not with each job, because it serves every job of the namespace, needs no monitoring permission in the
+  launcher Role, and leaves `shardline launch` working on clusters without the PodMonitoring CRD.
 
 Output: ONE multi-document `bootstrap.yaml`, in apply order (Namespace, cluster-scoped Kueue objects with each
 reference's target first, then namespaced objects). `kubectl apply --server-side -f bootstrap.yaml` applies
@@ -28,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from shardline.errors import SpecError
+from shardline.observe.prometheus import pod_monitoring
 from shardline.profiles import NetworkProfile, get_profile
 from shardline.spec import JobSpec
 
@@ -68,6 +73,8 @@ class BootstrapOptions:
     cluster_queue: str = "shardline"
     bind_launcher: tuple[str, ...] = ()
     """RoleBinding subjects for the launcher Role: user:NAME, group:NAME or serviceaccount:[NS/]NAME."""
+    managed_prometheus: bool = False
+    """A PodMonitoring (GKE Managed Prometheus) for rank 0's `/metrics`; needs observe.metrics_port set."""
 
 
 def _meta(name: str, namespace: str | None = None) -> dict:
@@ -292,6 +299,12 @@ def bootstrap_objects(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
     objs.append({"apiVersion": KUEUE_API, "kind": "LocalQueue",
                  "metadata": _meta(local_queue_name(spec), namespace), "spec": {"clusterQueue": opts.cluster_queue}})
     objs += identity_objects(spec, opts)
+    if opts.managed_prometheus:
+        if not spec.observe.metrics_port:
+            raise SpecError("observe.metrics_port", f"is {spec.observe.metrics_port}, so pods declare no fixed "
+                            "metrics port for the PodMonitoring to scrape", "set it to a port, e.g. 9405, or drop "
+                            "--managed-prometheus")
+        objs.append(pod_monitoring(namespace))
     return objs
 
 

@@ -13,8 +13,14 @@ ZONE-vpc-roce`) with one subnet per GPU NIC. TCPX/TCPXO profiles (A3 High/Mega):
 per GPU NIC. Then a cluster with Dataplane V2, multi-networking, the GCS FUSE CSI driver and Workload Identity;
 GKENetworkParamSet/Network objects named as the launcher's `networking.gke.io/interfaces` annotation expects; a
 DWS flex-start node pool and/or a spot node pool (both scale from 0); Kueue and JobSet at pinned versions; the
-fabric's node DaemonSets; the `shardline cluster bootstrap` objects (written next to the scripts); and, when the
-spec mounts a GCS bucket, the bucket IAM binding for the trainer's Kubernetes service account.
+fabric's node DaemonSets; the `shardline cluster bootstrap` objects (written next to the scripts), with a Managed
+Prometheus PodMonitoring for rank 0's `/metrics` (the cluster runs Managed Prometheus and DCGM GPU metrics); the
+Kubernetes Secrets the spec's `launch.kubernetes.secret_env` reads, from a file or the environment of setup.sh,
+never written anywhere; each GCS bucket the spec uses (the GCS FUSE mount, a gs:// checkpoint.dir) with the IAM
+binding for the trainer's Kubernetes service account; and an Artifact Registry Docker repository with the image
+built from the checkout's Dockerfile by Cloud Build (cloudbuild.yaml), whose `--set launch.image=…
+--set launch.image_digest=…` setup.sh prints and writes to image.txt. Teardown keeps the buckets: they hold the
+runs and checkpoints.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from shardline.spec import JobSpec
 KUEUE_VERSION = "v0.19.2"
 JOBSET_VERSION = "v0.12.0"
 RELEASE_CHANNEL = "regular"
-GPU_DRIVER_VERSION = "latest"
+GPU_DRIVER_VERSION = "default"
+"""The GKE version's default driver: what the NCCL installers and DCGM metrics are tested against."""
 SYSTEM_MACHINE_TYPE = "e2-standard-8"
 NIC_MTU = {"rdma": 8896, "gpu-nic": 8244}
 """MTU of the GPU NIC VPCs per fabric (GKE's A3 Ultra/A4 RDMA and A3 High/Mega TCPX(O) guides)."""
@@ -44,6 +51,11 @@ _ZONE = re.compile(r"^([a-z]+-[a-z]+[0-9]+)-[a-z]$")
 _REGION = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 _CLUSTER = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_REPOSITORY = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+IMAGE_FILE = "image.txt"
+"""Written by setup.sh: the `--set launch.image=… --set launch.image_digest=…` flags of the built image."""
 _NIC_LOOP = 'for i in $(seq 0 $((GPU_NICS - 1))); do'
 _NIC_LOOP_REVERSED = 'for i in $(seq $((GPU_NICS - 1)) -1 0); do'
 
@@ -59,6 +71,12 @@ class GkePlanOptions:
     """Most GPU nodes per node pool (None: the spec's launch.nnodes)."""
     dws: bool = True
     spot: bool = True
+    build: bool = True
+    """Create the Artifact Registry repository and build the image with Cloud Build."""
+    repository: str = "shardline"
+    """Artifact Registry Docker repository (in the cluster's region)."""
+    source: str = "."
+    """The shardline checkout Cloud Build uploads (Dockerfile, cloudbuild.yaml), as setup.sh sees it."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,8 @@ class Step:
     """None: nothing to undo, or removed with the cluster."""
     delete_if: str | None = None
     """Teardown's probe where `create` needs none (it is idempotent itself); default: `exists`."""
+    keep: str | None = None
+    """Teardown leaves the resource and says why (a bucket holds the runs and checkpoints)."""
     per_nic: bool = False
     """Repeat for each GPU NIC; `${i}` is the NIC index."""
 
@@ -172,15 +192,22 @@ def _node_pool(name_var: str, *flags: str) -> Step:
 def plan_steps(spec: JobSpec, opts: GkePlanOptions) -> list[Step]:
     profile = get_profile(spec.launch.profile)
     where = f'"${{CLUSTER}}" {_P} {_R}'
-    steps = [Step("APIs this plan uses", _cmd("gcloud services enable container.googleapis.com",
-                                              "compute.googleapis.com", _P))]
+    apis = ["container.googleapis.com", "compute.googleapis.com", "monitoring.googleapis.com"]
+    if opts.build:
+        apis += ["artifactregistry.googleapis.com", "cloudbuild.googleapis.com"]
+    steps = [Step("APIs this plan uses", _cmd("gcloud services enable", *apis, _P))]
+    if opts.build:
+        steps.append(_repository_step())
+    steps += [_bucket_step(var) for var in _bucket_variables(spec)]
     steps += _network_steps(profile)
     steps.append(Step(
-        "GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity",
+        "GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, "
+        "Managed Prometheus with DCGM GPU metrics",
         _cmd("gcloud container clusters create", where, '--node-locations "${ZONE}"',
              '--release-channel "${RELEASE_CHANNEL}"', '--machine-type "${SYSTEM_MACHINE_TYPE}"',
              '--num-nodes "${SYSTEM_NODES}"', "--enable-dataplane-v2", "--enable-ip-alias",
-             "--enable-multi-networking", "--addons GcsFuseCsiDriver", '--workload-pool "${PROJECT}.svc.id.goog"'),
+             "--enable-multi-networking", "--addons GcsFuseCsiDriver", '--workload-pool "${PROJECT}.svc.id.goog"',
+             "--enable-managed-prometheus", "--monitoring=SYSTEM,DCGM"),
         exists=f"gcloud container clusters describe {where}",
         delete=_cmd("gcloud container clusters delete", where, _QUIET)))
     steps.append(Step("kubectl credentials for the cluster",
@@ -218,28 +245,114 @@ def plan_steps(spec: JobSpec, opts: GkePlanOptions) -> list[Step]:
     steps.append(Step(
         f"{profile.name} node DaemonSets (NCCL/fabric libraries on each GPU node as it joins)",
         'for manifest in "${NODE_MANIFESTS[@]}"; do\n  kubectl apply -f "${manifest}"\ndone'))
-    steps.append(Step("Kueue queues, DWS admission check, trainer service account, launcher Role",
+    steps.append(Step("Kueue queues, DWS admission check, trainer service account, launcher Role"
+                      + (", PodMonitoring for rank 0's /metrics" if spec.observe.metrics_port else ""),
                       f'kubectl apply --server-side -f "${{HERE}}/{BOOTSTRAP_FILE}"'))
-    if _bucket(spec):
-        member = ('"principal://iam.googleapis.com/projects/${PROJECT_NUMBER}/locations/global/workloadIdentityPools/'
-                  '${PROJECT}.svc.id.goog/subject/ns/${NAMESPACE}/sa/${KSA}"')
-        def binding(verb: str) -> str:
-            return _cmd(f"gcloud storage buckets {verb}-iam-policy-binding", '"gs://${BUCKET}"', "--member", member,
-                        "--role roles/storage.objectUser")
-
-        number = 'PROJECT_NUMBER="$(gcloud projects describe "${PROJECT}" --format "value(projectNumber)")"'
-        steps.append(Step(
-            "GCS bucket access for the trainer's Kubernetes service account (Workload Identity, no GSA)",
-            number + "\n" + binding("add"),  # adding a binding that is there already is a no-op
-            delete_if='gcloud storage buckets describe "gs://${BUCKET}"',
-            # Removing a binding that is not there fails; an absent binding is what teardown wants.
-            delete=number + "\n" + binding("remove") + " || true"))
+    if spec.launch.kubernetes.secret_env:
+        steps.append(_secrets_step(spec))
+    steps += [_bucket_binding_step(var) for var in _bucket_variables(spec)]
+    if opts.build:
+        steps.append(_build_step())
     return steps
 
 
-def _bucket(spec: JobSpec) -> str | None:
+def _repository_step() -> Step:
+    where = f'"${{REPOSITORY}}" {_P} --location "${{REGION}}"'
+    return Step("Artifact Registry Docker repository for the training image",
+                _cmd("gcloud artifacts repositories create", where, "--repository-format docker"),
+                exists=f"gcloud artifacts repositories describe {where}",
+                delete=_cmd("gcloud artifacts repositories delete", where, _QUIET))
+
+
+def _build_step() -> Step:
+    """Cloud Build with the checkout's cloudbuild.yaml; the image is tagged with the commit, so a commit that was
+    built already is not built again, and its digest pins the launch (`launch.image_digest`)."""
+    image = '"${REGION}-docker.pkg.dev/${PROJECT}/${REPOSITORY}/shardline:${GIT_COMMIT:0:12}"'
+    substitutions = '"_REGION=${REGION},_REPOSITORY=${REPOSITORY},_TAG=${GIT_COMMIT:0:12},_GIT_COMMIT=${GIT_COMMIT}"'
+    build = _cmd('gcloud builds submit "${SOURCE_DIR}"', _P, '--config "${SOURCE_DIR}/cloudbuild.yaml"',
+                 "--substitutions", substitutions)
+    digest = 'DIGEST="$(gcloud artifacts docker images describe "${IMAGE}" --format "value(image_summary.digest)")"'
+    return Step(
+        "the training image: Cloud Build builds the Dockerfile (cloudbuild.yaml) once per commit; its digest pins "
+        "launches",
+        "\n".join([
+            'GIT_COMMIT="$(git -C "${SOURCE_DIR}" rev-parse HEAD)"', f"IMAGE={image}",
+            'if ! gcloud artifacts docker images describe "${IMAGE}" >/dev/null 2>&1; then',
+            _indent(build, "  "), "fi", digest,
+            'echo "--set launch.image=${IMAGE} --set launch.image_digest=${DIGEST}"'
+            f' | tee "${{HERE}}/{IMAGE_FILE}"',
+        ]))
+
+
+def _secrets_step(spec: JobSpec) -> Step:
+    """Each Secret the pods read, created from `<ENV>_FILE` when it names a file, else from the variable <ENV> in
+    setup.sh's environment. The value only passes through a pipe (process substitution): it is in no argument,
+    no file and no trace (the script never sets -x)."""
+    namespace = '--namespace "${NAMESPACE}"'
+    by_secret: dict[str, list[tuple[str, str]]] = {}
+    for env, ref in sorted(spec.launch.kubernetes.secret_env.items()):
+        by_secret.setdefault(ref.secret, []).append((ref.key, env))
+    # $1: the environment variable, $2: a file to read instead (may be empty). A process substitution's failure
+    # goes unnoticed, so the source is checked first: a missing token stops setup, never makes an empty Secret.
+    lines = ["check_secret_source() {",
+             '  if [[ -n "$2" && ! -r "$2" ]]; then echo "cannot read ${1}_FILE=$2" >&2; return 1; fi',
+             '  if [[ -z "$2" && -z "${!1:-}" ]]; then echo "export $1 or set ${1}_FILE" >&2; return 1; fi',
+             "}",
+             "secret_value() {",
+             '  if [[ -n "$2" ]]; then cat -- "$2"; else printf "%s" "${!1}"; fi',
+             "}"]
+    for secret, keys in by_secret.items():
+        sources = [f'--from-file={key}=<(secret_value {env} "${{{env}_FILE}}")' for key, env in keys]
+        lines += [f'if ! kubectl get secret "{secret}" {namespace} >/dev/null 2>&1; then',
+                  *(f'  check_secret_source {env} "${{{env}_FILE}}"' for _, env in keys),
+                  _indent(_cmd(f'kubectl create secret generic "{secret}"', namespace, *sources), "  "), "fi"]
+    return Step("Kubernetes Secrets the pods read (launch.kubernetes.secret_env), from a file or the environment",
+                "\n".join(lines))
+
+
+def _bucket_step(var: str) -> Step:
+    bucket = f'"gs://${{{var}}}"'
+    return Step(f"GCS bucket gs://${{{var}}}: hierarchical namespace (fast renames for checkpoints), uniform access",
+                _cmd("gcloud storage buckets create", bucket, _P, '--location="${REGION}"',
+                     "--uniform-bucket-level-access", "--enable-hierarchical-namespace"),
+                exists=f"gcloud storage buckets describe {bucket} {_P}",
+                keep=f"gs://${{{var}}} holds the runs and checkpoints; delete it yourself: "
+                     f"gcloud storage rm --recursive gs://${{{var}}}")
+
+
+def _bucket_binding_step(var: str) -> Step:
+    member = ('"principal://iam.googleapis.com/projects/${PROJECT_NUMBER}/locations/global/workloadIdentityPools/'
+              '${PROJECT}.svc.id.goog/subject/ns/${NAMESPACE}/sa/${KSA}"')
+
+    def binding(verb: str) -> str:
+        return _cmd(f"gcloud storage buckets {verb}-iam-policy-binding", f'"gs://${{{var}}}"', "--member", member,
+                    "--role roles/storage.objectUser")
+
+    number = 'PROJECT_NUMBER="$(gcloud projects describe "${PROJECT}" --format "value(projectNumber)")"'
+    return Step(
+        f"GCS bucket gs://${{{var}}} access for the trainer's Kubernetes service account (Workload Identity, no GSA)",
+        number + "\n" + binding("add"),  # adding a binding that is there already is a no-op
+        delete_if=f'gcloud storage buckets describe "gs://${{{var}}}"',
+        # Removing a binding that is not there fails; an absent binding is what teardown wants.
+        delete=number + "\n" + binding("remove") + " || true")
+
+
+def _buckets(spec: JobSpec) -> dict[str, tuple[str, str]]:
+    """Script variable → (bucket, the spec field naming it): the GCS FUSE mount, then a gs:// checkpoint.dir."""
+    out: dict[str, tuple[str, str]] = {}
     storage = spec.launch.kubernetes.storage
-    return storage.bucket if storage.kind == "gcsfuse" else None
+    if storage.kind == "gcsfuse" and storage.bucket:
+        out["BUCKET"] = (storage.bucket, "launch.kubernetes.storage.bucket")
+    ckpt = spec.checkpoint.dir or ""
+    if ckpt.startswith("gs://"):
+        bucket = ckpt.removeprefix("gs://").split("/", 1)[0]
+        if bucket not in {b for b, _ in out.values()}:
+            out["CHECKPOINT_BUCKET"] = (bucket, "checkpoint.dir")
+    return out
+
+
+def _bucket_variables(spec: JobSpec) -> list[str]:
+    return list(_buckets(spec))
 
 
 def _variables(spec: JobSpec, opts: GkePlanOptions) -> dict[str, str]:
@@ -259,10 +372,12 @@ def _variables(spec: JobSpec, opts: GkePlanOptions) -> dict[str, str]:
         "KUEUE_VERSION": f'"{KUEUE_VERSION}"', "JOBSET_VERSION": f'"{JOBSET_VERSION}"',
         "NODE_MANIFESTS": "(\n" + "".join(f"  {shlex.quote(u)}\n" for u in profile.node_manifests) + ")",
     }
-    bucket = _bucket(spec)
-    if bucket:
-        out |= {"BUCKET": f'"{bucket}"', "NAMESPACE": f'"{spec.launch.kubernetes.namespace}"',
-                "KSA": f'"{spec.launch.kubernetes.service_account}"'}
+    out |= {var: f'"{bucket}"' for var, (bucket, _) in _buckets(spec).items()}
+    out |= {"NAMESPACE": f'"{spec.launch.kubernetes.namespace}"', "KSA": f'"{spec.launch.kubernetes.service_account}"'}
+    # A file to read a Secret's value from; empty: the variable itself, from setup.sh's environment.
+    out |= {f"{env}_FILE": f'"${{{env}_FILE:-}}"' for env in sorted(spec.launch.kubernetes.secret_env)}
+    if opts.build:
+        out |= {"REPOSITORY": f'"{opts.repository}"', "SOURCE_DIR": shlex.quote(opts.source)}
     return out
 
 
@@ -320,6 +435,8 @@ def render_setup(spec: JobSpec, opts: GkePlanOptions) -> str:
 def render_teardown(spec: JobSpec, opts: GkePlanOptions) -> str:
     parts = []
     for step in reversed(plan_steps(spec, opts)):
+        if step.keep is not None:
+            parts.append(f"# --- {step.title}: kept\necho \"kept {step.keep}\"\n")
         if step.delete is None:
             continue
         probe = step.delete_if or step.exists
@@ -361,10 +478,20 @@ def _check(opts: GkePlanOptions, spec: JobSpec) -> None:
     if spec.launch.kubernetes.gpu_resource is None:
         raise SpecError("launch.kubernetes.gpu_resource", "is null, but the plan builds GPU node pools",
                         "set it to nvidia.com/gpu")
-    bucket = _bucket(spec)
-    if bucket is not None and not _BUCKET.match(bucket):
-        raise SpecError("launch.kubernetes.storage.bucket", f"{bucket!r} is not a GCS bucket name",
-                        "use the bucket name without gs://")
+    for bucket, field in _buckets(spec).values():
+        if not _BUCKET.match(bucket):
+            raise SpecError(field, f"{bucket!r} is not a GCS bucket name",
+                            "use the bucket name without gs://" if field.endswith("bucket") else "write gs://BUCKET/path")
+    if opts.build and not _REPOSITORY.match(opts.repository):
+        raise SpecError("--repository", f"{opts.repository!r} is not an Artifact Registry repository id",
+                        "use lowercase letters, digits and '-', starting with a letter")
+    for env, ref in spec.launch.kubernetes.secret_env.items():
+        if not _ENV_NAME.match(env):
+            raise SpecError(f"launch.kubernetes.secret_env.{env}", "is not an environment variable name",
+                            "use letters, digits and '_', e.g. HF_TOKEN")
+        if not _SECRET_KEY.match(ref.key):
+            raise SpecError(f"launch.kubernetes.secret_env.{env}.key", f"{ref.key!r} is not a Secret key",
+                            "use letters, digits, '-', '_' and '.', e.g. token")
 
 
 def write_plan(spec: JobSpec, opts: GkePlanOptions, out: Path) -> list[Path]:
@@ -373,8 +500,10 @@ def write_plan(spec: JobSpec, opts: GkePlanOptions, out: Path) -> list[Path]:
     profile = get_profile(spec.launch.profile)
     max_nodes = opts.max_nodes if opts.max_nodes is not None else spec.launch.nnodes
     setup, teardown = render_setup(spec, opts), render_teardown(spec, opts)
+    # The cluster runs Managed Prometheus: rank 0's /metrics is scraped when the spec serves it on a fixed port.
     bootstrap = write_bootstrap(spec, BootstrapOptions(gpus=max_nodes * profile.gpus_per_node, dws=opts.dws,
-                                                       spot=opts.spot), out)
+                                                       spot=opts.spot,
+                                                       managed_prometheus=bool(spec.observe.metrics_port)), out)
     paths = [bootstrap]
     for name, text in (("setup.sh", setup), ("teardown.sh", teardown)):
         path = out / name

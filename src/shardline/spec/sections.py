@@ -197,8 +197,8 @@ class Toleration(Section):
 class SecretRef(Section):
     secret: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     """Name of a Kubernetes Secret in the job's namespace."""
-    key: str
-    """Key inside the Secret."""
+    key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key inside the Secret (Kubernetes' key characters: letters, digits, `-`, `_`, `.`)."""
 
 
 class StorageSpec(Section):

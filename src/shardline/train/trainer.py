@@ -25,7 +25,7 @@ from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import SpecError
 from shardline.model.build import build_model
-from shardline.model.document_attention import CPU_LENGTH_BUCKET
+from shardline.model.document_attention import LENGTH_BUCKET
 from shardline.model.flops import (
     FORMULA,
     FlopsModel,
@@ -297,8 +297,8 @@ class Trainer:
         if self.spec.model.attn_implementation == "eager":
             rows, seq = batch.input_ids.shape
             return rows * seq * seq
-        if self.spec.model.attn_implementation == "sdpa" and self.ctx.device.type == "cpu":
-            return batch.spans.executed_causal_pairs(CPU_LENGTH_BUCKET)
+        if self.spec.model.attn_implementation == "sdpa":
+            return batch.spans.executed_causal_pairs(LENGTH_BUCKET)
         return batch.spans.executed_causal_pairs()
 
     def _trace_samples(self, indices: list) -> None:

@@ -180,6 +180,23 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_I
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+def container_security(spec: JobSpec) -> dict:
+    """Drop every capability, then add back only what the profile's fabric needs (IPC_LOCK for RDMA)."""
+    added = get_profile(spec.launch.profile).capabilities
+    if not added:
+        return CONTAINER_SECURITY
+    return {**CONTAINER_SECURITY, "capabilities": {"drop": ["ALL"], "add": list(added)}}
+
+
+def container_ports(spec: JobSpec) -> list[dict]:
+    """The metrics port, named, so that a PodMonitoring finds it (port 0 picks a free port: nothing to declare).
+    Every pod declares it; only rank 0 listens, and the PodMonitoring selects rank 0's pod."""
+    from shardline.observe.prometheus import METRICS_PORT_NAME
+
+    port = spec.observe.metrics_port
+    return [{"name": METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}] if port else []
+
+
 def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], subdomain: str | None,
              rdzv_endpoint: str | None = None) -> dict:
     """A complete pod spec for one node of the job; `rdzv_endpoint` (host:port) is an elastic job's c10d store."""
@@ -187,7 +204,9 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
     volumes, mounts = volumes_and_mounts(spec, config_map)
     container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task, rdzv_endpoint),
                  "env": container_env(spec, rank_env), "volumeMounts": mounts,
-                 "securityContext": CONTAINER_SECURITY}
+                 "securityContext": container_security(spec)}
+    if ports := container_ports(spec):
+        container["ports"] = ports
     if res := resources(spec):
         container["resources"] = res
     if k.storage.kind != "none":

@@ -29,7 +29,9 @@ CONTAINER_PATCH_KEYS = ("name", "volumeMounts", "securityContext")
 TRAINER_KEYS = {"image": "image", "command": "command", "env": "env", "resources": "resourcesPerNode"}
 RUNTIME_OWNED = ("restartPolicy",)
 CARRIED_OTHERWISE = ("automountServiceAccountToken", "containers")
-CONTAINER_CARRIED_OTHERWISE = ("workingDir",)
+CONTAINER_CARRIED_OTHERWISE = ("workingDir", "ports")
+"""workingDir goes into the command; ports cannot be patched (Trainer's container patch has env, securityContext
+and volumeMounts only): the runtime's pod template must name the metrics port for a PodMonitoring to find it."""
 
 
 def check_trainjob(spec: JobSpec) -> None:

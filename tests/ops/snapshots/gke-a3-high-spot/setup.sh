@@ -19,7 +19,7 @@ MACHINE_TYPE="a3-highgpu-8g"
 ACCELERATOR="nvidia-h100-80gb"
 GPUS_PER_NODE=8
 GPU_NICS=4
-GPU_DRIVER_VERSION="latest"
+GPU_DRIVER_VERSION="default"
 MAX_NODES=1
 SPOT_POOL="${CLUSTER}-spot"
 KUEUE_VERSION="v0.19.2"
@@ -28,11 +28,20 @@ NODE_MANIFESTS=(
   https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/db325df93989b62ffb6959393c827e54a00f5d2d/gpudirect-tcpx/nccl-tcpx-installer.yaml
   https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/a5c392e4a533fc2727e8fa0a9fdd14c80852a7e0/gpudirect-tcpx/nri-device-injector.yaml
 )
+REPOSITORY="shardline"
+SOURCE_DIR=.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 # --- APIs this plan uses
-gcloud services enable container.googleapis.com compute.googleapis.com --project "${PROJECT}"
+gcloud services enable container.googleapis.com compute.googleapis.com monitoring.googleapis.com \
+    artifactregistry.googleapis.com cloudbuild.googleapis.com --project "${PROJECT}"
+
+# --- Artifact Registry Docker repository for the training image
+if ! gcloud artifacts repositories describe "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" >/dev/null 2>&1; then
+  gcloud artifacts repositories create "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" \
+      --repository-format docker
+fi
 
 # --- VPC ${NET_PREFIX}-gpunic-${i}-net
 for i in $(seq 0 $((GPU_NICS - 1))); do
@@ -59,13 +68,13 @@ for i in $(seq 0 $((GPU_NICS - 1))); do
   fi
 done
 
-# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity
+# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, Managed Prometheus with DCGM GPU metrics
 if ! gcloud container clusters describe "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" >/dev/null 2>&1; then
   gcloud container clusters create "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" \
       --node-locations "${ZONE}" --release-channel "${RELEASE_CHANNEL}" \
       --machine-type "${SYSTEM_MACHINE_TYPE}" --num-nodes "${SYSTEM_NODES}" --enable-dataplane-v2 \
       --enable-ip-alias --enable-multi-networking --addons GcsFuseCsiDriver \
-      --workload-pool "${PROJECT}.svc.id.goog"
+      --workload-pool "${PROJECT}.svc.id.goog" --enable-managed-prometheus --monitoring=SYSTEM,DCGM
 fi
 
 # --- kubectl credentials for the cluster
@@ -182,7 +191,18 @@ for manifest in "${NODE_MANIFESTS[@]}"; do
   kubectl apply -f "${manifest}"
 done
 
-# --- Kueue queues, DWS admission check, trainer service account, launcher Role
+# --- Kueue queues, DWS admission check, trainer service account, launcher Role, PodMonitoring for rank 0's /metrics
 kubectl apply --server-side -f "${HERE}/bootstrap.yaml"
+
+# --- the training image: Cloud Build builds the Dockerfile (cloudbuild.yaml) once per commit; its digest pins launches
+GIT_COMMIT="$(git -C "${SOURCE_DIR}" rev-parse HEAD)"
+IMAGE="${REGION}-docker.pkg.dev/${PROJECT}/${REPOSITORY}/shardline:${GIT_COMMIT:0:12}"
+if ! gcloud artifacts docker images describe "${IMAGE}" >/dev/null 2>&1; then
+  gcloud builds submit "${SOURCE_DIR}" --project "${PROJECT}" --config "${SOURCE_DIR}/cloudbuild.yaml" \
+      --substitutions \
+      "_REGION=${REGION},_REPOSITORY=${REPOSITORY},_TAG=${GIT_COMMIT:0:12},_GIT_COMMIT=${GIT_COMMIT}"
+fi
+DIGEST="$(gcloud artifacts docker images describe "${IMAGE}" --format "value(image_summary.digest)")"
+echo "--set launch.image=${IMAGE} --set launch.image_digest=${DIGEST}" | tee "${HERE}/image.txt"
 
 echo "cluster ${CLUSTER} is ready; queue: see bootstrap.yaml"

@@ -12,6 +12,7 @@ CLUSTER="shardline"
 NET_PREFIX="${CLUSTER}"
 GPU_NICS=4
 SPOT_POOL="${CLUSTER}-spot"
+REPOSITORY="shardline"
 
 if [[ "${1:-}" != "--yes" ]]; then
   echo "this deletes cluster ${CLUSTER}, its node pools and networks in ${PROJECT}; run: $0 --yes" >&2
@@ -24,7 +25,7 @@ if gcloud container node-pools describe "${SPOT_POOL}" --cluster "${CLUSTER}" --
       --cluster "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" --quiet
 fi
 
-# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity
+# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, Managed Prometheus with DCGM GPU metrics
 if gcloud container clusters describe "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" >/dev/null 2>&1; then
   gcloud container clusters delete "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" --quiet
 fi
@@ -51,3 +52,9 @@ for i in $(seq $((GPU_NICS - 1)) -1 0); do
     gcloud compute networks delete "${NET_PREFIX}-gpunic-${i}-net" --project "${PROJECT}" --quiet
   fi
 done
+
+# --- Artifact Registry Docker repository for the training image
+if gcloud artifacts repositories describe "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" >/dev/null 2>&1; then
+  gcloud artifacts repositories delete "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" \
+      --quiet
+fi

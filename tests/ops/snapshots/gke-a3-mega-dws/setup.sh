@@ -19,7 +19,7 @@ MACHINE_TYPE="a3-megagpu-8g"
 ACCELERATOR="nvidia-h100-mega-80gb"
 GPUS_PER_NODE=8
 GPU_NICS=8
-GPU_DRIVER_VERSION="latest"
+GPU_DRIVER_VERSION="default"
 MAX_NODES=4
 DWS_POOL="${CLUSTER}-dws"
 KUEUE_VERSION="v0.19.2"
@@ -28,11 +28,20 @@ NODE_MANIFESTS=(
   https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/e14ee8a4998b4952775281047f019bb7a6bacff8/gpudirect-tcpxo/nccl-tcpxo-installer.yaml
   https://raw.githubusercontent.com/GoogleCloudPlatform/container-engine-accelerators/d4919d335f6cddb2d1b1f7242090ff9e93316579/nri_device_injector/nri-device-injector.yaml
 )
+REPOSITORY="shardline"
+SOURCE_DIR=.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 # --- APIs this plan uses
-gcloud services enable container.googleapis.com compute.googleapis.com --project "${PROJECT}"
+gcloud services enable container.googleapis.com compute.googleapis.com monitoring.googleapis.com \
+    artifactregistry.googleapis.com cloudbuild.googleapis.com --project "${PROJECT}"
+
+# --- Artifact Registry Docker repository for the training image
+if ! gcloud artifacts repositories describe "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" >/dev/null 2>&1; then
+  gcloud artifacts repositories create "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" \
+      --repository-format docker
+fi
 
 # --- VPC ${NET_PREFIX}-gpunic-${i}-net
 for i in $(seq 0 $((GPU_NICS - 1))); do
@@ -59,13 +68,13 @@ for i in $(seq 0 $((GPU_NICS - 1))); do
   fi
 done
 
-# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity
+# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, Managed Prometheus with DCGM GPU metrics
 if ! gcloud container clusters describe "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" >/dev/null 2>&1; then
   gcloud container clusters create "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" \
       --node-locations "${ZONE}" --release-channel "${RELEASE_CHANNEL}" \
       --machine-type "${SYSTEM_MACHINE_TYPE}" --num-nodes "${SYSTEM_NODES}" --enable-dataplane-v2 \
       --enable-ip-alias --enable-multi-networking --addons GcsFuseCsiDriver \
-      --workload-pool "${PROJECT}.svc.id.goog"
+      --workload-pool "${PROJECT}.svc.id.goog" --enable-managed-prometheus --monitoring=SYSTEM,DCGM
 fi
 
 # --- kubectl credentials for the cluster
@@ -263,7 +272,18 @@ for manifest in "${NODE_MANIFESTS[@]}"; do
   kubectl apply -f "${manifest}"
 done
 
-# --- Kueue queues, DWS admission check, trainer service account, launcher Role
+# --- Kueue queues, DWS admission check, trainer service account, launcher Role, PodMonitoring for rank 0's /metrics
 kubectl apply --server-side -f "${HERE}/bootstrap.yaml"
+
+# --- the training image: Cloud Build builds the Dockerfile (cloudbuild.yaml) once per commit; its digest pins launches
+GIT_COMMIT="$(git -C "${SOURCE_DIR}" rev-parse HEAD)"
+IMAGE="${REGION}-docker.pkg.dev/${PROJECT}/${REPOSITORY}/shardline:${GIT_COMMIT:0:12}"
+if ! gcloud artifacts docker images describe "${IMAGE}" >/dev/null 2>&1; then
+  gcloud builds submit "${SOURCE_DIR}" --project "${PROJECT}" --config "${SOURCE_DIR}/cloudbuild.yaml" \
+      --substitutions \
+      "_REGION=${REGION},_REPOSITORY=${REPOSITORY},_TAG=${GIT_COMMIT:0:12},_GIT_COMMIT=${GIT_COMMIT}"
+fi
+DIGEST="$(gcloud artifacts docker images describe "${IMAGE}" --format "value(image_summary.digest)")"
+echo "--set launch.image=${IMAGE} --set launch.image_digest=${DIGEST}" | tee "${HERE}/image.txt"
 
 echo "cluster ${CLUSTER} is ready; queue: see bootstrap.yaml"

@@ -19,7 +19,7 @@ MACHINE_TYPE="a4-highgpu-8g"
 ACCELERATOR="nvidia-b200"
 GPUS_PER_NODE=8
 GPU_NICS=8
-GPU_DRIVER_VERSION="latest"
+GPU_DRIVER_VERSION="default"
 MAX_NODES=2
 DWS_POOL="${CLUSTER}-dws"
 SPOT_POOL="${CLUSTER}-spot"
@@ -31,11 +31,27 @@ NODE_MANIFESTS=(
 BUCKET="ckpt-bucket"
 NAMESPACE="default"
 KSA="shardline-trainer"
+HF_TOKEN_FILE="${HF_TOKEN_FILE:-}"
+REPOSITORY="shardline"
+SOURCE_DIR=.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 # --- APIs this plan uses
-gcloud services enable container.googleapis.com compute.googleapis.com --project "${PROJECT}"
+gcloud services enable container.googleapis.com compute.googleapis.com monitoring.googleapis.com \
+    artifactregistry.googleapis.com cloudbuild.googleapis.com --project "${PROJECT}"
+
+# --- Artifact Registry Docker repository for the training image
+if ! gcloud artifacts repositories describe "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" >/dev/null 2>&1; then
+  gcloud artifacts repositories create "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" \
+      --repository-format docker
+fi
+
+# --- GCS bucket gs://${BUCKET}: hierarchical namespace (fast renames for checkpoints), uniform access
+if ! gcloud storage buckets describe "gs://${BUCKET}" --project "${PROJECT}" >/dev/null 2>&1; then
+  gcloud storage buckets create "gs://${BUCKET}" --project "${PROJECT}" --location="${REGION}" \
+      --uniform-bucket-level-access --enable-hierarchical-namespace
+fi
 
 # --- VPC ${NET_PREFIX}-gvnic-net
 if ! gcloud compute networks describe "${NET_PREFIX}-gvnic-net" --project "${PROJECT}" >/dev/null 2>&1; then
@@ -70,13 +86,13 @@ for i in $(seq 0 $((GPU_NICS - 1))); do
   fi
 done
 
-# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity
+# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, Managed Prometheus with DCGM GPU metrics
 if ! gcloud container clusters describe "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" >/dev/null 2>&1; then
   gcloud container clusters create "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" \
       --node-locations "${ZONE}" --release-channel "${RELEASE_CHANNEL}" \
       --machine-type "${SYSTEM_MACHINE_TYPE}" --num-nodes "${SYSTEM_NODES}" --enable-dataplane-v2 \
       --enable-ip-alias --enable-multi-networking --addons GcsFuseCsiDriver \
-      --workload-pool "${PROJECT}.svc.id.goog"
+      --workload-pool "${PROJECT}.svc.id.goog" --enable-managed-prometheus --monitoring=SYSTEM,DCGM
 fi
 
 # --- kubectl credentials for the cluster
@@ -304,13 +320,38 @@ for manifest in "${NODE_MANIFESTS[@]}"; do
   kubectl apply -f "${manifest}"
 done
 
-# --- Kueue queues, DWS admission check, trainer service account, launcher Role
+# --- Kueue queues, DWS admission check, trainer service account, launcher Role, PodMonitoring for rank 0's /metrics
 kubectl apply --server-side -f "${HERE}/bootstrap.yaml"
 
-# --- GCS bucket access for the trainer's Kubernetes service account (Workload Identity, no GSA)
+# --- Kubernetes Secrets the pods read (launch.kubernetes.secret_env), from a file or the environment
+check_secret_source() {
+  if [[ -n "$2" && ! -r "$2" ]]; then echo "cannot read ${1}_FILE=$2" >&2; return 1; fi
+  if [[ -z "$2" && -z "${!1:-}" ]]; then echo "export $1 or set ${1}_FILE" >&2; return 1; fi
+}
+secret_value() {
+  if [[ -n "$2" ]]; then cat -- "$2"; else printf "%s" "${!1}"; fi
+}
+if ! kubectl get secret "hf-token" --namespace "${NAMESPACE}" >/dev/null 2>&1; then
+  check_secret_source HF_TOKEN "${HF_TOKEN_FILE}"
+  kubectl create secret generic "hf-token" --namespace "${NAMESPACE}" \
+      --from-file=token=<(secret_value HF_TOKEN "${HF_TOKEN_FILE}")
+fi
+
+# --- GCS bucket gs://${BUCKET} access for the trainer's Kubernetes service account (Workload Identity, no GSA)
 PROJECT_NUMBER="$(gcloud projects describe "${PROJECT}" --format "value(projectNumber)")"
 gcloud storage buckets add-iam-policy-binding "gs://${BUCKET}" --member \
     "principal://iam.googleapis.com/projects/${PROJECT_NUMBER}/locations/global/workloadIdentityPools/${PROJECT}.svc.id.goog/subject/ns/${NAMESPACE}/sa/${KSA}" \
     --role roles/storage.objectUser
+
+# --- the training image: Cloud Build builds the Dockerfile (cloudbuild.yaml) once per commit; its digest pins launches
+GIT_COMMIT="$(git -C "${SOURCE_DIR}" rev-parse HEAD)"
+IMAGE="${REGION}-docker.pkg.dev/${PROJECT}/${REPOSITORY}/shardline:${GIT_COMMIT:0:12}"
+if ! gcloud artifacts docker images describe "${IMAGE}" >/dev/null 2>&1; then
+  gcloud builds submit "${SOURCE_DIR}" --project "${PROJECT}" --config "${SOURCE_DIR}/cloudbuild.yaml" \
+      --substitutions \
+      "_REGION=${REGION},_REPOSITORY=${REPOSITORY},_TAG=${GIT_COMMIT:0:12},_GIT_COMMIT=${GIT_COMMIT}"
+fi
+DIGEST="$(gcloud artifacts docker images describe "${IMAGE}" --format "value(image_summary.digest)")"
+echo "--set launch.image=${IMAGE} --set launch.image_digest=${DIGEST}" | tee "${HERE}/image.txt"
 
 echo "cluster ${CLUSTER} is ready; queue: see bootstrap.yaml"

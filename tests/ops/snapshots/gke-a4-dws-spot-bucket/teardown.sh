@@ -16,13 +16,14 @@ SPOT_POOL="${CLUSTER}-spot"
 BUCKET="ckpt-bucket"
 NAMESPACE="default"
 KSA="shardline-trainer"
+REPOSITORY="shardline"
 
 if [[ "${1:-}" != "--yes" ]]; then
   echo "this deletes cluster ${CLUSTER}, its node pools and networks in ${PROJECT}; run: $0 --yes" >&2
   exit 2
 fi
 
-# --- GCS bucket access for the trainer's Kubernetes service account (Workload Identity, no GSA)
+# --- GCS bucket gs://${BUCKET} access for the trainer's Kubernetes service account (Workload Identity, no GSA)
 if gcloud storage buckets describe "gs://${BUCKET}" >/dev/null 2>&1; then
   PROJECT_NUMBER="$(gcloud projects describe "${PROJECT}" --format "value(projectNumber)")"
   gcloud storage buckets remove-iam-policy-binding "gs://${BUCKET}" --member \
@@ -42,7 +43,7 @@ if gcloud container node-pools describe "${DWS_POOL}" --cluster "${CLUSTER}" --p
       --cluster "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" --quiet
 fi
 
-# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity
+# --- GKE cluster: Dataplane V2 + multi-networking (GPU NICs), GCS FUSE CSI driver, Workload Identity, Managed Prometheus with DCGM GPU metrics
 if gcloud container clusters describe "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" >/dev/null 2>&1; then
   gcloud container clusters delete "${CLUSTER}" --project "${PROJECT}" --region "${REGION}" --quiet
 fi
@@ -74,4 +75,13 @@ fi
 # --- VPC ${NET_PREFIX}-gvnic-net
 if gcloud compute networks describe "${NET_PREFIX}-gvnic-net" --project "${PROJECT}" >/dev/null 2>&1; then
   gcloud compute networks delete "${NET_PREFIX}-gvnic-net" --project "${PROJECT}" --quiet
+fi
+
+# --- GCS bucket gs://${BUCKET}: hierarchical namespace (fast renames for checkpoints), uniform access: kept
+echo "kept gs://${BUCKET} holds the runs and checkpoints; delete it yourself: gcloud storage rm --recursive gs://${BUCKET}"
+
+# --- Artifact Registry Docker repository for the training image
+if gcloud artifacts repositories describe "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" >/dev/null 2>&1; then
+  gcloud artifacts repositories delete "${REPOSITORY}" --project "${PROJECT}" --location "${REGION}" \
+      --quiet
 fi
