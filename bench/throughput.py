@@ -202,11 +202,12 @@ PEERS = {  # name: (script, arguments beyond --rows/--steps/--threads, what the 
 }
 
 
-def run_peer(name: str, python: str, rows: dict, steps: int, threads: int) -> dict:
-    """One peer contender on the exported rows; a failure is reported, not raised (the others still count)."""
+def run_peer(name: str, python: str, rows: dict, steps: int, threads: int, nproc: int) -> dict:
+    """One peer contender on the exported rows, with shardline's process count and the same threads in total;
+    a failure is reported, not raised (the others still count)."""
     script, inputs, note = PEERS[name]
     cmd = [python, str(BENCH_DIR / "peers" / script), "--rows", str(rows["dir"] / "rows.npy"), "--steps", str(steps),
-           "--threads", str(threads)]
+           "--threads", str(threads), "--nproc", str(nproc)]
     cmd += [a for key in inputs for a in (f"--{key}", str(rows["dir"] / f"{key}.npy"))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     if proc.returncode != 0:
@@ -259,7 +260,7 @@ def main() -> None:
         same_rows_rates(same, rows, ours)
         if args.peers_python:
             for name in PEERS:
-                peers[name] = run_peer(name, args.peers_python, rows, args.steps, args.threads)
+                peers[name] = run_peer(name, args.peers_python, rows, args.steps, args.threads, args.nproc)
                 if "error" not in peers[name]:
                     same_rows_rates(peers[name], rows, ours)
     torch.set_num_threads(args.threads)

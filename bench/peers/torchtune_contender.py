@@ -47,6 +47,7 @@ from pathlib import Path
 
 WARMUP = 3
 LOCAL_BATCH = 4
+GLOBAL_BATCH = 8  # rows per optimizer step, as bench/throughput.yaml; accumulation makes up the rest
 ROWS_ENV, METRICS_ENV, RECIPE_ENV = "TT_CONTENDER_ROWS", "TT_CONTENDER_METRICS", "TT_CONTENDER_RECIPE"
 SHAPE = dict(vocab_size=2048, num_layers=8, num_heads=8, num_kv_heads=8, embed_dim=512, max_seq_len=512,
              intermediate_dim=1376, rope_base=10000)
@@ -148,7 +149,7 @@ tokenizer:
 dataset:
   _component_: torchtune_contender.rows_dataset
   steps: {args.steps}
-  global_batch: {LOCAL_BATCH * nproc}
+  global_batch: {GLOBAL_BATCH}
   packed: {packed}
 model:
   _component_: torchtune.models.llama3.llama3
@@ -163,7 +164,7 @@ resume_from_checkpoint: False
 batch_size: {LOCAL_BATCH}
 epochs: 1
 max_steps_per_epoch: {args.steps}
-gradient_accumulation_steps: 1
+gradient_accumulation_steps: {GLOBAL_BATCH // (LOCAL_BATCH * nproc)}
 optimizer:
   _component_: torch.optim.AdamW
   lr: {args.lr}
@@ -216,7 +217,7 @@ def main() -> None:
     labels = np.load(args.labels) if args.labels else rows
     targets = np.full(labels.shape, -100, dtype=np.int64)
     targets[:, :-1] = labels[:, 1:]
-    global_batch = LOCAL_BATCH * args.nproc
+    global_batch = GLOBAL_BATCH
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
