@@ -246,7 +246,7 @@ def main() -> None:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
     import torch
 
-    from shardline.model.flops import probe_matmul_tflops
+    from shardline.model.flops import probe_cpu_peak_tflops
 
     peers: dict[str, dict | None] = dict.fromkeys(PEERS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -264,7 +264,7 @@ def main() -> None:
                 if "error" not in peers[name]:
                     same_rows_rates(peers[name], rows, ours)
     torch.set_num_threads(args.threads)
-    machine_peak = probe_matmul_tflops(torch.bfloat16, torch.device("cpu"), n=2048, seconds=1.0)
+    machine_peak, _ = probe_cpu_peak_tflops(torch.bfloat16, sizes=(512, 2048), seconds=1.0)
 
     def ratio(other: dict | None) -> float | None:
         ok = other is not None and "error" not in other

@@ -83,6 +83,7 @@ LAYERS = {
     "shardline.failures": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.rundir": 3,
+    "shardline.run_status": 3,
     "shardline.train": 4,
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
     "shardline.ops": 5,

@@ -81,7 +81,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardline.environment import check_environment
-    from shardline.launch.local import run_local, torchrun_command
+    from shardline.launch.local import torchrun_command, train_run
     from shardline.rundir import create_run
 
     spec = _resolve(args)
@@ -89,14 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     spec, run_dir = create_run(spec)
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
-    _prepare_with_progress(spec)
-    code = run_local(spec, run_dir / "spec.yaml", "train")
-    if spec.observe.report:  # rank 0 wrote it unless the workers died first; never changes the exit code
-        from shardline.observe.report import report_is_current, write_report_safely
-
-        if not report_is_current(run_dir):
-            write_report_safely(run_dir, lambda m: console.print(m, highlight=False, markup=False))
-    return code
+    return train_run(spec, run_dir, _prepare_with_progress, lambda m: console.print(m, highlight=False, markup=False))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,7 +90,8 @@ def cmd_wait(args: argparse.Namespace, console: Console) -> int:
     record = load_record(args.run, args.runs_dir)
     code = wait_for(get_backend(record.target), record, args.timeout, args.poll,
                     on_change=lambda s: print_state(s, console, record.run_id))
-    console.print({0: "succeeded", 1: "failed", 124: f"timed out after {args.timeout} s"}[code], highlight=False)
+    console.print({0: "succeeded", 1: "failed", 75: "preempted (a checkpoint was saved; train the run again to resume)",
+                   124: f"timed out after {args.timeout} s"}[code], highlight=False)
     return code
 
 
@@ -97,6 +99,34 @@ def cmd_cancel(args: argparse.Namespace, console: Console) -> int:
     record = load_record(args.run, args.runs_dir)
     get_backend(record.target).cancel(record)
     console.print(f"cancelled {record.run_id}", highlight=False)
+    return EXIT_OK
+
+
+def cmd_runs(args: argparse.Namespace, console: Console) -> int:
+    from shardline.run_status import format_duration, list_runs
+
+    runs = list_runs(Path(args.directory))
+    if args.json:
+        console.print_json(json.dumps([r.model_dump(mode="json") for r in runs]))
+        return EXIT_OK
+    table = Table(title=f"runs in {args.directory}", title_justify="left")
+    for col in ("run", "target", "status", "step", "loss", "val loss", "tok/s/dev", "MFU", "cost", "started",
+                "duration"):
+        table.add_column(col, justify="left" if col in ("run", "target", "status", "started") else "right")
+
+    def num(v, fmt: str) -> str:
+        return "–" if v is None else format(v, fmt)
+
+    for r in runs:
+        table.add_row(r.run_id, r.target, r.status,
+                      f"{r.step}/{r.max_steps}" if r.step is not None else f"–/{r.max_steps or '–'}",
+                      num(r.last_loss, ".4f"), num(r.val_loss, ".4f"), num(r.tokens_per_s_per_device, ",.0f"),
+                      "–" if r.mfu is None else f"{100 * r.mfu:.1f}%",
+                      "–" if r.cost_usd is None else f"${r.cost_usd:.4g}",
+                      (r.started or "–").replace("+00:00", "Z"),
+                      "–" if r.elapsed_s is None else format_duration(r.elapsed_s))
+    wide = console if console.is_terminal else Console(soft_wrap=True, width=250)  # piped: never cut an id
+    wide.print(table if runs else f"no runs in {args.directory}", highlight=False)
     return EXIT_OK
 
 
@@ -122,11 +152,16 @@ def add_launch_verbs(verbs, add_spec_args: Callable, resolve: Callable, console:
         p.set_defaults(func=lambda a: func(a, console))
         return p
 
-    run_parser("status", "where a launched run is: phase, why it waits, each rank's pod/host", cmd_status)
+    run_parser("status", "where a run is: phase, progress and ETA, why it waits, each rank's pod/host", cmd_status)
     p = run_parser("logs", "print a launched run's logs, lines prefixed with the rank", cmd_logs)
     p.add_argument("--rank", type=int, help="one rank only (default: all)")
     p.add_argument("--follow", "-f", action="store_true", help="wait for the job to start, then stream")
     p = run_parser("wait", "block until the run ends: exit 0 succeeded, 1 failed, 124 timed out", cmd_wait)
     p.add_argument("--timeout", type=float, help="seconds (default: no limit)")
     p.add_argument("--poll", type=float, default=10.0, help="seconds between status checks")
-    run_parser("cancel", "delete the run's objects / cancel its job", cmd_cancel)
+    run_parser("cancel", "delete the run's objects / cancel its job (local: SIGTERM, the run checkpoints, exit 75)",
+               cmd_cancel)
+    p = verbs.add_parser("runs", help="one table of the runs in a directory, newest first")
+    p.add_argument("directory", nargs="?", default="runs", help="default runs")
+    p.add_argument("--json", action="store_true", help="the same rows as JSON, for scripts")
+    p.set_defaults(func=lambda a: cmd_runs(a, console))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
 import secrets
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -80,7 +83,8 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
         "attempts": attempts,
         "run_id": spec.run.id, "start_time": manifest.get("start_time", _now()), "spec_hash": spec_hash(spec),
         "git_commit": _git_commit(), "shardline_version": __version__, "versions": _versions(),
-        "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting",
+        "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting", "exit_code": None,
+        "failure": None, "end_time": None, "processes": [],
         "image": os.environ.get("SHARDLINE_IMAGE"), "image_digest": os.environ.get("SHARDLINE_IMAGE_DIGEST"),
         "spec": spec.model_dump(mode="json"),
         "checkpoint_location": checkpoint_location(spec, path),
@@ -99,13 +103,29 @@ def read_manifest(run_dir: Path) -> dict:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    tmp = run_dir / "manifest.json.tmp"
+    tmp = run_dir / f"manifest.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, run_dir / "manifest.json")
 
 
+@contextmanager
+def manifest_lock(run_dir: Path) -> Iterator[None]:
+    """Serialise read-modify-write of the manifest between the processes of one host (launcher, torchrun,
+    rank 0); where the filesystem has no locks (some FUSE mounts), writes stay atomic but unserialised."""
+    try:
+        handle = (run_dir / ".manifest.lock").open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        with suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def update_manifest(run_dir: Path, **fields) -> None:
-    write_manifest(run_dir, read_manifest(run_dir) | fields)
+    with manifest_lock(run_dir):
+        write_manifest(run_dir, read_manifest(run_dir) | fields)
 
 
 def _now() -> str:

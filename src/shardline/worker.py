@@ -22,6 +22,7 @@ from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPT
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
+from shardline.run_status import RECORD_PROCESSES_ENV, record_process
 from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
@@ -61,6 +62,8 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
             if ctx.is_main and not (run_dir / "spec.yaml").exists():
                 create_run(spec)  # cluster launches: the run directory lives on storage only the pods can write
             dist.barrier()
+            if task == "train" and os.environ.get(RECORD_PROCESSES_ENV):  # a local run: `status` checks they live
+                record_process(run_dir, os.getpid(), f"rank {ctx.rank}")
             _setup_logging(run_dir, ctx.rank)
             check_environment(spec, task)  # packages the spec asks for must be on this node (flash-attn, trackers)
             data = prepare_once_per_node(spec, ctx)

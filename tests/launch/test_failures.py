@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def _no_torchrun_dump(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.mark.slow
 def test_evaluation_failure_after_training_says_training_finished_and_the_checkpoint_is_safe(tmp_path):
-    proc, run_dir = _train(tmp_path, "sql_evaluation:rank=1", "train.eval_examples=4")
+    proc, run_dir = _train(tmp_path, "sql_evaluation:rank=1", "train.eval_examples=4", "observe.report=true")
     assert proc.returncode == 1
     _no_torchrun_dump(proc)
     message = proc.stderr[proc.stderr.index("error:"):]
@@ -43,6 +44,33 @@ def test_evaluation_failure_after_training_says_training_finished_and_the_checkp
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and manifest["exit_code"] == 1
     assert manifest["failure"]["rank"] == 1 and manifest["failure"]["phase"] == "sql_evaluation"
+    _the_report_tells_the_failure(run_dir, manifest)
+
+
+def _the_report_tells_the_failure(run_dir, manifest) -> None:
+    """Written once, after the failure was recorded: title, failure box, evaluation "failed", no cost panel."""
+    page = run_dir / "report" / "index.html"
+    html = page.read_text()
+    assert "<span class='bad'>failed</span>" in html and "<span class='bad'>running</span>" not in html
+    top = html[:html.index("<h2>Summary</h2>")]
+    assert "<h2>Failure</h2>" in top and "InjectedFault" in top and str(run_dir / "logs" / "rank-1.log") in top
+    assert "failed: training finished (step 6 of 6), then rank 1 failed" in html
+    assert "no SQL evaluation in this run" not in html and "not requested" not in html
+    assert not (run_dir / "report" / "cost.png").exists() and "cost.png" not in html  # unpriced: no empty panel
+    assert page.stat().st_mtime >= (run_dir / "manifest.json").stat().st_mtime
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is installed by scripts/setup (scripts/apt-packages.txt)"
+    shot = run_dir / "report" / "screenshot.png"
+    out = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          f"--user-data-dir={run_dir / 'chromium-profile'}", "--window-size=1200,900",
+                          f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and shot.is_file(), out.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(shot) as im:
+        top_third = im.convert("RGB").crop((0, 0, 1200, 300))
+        red = sum(n for n, (r, g, b) in top_third.getcolors(1 << 24) if r > 150 and g < 40 and b < 40)
+        assert red > 300  # the failure box's border and the red status, drawn above the fold
 
 
 @pytest.mark.slow

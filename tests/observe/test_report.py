@@ -47,7 +47,7 @@ def test_report_of_a_crashed_resumed_run_renders_every_plot(tmp_path):
     page = write_report(run)
     html = page.read_text()
     assert html.count("data:image/png;base64,") == len(PLOTS) and "<script" not in html
-    assert "running" in html and "2.13.0" in html and "Resumes" in html and "no SQL evaluation" in html
+    assert "running" in html and "2.13.0" in html and "Resumes" in html and "not yet: the final evaluation" in html
     for name in PLOTS:
         with Image.open(run / "report" / name) as im:
             assert im.size == (880, 374) and len(im.getcolors(1 << 20) or []) > 20, name
@@ -73,7 +73,7 @@ def _train_with_fake_workers(monkeypatch, session_dir, name: str, worker, *extra
     import shardline.launch.local as local
     from tests.conftest import small_overrides
 
-    monkeypatch.setattr(local, "run_local", lambda spec, spec_path, task: worker(spec_path.parent))
+    monkeypatch.setattr(local, "run_local", lambda spec, spec_path, task, run_dir=None: worker(spec_path.parent))
     args = [a for o in [*small_overrides(session_dir / "runs"), f"run.name={name}", "parallel.nproc_per_node=1",
                                   *extra]
             for a in ("--set", o)]
@@ -89,6 +89,10 @@ def test_train_writes_the_report_when_the_workers_died_and_keeps_their_exit_code
 
     code, run = _train_with_fake_workers(monkeypatch, session_dir, "crashed", crashed)
     assert code == 1 and (run / "report" / "index.html").is_file()
+    manifest = json.loads((run / "manifest.json").read_text())  # nobody else was left to say it
+    assert manifest["status"] == "failed" and manifest["exit_code"] == 1
+    assert "the workers exited with code 1" in manifest["failure"]["message"]
+    assert "the workers exited with code 1" in (run / "report" / "index.html").read_text()
 
 
 def test_observe_report_false_writes_no_report(monkeypatch, session_dir, prepared):

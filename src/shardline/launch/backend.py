@@ -15,12 +15,13 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel
 
-from shardline.errors import EXIT_FAILURE, EXIT_OK, SpecError
+from shardline.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, SpecError
 from shardline.spec import JobSpec
 
 EXIT_TIMEOUT = 124
-Phase = Literal["queued", "starting", "running", "succeeded", "failed", "unknown"]
-TERMINAL: tuple[Phase, ...] = ("succeeded", "failed")
+Phase = Literal["queued", "starting", "running", "succeeded", "failed", "preempted", "unknown"]
+TERMINAL: tuple[Phase, ...] = ("succeeded", "failed", "preempted")
+EXIT_BY_PHASE = {"succeeded": EXIT_OK, "failed": EXIT_FAILURE, "preempted": EXIT_PREEMPTED}
 
 
 class LaunchRecord(BaseModel):
@@ -36,7 +37,9 @@ class LaunchRecord(BaseModel):
     """Kubernetes objects created: apiVersion, kind, name."""
     nnodes: int = 1
     job_id: str | None = None
-    """Engine job id (Slurm job id, Ray submission id)."""
+    """Engine job id (Slurm job id, Ray submission id, the local launcher's pid)."""
+    run_dir: str | None = None
+    """The run directory on this machine (local runs)."""
 
 
 class RankState(BaseModel):
@@ -84,18 +87,25 @@ def save_record(run_dir: Path, record: LaunchRecord) -> Path:
 
 
 def load_record(run: str, runs_dir: str = "runs") -> LaunchRecord:
-    """A run directory, or a run id under `runs_dir`."""
+    """A run directory, or a run id under `runs_dir`. A run directory without a launch record (a run trained
+    before records existed, or copied from elsewhere) is a local run."""
     candidates = [Path(run), Path(runs_dir) / run]
     for c in candidates:
         if record_path(c).is_file():
-            return LaunchRecord.model_validate(json.loads(record_path(c).read_text()))
-    raise SpecError(run, "has no launch record (launch.json)",
-                    "pass the run directory or run id printed by `shardline launch`")
+            record = LaunchRecord.model_validate(json.loads(record_path(c).read_text()))
+            if record.target == "local":  # the directory given is the run, wherever it was moved
+                record.run_dir = str(c.resolve())
+            return record
+    for c in candidates:
+        if (c / "manifest.json").is_file():
+            return LaunchRecord(target="local", run_id=c.resolve().name, submitted_at="", run_dir=str(c.resolve()))
+    raise SpecError(run, "is neither a run directory nor a run id under " + runs_dir,
+                    "pass the run directory or run id printed by `shardline train` or `shardline launch`")
 
 
 def wait_for(backend: Backend, record: LaunchRecord, timeout_s: float | None, poll_s: float = 5.0,
              on_change: Callable[[JobState], None] | None = None) -> int:
-    """Poll until the job ends: 0 succeeded, 1 failed, 124 timed out (docs/architecture.md §7)."""
+    """Poll until the job ends: 0 succeeded, 1 failed, 75 preempted, 124 timed out (docs/architecture.md §7)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last: tuple | None = None
     while True:
@@ -105,7 +115,7 @@ def wait_for(backend: Backend, record: LaunchRecord, timeout_s: float | None, po
             on_change(state)
         last = key
         if state.phase in TERMINAL:
-            return EXIT_OK if state.phase == "succeeded" else EXIT_FAILURE
+            return EXIT_BY_PHASE[state.phase]
         if deadline is not None and time.monotonic() >= deadline:
             return EXIT_TIMEOUT
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))

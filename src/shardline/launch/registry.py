@@ -32,13 +32,27 @@ def _ray(target: str) -> Callable:
     return make
 
 
+def _vertex():
+    from shardline.launch.vertex import VertexBackend
+
+    return VertexBackend()
+
+
+def _local():
+    from shardline.launch.local import LocalBackend
+
+    return LocalBackend()
+
+
 BACKENDS: dict[str, Callable[[], Backend]] = {
+    "local": _local,
     "k8s-job": _kubernetes("k8s-job"),
     "jobset": _kubernetes("jobset"),
     "trainjob": _kubernetes("trainjob"),
     "slurm": _slurm,
     "ray": _ray("ray"),
     "rayjob": _ray("rayjob"),
+    "vertex": _vertex,
 }
 
 

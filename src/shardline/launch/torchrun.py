@@ -64,6 +64,20 @@ def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str
     return message
 
 
+def _write_report(run_dir: Path) -> None:
+    """The report of a failed run, written once the failure is in the manifest (rank 0 leaves it to here)."""
+    from shardline.errors import ShardlineError
+    from shardline.observe.report import write_report_safely
+    from shardline.rundir import read_spec
+
+    try:
+        if not read_spec(run_dir / "spec.yaml").observe.report:
+            return
+    except (ShardlineError, OSError, ValueError):
+        return
+    write_report_safely(run_dir, lambda m: print(m, file=sys.stderr))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ[REPORTER_ENV] = "1"  # workers leave the telling to this process
@@ -75,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code(e, read_failures(run_dir, since=started) if run_dir else [])
         if code != EXIT_PREEMPTED:  # a preempted worker already said what it saved
             print(f"error: {report(e, run_dir, started)}", file=sys.stderr)
+            if run_dir is not None and args.node_rank == 0:
+                _write_report(run_dir)
         return code
     return 0
 

@@ -120,6 +120,20 @@ def table_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return gpu.bf16_tflops if dtype == torch.bfloat16 else gpu.fp32_tflops
 
 
+def probe_cpu_peak_tflops(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 1024),
+                          seconds: float = 0.25) -> tuple[float, str]:
+    """The CPU's dense matmul peak for training in `dtype`, measured: the best over a few sizes of `dtype` and of
+    fp32. A CPU without bf16 matrix units (AVX2 only) emulates bf16 far below its fp32 rate, and parts of a bf16
+    step run in fp32, so a bf16-only probe is no ceiling: MFU above 100 % was the symptom. Returns the peak and
+    which dtype set it."""
+    cpu = torch.device("cpu")
+    best: dict[torch.dtype, float] = {}
+    for d in dict.fromkeys((dtype, torch.float32)):
+        best[d] = max(probe_matmul_tflops(d, cpu, n=n, seconds=seconds) for n in sizes)
+    winner = max(best, key=best.__getitem__)
+    return best[winner], str(winner).removeprefix("torch.")
+
+
 def probe_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024, seconds: float = 0.5) -> float:
     """Measured dense matmul TFLOP/s for this dtype, device and thread count (CPU peak stand-in)."""
     a = torch.randn(n, n, device=device).to(dtype)

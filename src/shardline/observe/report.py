@@ -142,6 +142,7 @@ def plot_step_time(recs: RunRecords):
     if stalls:
         ax.bar([s for s, _ in stalls], [v for _, v in stalls], bottom=[top.get(s, 0.0) for s, _ in stalls],
                width=1.0, color="tab:red", label="checkpoint stall (after the step)")
+    _mark_resumes(ax, recs)
     ax.set_ylabel("seconds")
     ax.legend(loc="upper right")
     return fig
@@ -153,6 +154,7 @@ def plot_memory(recs: RunRecords):
     planned = recs.setup.get("planned_peak_bytes")
     if planned:
         ax.axhline(planned / GiB, color="tab:gray", ls=":", label="planned (shardline plan)")
+    _mark_resumes(ax, recs)
     ax.set_ylabel("GiB")
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")
@@ -181,18 +183,14 @@ def plot_checkpoints(recs: RunRecords):
 
 def plot_cost(recs: RunRecords):
     fig, ax = _figure("cost")
-    if any(r.get("cost_usd") is not None for r in recs.train):
-        _lines(ax, recs, "cost_usd", "run cost so far ($)", "tab:brown")
-        ax.set_ylabel("US dollars")
-        right = ax.twinx()
-        _lines(right, recs, "cost_usd_per_1m_tokens", "$ per 1M tokens", "tab:olive")
-        right.set_ylabel("$ per 1M tokens")
-        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="upper left")
-    else:
-        ax.text(0.5, 0.5, "no price: set cost.usd_per_device_hour or cost.gpu", ha="center", va="center",
-                transform=ax.transAxes)
+    _lines(ax, recs, "cost_usd", "run cost so far ($)", "tab:brown")
+    ax.set_ylabel("US dollars")
+    right = ax.twinx()
+    _lines(right, recs, "cost_usd_per_1m_tokens", "$ per 1M tokens", "tab:olive")
+    right.set_ylabel("$ per 1M tokens")
     _mark_resumes(ax, recs)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper left")
     return fig
 
 
@@ -243,7 +241,9 @@ h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd;padding-bottom:
 table{border-collapse:collapse;font-size:13px;margin:6px 0}th,td{border:1px solid #ddd;padding:3px 8px;
 text-align:left;vertical-align:top}th{background:#f4f4f4}.plots{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 figure{margin:0}figure img{width:100%;border:1px solid #eee}figcaption{font-size:13px;color:#555}
-pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto;max-height:400px}.ok{color:#080}.bad{color:#b00}"""
+pre{background:#f7f7f7;padding:8px;font-size:12px;overflow:auto;max-height:400px}.ok{color:#080}.bad{color:#b00}
+.warn{color:#a60}.failure{border:2px solid #b00;padding:4px 12px;margin:12px 0;background:#fff6f6}
+.failure pre{white-space:pre-wrap;background:#fff}"""
 
 
 def write_report(run_dir: Path) -> Path:
@@ -257,7 +257,11 @@ def write_report(run_dir: Path) -> Path:
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     figures = []
+    priced = any(r.get("cost_usd") is not None for r in recs.train)
     for name, (caption, plot) in PLOTS.items():
+        if name == "cost.png" and not priced:  # no price, no panel (the summary says how to set one)
+            (out / name).unlink(missing_ok=True)
+            continue
         fig = plot(recs)
         FigureCanvasAgg(fig)
         fig.savefig(out / name)
@@ -278,7 +282,7 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
     train = recs.train
     last = train[-1] if train else {}
     status = manifest.get("status", "unknown")
-    cls = "ok" if status == "finished" else "bad"
+    cls = {"finished": "ok", "preempted": "warn"}.get(status, "bad")
     sql = [r for r in recs.evals if r.get("sql_execution_accuracy") is not None]
     headline = _table([
         ("status", f"{status} (exit code {manifest.get('exit_code')})"),
@@ -316,11 +320,12 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{title} · shardline report</title>",
         f"<style>{CSS}</style></head><body>",
         f"<h1>{title} <span class='{cls}'>{html.escape(status)}</span></h1>",
+        _failure_box(run_dir, manifest),
         "<h2>Summary</h2>", headline,
         "<h2>Plots</h2>", f"<div class='plots'>{''.join(figures)}</div>",
         "<h2>Final evaluation</h2>",
         _grid(["", "question", "gold", "prediction"], sample_rows) if sample_rows
-        else "<p>no SQL evaluation in this run (train.eval_examples = 0)</p>",
+        else f"<p>{html.escape(_evaluation_absent(manifest, status))}</p>",
         "<h2>Checkpoints</h2>",
         _grid(["step", "stall s", "save s", "blocking", "location"], ckpt_rows) if ckpt_rows else "<p>none</p>",
         "<h2>Resumes</h2>",
@@ -330,6 +335,39 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _failure_box(run_dir: Path, manifest: dict) -> str:
+    """What failed, where and what is safe: the first thing on the page of a failed run."""
+    failure = manifest.get("failure") if manifest.get("status") == "failed" else None
+    if not failure:
+        return ""
+    rank = failure.get("rank")
+    log = run_dir / "logs" / f"rank-{rank}.log" if rank is not None else run_dir / "logs"
+    committed = failure.get("committed_step")
+    rows = [("failed rank", rank if rank is not None else "not known (no worker recorded the failure)"),
+            ("phase", failure.get("phase")), ("error", failure.get("error_type")),
+            ("exit code", manifest.get("exit_code")),
+            ("last committed checkpoint", f"step {committed}" if committed is not None else "none"),
+            ("log", str(log))]
+    return (f"<div class='failure'><h2>Failure</h2><pre>{html.escape(failure.get('message') or '')}</pre>"
+            f"{_table(rows)}</div>")
+
+
+def _evaluation_absent(manifest: dict, status: str) -> str:
+    """Why the page has no evaluation samples: it failed, was not asked for, or the run never got there."""
+    failure = manifest.get("failure") or {}
+    if status == "failed" and failure.get("phase") in ("sql_evaluation", "evaluation"):
+        return f"failed: {failure.get('message')}"
+    asked = ((manifest.get("spec") or {}).get("train") or {}).get("eval_examples")
+    if asked == 0:
+        return "not requested (train.eval_examples = 0)"
+    if status in ("starting", "running"):
+        return "not yet: the final evaluation runs when training ends"
+    if status != "finished":
+        requested = f" ({asked} examples requested)" if asked else ""
+        return f"not run: the run {status} before its final evaluation{requested}"
+    return "no evaluation samples were recorded"
 
 
 def _cost_text(summary: dict, last: dict) -> str:

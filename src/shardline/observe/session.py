@@ -7,11 +7,13 @@ cannot be drawn is logged and printed, and training goes on.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardline.failures import REPORTER_ENV
 from shardline.plan.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
 from shardline.rundir import read_manifest, update_manifest
 from shardline.spec.resolve import spec_hash
@@ -105,8 +107,8 @@ class ObserveSession:
 
         if self.prometheus is not None:
             self.prometheus.set_status(status)
-        if self.spec.observe.report:
-            from shardline.observe.report import write_report_safely
+        if self.spec.observe.report and not (status == "failed" and os.environ.get(REPORTER_ENV)):
+            from shardline.observe.report import write_report_safely  # after a failure the launcher writes it
 
             write_report_safely(self.run_dir, self._say)
         if self.prometheus is not None and self.linger_s:

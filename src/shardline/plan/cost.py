@@ -216,7 +216,7 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
     """What `shardline plan` prints about money: the projected cost of `train.max_steps` steps."""
     import torch
 
-    from shardline.model.flops import probe_matmul_tflops, table_peak_tflops
+    from shardline.model.flops import probe_cpu_peak_tflops, table_peak_tflops
 
     if from_run is not None:
         step_s, source = measured_step_time(spec, from_run)
@@ -227,8 +227,9 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
         elif device_kind == "cuda" and (table := table_peak_tflops(device_name, dtype)) is not None:
             peak, where = table, f"{device_name} dense {spec.train.precision}"
         else:  # this host's CPU, shared by the node's processes as in training
-            peak = probe_matmul_tflops(dtype, torch.device("cpu"), seconds=0.2) / (spec.parallel.nproc_per_node or 1)
-            where = f"probe: {spec.train.precision} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
+            peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
+            peak /= spec.parallel.nproc_per_node or 1
+            where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
         step_s = estimated_step_time(spec, peak)
         source = f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s ({where})"
     key = device_name if device_kind == "cuda" else "cpu"

@@ -330,6 +330,44 @@ class RaySpec(Section):
     pods read Secrets instead (launch.kubernetes.secret_env)."""
 
 
+SecretManagerName = Annotated[str, Field(
+    pattern=r"^(projects/[a-z0-9-]+/secrets/)?[A-Za-z0-9_-]{1,255}(/versions/([0-9]+|latest))?$")]
+"""A Secret Manager secret: its id (in launch.vertex.project) or full name, with `/versions/N` or the latest one."""
+
+
+class VertexSpec(Section):
+    """Vertex AI custom training settings for `--target vertex` (launch/vertex.py). The machine comes from
+    launch.profile, the scheduling strategy from cost.provisioning (spot, dws-flex-start, reservation)."""
+
+    project: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+    """Google Cloud project the CustomJob is created in; also expands short `secret_env` names."""
+    region: str = Field("us-central1", pattern=r"^[a-z]+-[a-z]+[0-9]+$")
+    """Vertex AI region: the API endpoint `<region>-aiplatform.googleapis.com` and where the machines run."""
+    output_dir: str | None = Field(None, pattern=r"^gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/[^\s]*)?$")
+    """`base_output_directory` (gs://bucket/prefix), required: Vertex mounts it at /gcs/bucket/prefix, the
+    container's working directory, so a relative run.dir and its checkpoints live in the bucket."""
+    machine_type: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]*$")
+    """With launch.profile generic only: the machine type (e.g. g2-standard-24); a GPU profile names its own."""
+    accelerator: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
+    """With launch.profile generic only: Vertex AI's accelerator type (e.g. NVIDIA_L4), parallel.nproc_per_node
+    of them per machine; null: a CPU machine."""
+    service_account: str | None = Field(None, pattern=r"^[^@\s]+@[^@\s]+\.iam\.gserviceaccount\.com$")
+    """The job runs as this service account (null: Vertex AI's Custom Code Service Agent)."""
+    network: str | None = Field(None, pattern=r"^projects/[0-9]+/global/networks/[a-z]([-a-z0-9]*[a-z0-9])?$")
+    """VPC the job is peered with (projects/<project number>/global/networks/<name>); null: none."""
+    reservation: str | None = Field(None, pattern=r"^projects/[^/\s]+/zones/[^/\s]+/reservations/[^/\s]+$")
+    """With cost.provisioning reservation: the reservation's full name (projects/P/zones/Z/reservations/R)."""
+    max_run_seconds: int | None = Field(None, ge=60)
+    """Scheduling timeout: Vertex stops the job after this long (null: Vertex's default, 7 days)."""
+    max_wait_seconds: int | None = Field(None, ge=0)
+    """With cost.provisioning dws-flex-start: how long to wait for capacity (0: no limit; null: Vertex's 24 h)."""
+    restart_job_on_worker_restart: bool = True
+    """Restart every replica when one restarts: a torchrun gang cannot take a rejoining node."""
+    secret_env: dict[EnvName, SecretManagerName] = {}
+    """Environment variables read from Secret Manager when each replica starts, e.g. HF_TOKEN: hf-token (a
+    secret in launch.vertex.project, latest version) or projects/P/secrets/S/versions/V; never values."""
+
+
 class LaunchSpec(Section):
     nnodes: int = Field(1, ge=1)
     """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
@@ -350,6 +388,7 @@ class LaunchSpec(Section):
     kubernetes: KubernetesSpec = KubernetesSpec()
     slurm: SlurmSpec = SlurmSpec()
     ray: RaySpec = RaySpec()
+    vertex: VertexSpec = VertexSpec()
     netcheck: NetcheckSpec = NetcheckSpec()
     gpucheck: GpucheckSpec = GpucheckSpec()
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from shardline.run_status import eta_seconds, format_duration
+
 
 @dataclass
 class TrainRecord:
@@ -61,6 +63,8 @@ class MetricsWriter:
         self.console = console
         self.cost = None
         self.sinks: list[Callable[[str, dict], None]] = []
+        self.started = time.monotonic()
+        self.step_times: list[float] = []
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, kind: str, record: dict) -> dict:
@@ -79,14 +83,19 @@ class MetricsWriter:
 
     def train(self, r: TrainRecord, max_steps: int) -> None:
         line = self.write("train", asdict(r))
+        self.step_times.append(r.step_time_s)
+        eta = eta_seconds(self.step_times, max_steps - r.step)
         cost = ""
         if "cost_usd_step" in line:
             cost = f"  ${line['cost_usd_step']:.3g}/step ${line.get('cost_usd_per_1m_tokens', 0):.3g}/1M tok"
-        self.console.print(
-            f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
-            f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
-            f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
-            f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
-            f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB{cost}",
-            highlight=False,
-        )
+            if line.get("cost_usd") is not None and r.step:
+                cost += f"  ${line['cost_usd'] * max_steps / r.step:.4g} projected"
+        text = (f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
+                f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
+                f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
+                f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "
+                f"mem {r.mem_peak_bytes / 2**30:5.2f} GiB  "
+                f"elapsed {format_duration(time.monotonic() - self.started)}"
+                f"{f'  ETA {format_duration(eta)}' if eta is not None else ''}{cost}")
+        self.console.print(text, highlight=False)
+        logging.getLogger("shardline").info(text)  # `shardline logs --rank 0` shows the progress too

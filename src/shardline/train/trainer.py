@@ -32,6 +32,7 @@ from shardline.model.flops import (
     StepWork,
     count_params,
     flops_per_token,
+    probe_cpu_peak_tflops,
     probe_matmul_tflops,
     table_peak_tflops,
 )
@@ -115,10 +116,16 @@ class Trainer:
                 return peak, f"table: {name} dense {t.precision}"
         # No table entry (CPU, unknown GPU): measure, all ranks at once as they will run.
         dist.barrier()
-        measured = torch.tensor([probe_matmul_tflops(dtype, device)], dtype=torch.float64, device=device)
+        if device.type == "cpu":
+            peak, by = probe_cpu_peak_tflops(dtype)
+        else:
+            peak, by = probe_matmul_tflops(dtype, device), str(dtype).removeprefix("torch.")
+        measured = torch.tensor([peak], dtype=torch.float64, device=device)
         dist.all_reduce(measured)
         threads = torch.get_num_threads()
-        return float(measured) / self.ctx.world, f"probe: {t.precision} matmul, {threads} thread(s) per rank"
+        slower = f"; {t.precision} is slower than fp32 on this CPU" if by == "float32" and t.precision != "fp32" else ""
+        return (float(measured) / self.ctx.world,
+                f"probe: best {by} matmul, {threads} thread(s) per rank{slower}")
 
     def _event(self, **fields) -> None:
         if self.metrics:

@@ -1,0 +1,133 @@
+"""What a run directory says is true: a run whose processes are gone is never "running", progress and ETA
+come from its own records, and `shardline runs` lists runs newest first."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from shardline.run_status import (
+    eta_seconds,
+    format_duration,
+    is_alive,
+    list_runs,
+    process_entry,
+    read_status,
+    record_process,
+    settle,
+)
+from shardline.rundir import create_run, read_manifest, update_manifest
+from tests.conftest import run_cli, small_spec
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _run(tmp_path, **manifest):
+    spec, run_dir = create_run(small_spec(tmp_path))
+    update_manifest(run_dir, **manifest)
+    return run_dir
+
+
+def _append(run_dir, *records):
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def _train(step: int, t: float, step_time: float = 2.0, **kw) -> dict:
+    return {"kind": "train", "time": t, "step": step, "loss": 1.0 / step, "step_time_s": step_time,
+            "tokens_per_s_per_device": 100.0, "mfu": 0.3, **kw}
+
+
+def test_a_process_is_alive_only_while_it_is_the_same_process():
+    me = process_entry(os.getpid(), "test")
+    assert is_alive(me) is True
+    assert is_alive({**me, "start_ticks": me["start_ticks"] + 1}) is False  # a reused pid is not the run's
+    assert is_alive(process_entry(_dead_pid(), "gone")) is False
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    entry = process_entry(zombie.pid, "zombie")
+    time.sleep(0.5)  # exited, not yet reaped: a zombie is not running
+    assert is_alive(entry) is False
+    zombie.wait()
+    assert is_alive({**me, "host": socket.gethostname() + "-elsewhere"}) is None
+
+
+def test_a_running_run_whose_processes_are_gone_is_settled_failed_with_its_last_checkpoint(tmp_path):
+    run_dir = _run(tmp_path, status="running")
+    record_process(run_dir, _dead_pid(), "launcher")
+    record_process(run_dir, _dead_pid(), "torchrun")
+    now = time.time()
+    _append(run_dir, _train(1, now), {"kind": "event", "event": "checkpoint_committed", "step": 2, "time": now},
+            _train(2, now + 1), _train(3, now + 2))
+    status = read_status(run_dir)
+    assert status.status == "failed"
+    assert "its processes are gone (launcher pid" in status.failure["message"]
+    assert "the last committed checkpoint is step 2" in status.failure["message"]
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["failure"]["committed_step"] == 2
+    assert manifest["end_time"] == now + 2  # the last sign of life, not when somebody looked
+
+
+def test_a_run_with_one_live_process_or_processes_elsewhere_stays_running(tmp_path):
+    run_dir = _run(tmp_path, status="running")
+    record_process(run_dir, _dead_pid(), "torchrun")
+    record_process(run_dir, os.getpid(), "rank 0")
+    assert read_status(run_dir).status == "running"
+    other = _run(tmp_path, status="running",
+                 processes=[{"pid": 1, "role": "rank 0", "host": "node-7", "start_ticks": 1}])
+    assert read_status(other).status == "running"  # another host: its engine's status decides, not this one
+
+
+def test_dead_workers_with_failure_records_are_told_by_their_records(tmp_path):
+    from shardline.failures import WorkerFailure, write_failure
+
+    run_dir = _run(tmp_path, status="running")
+    record_process(run_dir, _dead_pid(), "launcher")
+    write_failure(run_dir, WorkerFailure(rank=1, host="h", error_type="ValueError", message="bad shape",
+                                         phase="training", step=4, max_steps=6, committed_step=2, checkpoint=None,
+                                         log="logs/rank-1.log", time=time.time()))
+    failure = read_status(run_dir).failure
+    assert failure["rank"] == 1 and failure["error_type"] == "ValueError" and "bad shape" in failure["message"]
+
+
+def test_finished_and_preempted_runs_are_never_touched(tmp_path):
+    for status in ("finished", "preempted"):
+        run_dir = _run(tmp_path, status=status)
+        record_process(run_dir, _dead_pid(), "launcher")
+        assert settle(run_dir)["status"] == status
+
+
+def test_eta_elapsed_and_projected_cost_come_from_the_recent_pace(tmp_path):
+    run_dir = _run(tmp_path, status="running")
+    record_process(run_dir, os.getpid(), "launcher")
+    now = time.time()
+    _append(run_dir, _train(1, now, step_time=30.0), *(_train(s, now + s, cost_usd=0.01 * s) for s in range(2, 5)))
+    status = read_status(run_dir)
+    assert status.step == 4 and status.max_steps == 6
+    assert status.eta_s == 2 * 2.0  # median of the recent step times (30, 2, 2, 2) × 2 steps left
+    assert abs(status.projected_cost_usd - 0.06) < 1e-9
+    assert "step 4/6" in status.progress_line() and "ETA 4s" in status.progress_line()
+    assert eta_seconds([1.0, 3.0], 0) == 0.0 and eta_seconds([], 3) is None
+    assert format_duration(3725) == "1h02m" and format_duration(65) == "1m05s"
+
+
+def test_runs_lists_every_run_newest_first_as_a_table_and_json(tmp_path):
+    older = _run(tmp_path, status="finished", start_time="2026-01-01T00:00:00+00:00")
+    newer = _run(tmp_path, status="running", start_time="2026-02-01T00:00:00+00:00")
+    record_process(newer, os.getpid(), "launcher")
+    _append(newer, _train(3, time.time()), {"kind": "eval", "step": 3, "val_loss": 0.5, "time": time.time()})
+    assert [r.run_dir for r in list_runs(tmp_path / "runs")] == [str(newer.resolve()), str(older.resolve())]
+    out = run_cli("runs", str(tmp_path / "runs"), "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["status"] for r in rows] == ["running", "finished"]
+    assert rows[0]["step"] == 3 and rows[0]["val_loss"] == 0.5 and rows[0]["max_steps"] == 6
+    table = run_cli("runs", str(tmp_path / "runs"))
+    assert newer.name in table.stdout and "3/6" in table.stdout and "0.5000" in table.stdout
+    assert table.stdout.index(newer.name) < table.stdout.index(older.name)
