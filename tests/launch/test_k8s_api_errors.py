@@ -123,4 +123,5 @@ def test_a_refused_rayjob_removes_its_configmap_and_names_the_kuberay_crd(tmp_pa
         RayJobBackend(api_factory=lambda ctx: ClusterApi(ctx, config_file=str(kubeconfig(tmp_path / "config",
                                                                                           stub.url)))).submit(SPEC)
     assert e.value.where == f"create rayjobs.ray.io {NAME} in namespace {NS}" and "HTTP 404" in e.value.problem
-    assert [p for p in _deletes(stub)] == [f"{CONFIG_MAP}/{NAME}-spec"]  # before: the ConfigMap stayed behind
+    policy = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{NAME}-head"
+    assert _deletes(stub) == [policy, f"{CONFIG_MAP}/{NAME}-spec"]  # before: the ConfigMap stayed behind

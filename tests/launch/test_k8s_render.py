@@ -48,7 +48,7 @@ def test_every_target_validates_strictly_with_all_options(target):
     assert "suspend" not in work["spec"]  # Kueue owns it
     text = yaml.safe_dump(objs)
     assert "registry.example/shardline@sha256:" + "b" * 64 in text
-    assert "NCCL_TUNER_CONFIG_PATH" in text and "tuner_config_a4.txtpb" in text
+    assert "/usr/local/gib/scripts/set_nccl_env.sh" in text  # gIB's tuning comes from Google's script
 
 
 def test_a_typo_in_a_rendered_field_fails_validation():
@@ -97,9 +97,14 @@ def test_profiles_and_networks_shape_the_multi_nic_annotation():
 
 
 @pytest.mark.parametrize("profile, added", [("a4", ["IPC_LOCK"]), ("a3-ultra", ["IPC_LOCK"]), ("a3-mega", None),
-                                            ("a3-high", None), ("generic", None)])
-def test_rdma_profiles_add_ipc_lock_for_memory_registration_and_others_add_no_capability(profile, added):
-    for target in ("k8s-job", "jobset", "trainjob"):
+                                            ("a3-high", ["IPC_LOCK"]), ("generic", None)])
+def test_trainer_containers_add_only_the_capabilities_their_fabric_needs(profile, added):
+    """RDMA registers memory with the NIC (IPC_LOCK); the A3 High workload of container-engine-accelerators
+    gpudirect-tcpx/nccl-test-latest.yaml adds IPC_LOCK too; A3 Mega's (gpudirect-tcpxo/nccl-test-latest.yaml) none.
+    TCPX(O) profiles cannot run as a TrainJob (their sidecar), so that target is left out for them."""
+    targets = ("k8s-job", "jobset") if profile.startswith("a3-") and profile != "a3-ultra" else (
+        "k8s-job", "jobset", "trainjob")
+    for target in targets:
         objs = _render(target, f"launch.profile={profile}")
         validate_all(objs)
         work = objs[-1]

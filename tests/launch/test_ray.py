@@ -50,23 +50,23 @@ def test_ray_job_entrypoint_carries_the_resolved_spec_with_absolute_paths(tmp_pa
     spec = json.loads(cmd[cmd.index("--spec-json") + 1])
     assert spec["run"]["dir"] == str(tmp_path / "runs") and spec["run"]["id"].startswith("tiny-")
     env = yaml.safe_load(files["runtime_env.yaml"])["env_vars"]
-    assert env["NCCL_NET"] == "gIB" and env["LD_LIBRARY_PATH"].startswith("/usr/local/nvidia")
+    assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["LD_LIBRARY_PATH"].startswith("/usr/local/nvidia")
 
 
 def test_rayjob_validates_against_the_kuberay_crd_with_gpu_worker_groups():
     spec = load_spec("llama-3.1-70b-fsdp", ["run.id=big", "launch.image=us-docker.pkg.dev/p/r/shardline:1",
                                             "launch.image_digest=sha256:" + "a" * 64, "launch.profile=a3-ultra",
-                                            "launch.kubernetes.queue=team-a", "launch.ray.ray_version=2.49.1",
+                                            "launch.kubernetes.queue=team-a", "launch.ray.ray_version=2.52.0",
                                             "launch.kubernetes.storage.kind=pvc",
                                             "launch.kubernetes.storage.claim=shared"])
-    configmap, rayjob = yaml.safe_load_all(get_backend("rayjob").render(spec)["rayjob.yaml"])
+    configmap, _policy, rayjob = yaml.safe_load_all(get_backend("rayjob").render(spec)["rayjob.yaml"])
     _rayjob_validator().validate(rayjob)
     assert configmap["kind"] == "ConfigMap" and yaml.safe_load(configmap["data"]["spec.yaml"])["run"]["id"] == "big"
     js = rayjob["spec"]
     assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" and "suspend" not in js  # Kueue's
     assert js["entrypoint"] == "python -m shardline.launch.ray_train --spec /etc/shardline/spec.yaml --task train"
     cluster = js["rayClusterSpec"]
-    assert cluster["rayVersion"] == "2.49.1" and cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    assert cluster["rayVersion"] == "2.52.0" and cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     group = cluster["workerGroupSpecs"][0]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == spec.launch.nnodes == 2
     pod = group["template"]["spec"]
@@ -74,18 +74,18 @@ def test_rayjob_validates_against_the_kuberay_crd_with_gpu_worker_groups():
     assert c["image"] == "us-docker.pkg.dev/p/r/shardline@sha256:" + "a" * 64
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8" and c["workingDir"] == "/mnt/shardline"
     assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h200-141gb"
-    assert {"name": "NCCL_NET", "value": "gIB"} in c["env"]
+    assert {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"} in c["env"]
     assert "networking.gke.io/interfaces" in group["template"]["metadata"]["annotations"]  # RDMA NICs per pod
     head = cluster["headGroupSpec"]["template"]["spec"]
     assert "nodeSelector" not in head and "nvidia.com/gpu" not in head["containers"][0]["resources"]["requests"]
-    assert yaml.safe_load(js["runtimeEnvYAML"])["env_vars"]["NCCL_IB_TC"] == "52"
+    assert yaml.safe_load(js["runtimeEnvYAML"])["env_vars"]["LD_LIBRARY_PATH"].endswith("/usr/local/gib/lib64")
 
 
 def test_rayjob_needs_an_image_and_rejects_unknown_fields_in_the_schema_check():
     with pytest.raises(SpecError, match="launch.image"):
         get_backend("rayjob").render(load_spec("tiny", ["run.id=x"]))
     rayjob = list(yaml.safe_load_all(get_backend("rayjob").render(
-        load_spec("tiny", ["run.id=x", "launch.image=img:1", "launch.ray.gpus_per_worker=0"]))["rayjob.yaml"]))[1]
+        load_spec("tiny", ["run.id=x", "launch.image=img:1", "launch.ray.gpus_per_worker=0"]))["rayjob.yaml"]))[2]
     assert "resources" not in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
         "containers"][0]
     _rayjob_validator().validate(rayjob)
@@ -129,7 +129,8 @@ def test_rayjob_submit_status_logs_and_cancel_through_the_kubernetes_api():
     backend = RayJobBackend(api_factory=api, poll_s=0)
     record = backend.submit(load_spec("tiny", ["launch.image=img:1", "launch.ray.gpus_per_worker=0",
                                                "launch.kubernetes.queue=q"]))
-    assert record.run_id.startswith("tiny-") and [o["kind"] for o in record.objects] == ["ConfigMap", "RayJob"]
+    assert record.run_id.startswith("tiny-") and [o["kind"] for o in record.objects] == ["ConfigMap", "NetworkPolicy",
+                                                                                         "RayJob"]
     state = backend.status(record)
     assert state.phase == "queued"
     api.status = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
@@ -141,7 +142,7 @@ def test_rayjob_submit_status_logs_and_cancel_through_the_kubernetes_api():
     assert wait_for(backend, record, timeout_s=5, poll_s=0) == 0
     assert list(backend.logs(record, None, follow=True))[-1] == "shardline: run x finished under Ray Train"
     backend.cancel(record)
-    assert api.deleted == [("RayJob", record.objects[1]["name"]), ("ConfigMap", record.objects[0]["name"])]
+    assert api.deleted == [(o["kind"], o["name"]) for o in reversed(record.objects)]
 
 
 # ---- a real Ray cluster on loopback -----------------------------------------------------------------------

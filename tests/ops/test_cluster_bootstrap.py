@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from shardline.errors import SpecError
 from shardline.ops.cluster_bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
 from shardline.spec.resolve import load_spec
 
-CRDS = Path(__file__).resolve().parents[2].parent / "shared" / "crds"
+CRDS = Path(__file__).resolve().parents[1] / "crds"  # pinned upstream copies, sources in SOURCES.txt
 A4 = ["launch.profile=a4", "launch.nnodes=2"]
 
 
@@ -148,8 +149,8 @@ def test_trainer_service_account_mounts_no_token_and_launcher_role_is_least_priv
     rules = one(objs, "Role")["rules"]
     granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     resources = {r for _, r, _ in granted}
-    assert resources == {"configmaps", "services", "jobs", "jobsets", "trainjobs", "pods", "pods/log", "events",
-                         "workloads"}
+    assert resources == {"configmaps", "services", "jobs", "jobsets", "trainjobs", "rayjobs", "networkpolicies",
+                         "pods", "pods/log", "events", "workloads"}
     assert not any("*" in (g, r, v) for g, r, v in granted)
     assert {v for _, _, v in granted} <= {"create", "get", "list", "watch", "delete"}
     assert {v for _, r, v in granted if r in ("pods", "pods/log", "events", "workloads")} <= {"get", "list", "watch"}
@@ -189,7 +190,7 @@ def test_cli_writes_one_multi_document_file_in_apply_order(tmp_path):
     kinds = [o["kind"] for o in objs]
     assert kinds == ["Namespace", "ResourceFlavor", "ResourceFlavor", "ProvisioningRequestConfig", "AdmissionCheck",
                      "WorkloadPriorityClass", "WorkloadPriorityClass", "WorkloadPriorityClass", "ClusterQueue",
-                     "LocalQueue", "ServiceAccount", "Role", "RoleBinding"]
+                     "LocalQueue", "ServiceAccount", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"]
     assert quota(objs) == {"cpu": "600", "memory": "9000Gi", "nvidia.com/gpu": 24}
     assert one(objs, "ClusterQueue")["metadata"]["name"] == "big"
     assert one(objs, "RoleBinding")["subjects"][0]["name"] == "ml@example.com"
@@ -213,3 +214,75 @@ def test_managed_prometheus_adds_one_pod_monitoring_for_rank_0_of_every_job_in_t
     with pytest.raises(SpecError) as e:
         bootstrap_objects(spec_with("observe.metrics_port=null"), BootstrapOptions(managed_prometheus=True))
     assert e.value.where == "observe.metrics_port"
+
+
+def _rbac_requests(tmp_path: Path) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) of every request `launch`, `status`, `logs` and `cancel` make, for every target,
+    against the stand-in API server (which serves the pinned CRDs)."""
+    from shardline.launch.kubernetes.api import ClusterApi
+    from shardline.launch.registry import get_backend
+    from tests.launch.k8s_apiserver import ApiServerStub, kubeconfig
+
+    crds = [yaml.safe_load((CRDS / f).read_text()) for f in ("trainer.kubeflow.org_trainjobs.yaml",)]
+    spec = spec_with("run.id=rbac-20261122-000000", "launch.image=img:1", "launch.kubernetes.namespace=ml")
+    seen = set()
+    for target in ("k8s-job", "jobset", "trainjob", "rayjob"):
+        with ApiServerStub(crds=crds) as stub:
+            config = kubeconfig(tmp_path / "config", stub.url)
+            backend = get_backend(target)
+            backend._api_factory = lambda ctx, c=config: ClusterApi(ctx, config_file=str(c))
+            record = backend.submit(spec)
+            for verb, args in (("status", ()), ("logs", (None, False)), ("cancel", ())):
+                # the stub answers 404 to reads; the requests are what counts
+                with contextlib.suppress(Exception):
+                    result = getattr(backend, verb)(record, *args)
+                    if verb == "logs":
+                        list(result)
+        for method, path in stub.requests:
+            parts = path.strip("/").split("/")
+            group = "" if parts[0] == "api" else parts[1]
+            rest = parts[2:] if parts[0] == "api" else parts[3:]
+            if rest[0] == "namespaces" and len(rest) > 2:
+                rest = rest[2:]
+            resource = rest[0] + ("/" + rest[2] if len(rest) > 2 else "")
+            verb = {"POST": "create", "DELETE": "delete"}.get(method, "get" if len(rest) > 1 else "list")
+            seen.add((group, resource, verb))
+    return seen
+
+
+def test_the_launcher_roles_grant_every_request_of_every_target(tmp_path):
+    """Kubernetes RBAC (https://kubernetes.io/docs/reference/access-authn-authz/rbac/): a request is allowed when a
+    rule names its API group, resource and verb. Observed requests of all four targets: RayJobs (ray.io, KubeRay's
+    ray-operator/config/crd/bases/ray.io_rayjobs.yaml) and their NetworkPolicy included; the cluster-scoped TrainJob
+    CRD read through the ClusterRole."""
+    objs = bootstrap_objects(spec_with("launch.kubernetes.namespace=ml"), BootstrapOptions())
+    granted = {(g, r, v) for obj in objs if obj["kind"] in ("Role", "ClusterRole") for rule in obj["rules"]
+               for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    missing = _rbac_requests(tmp_path) - granted
+    assert not missing, missing
+
+
+def test_namespaces_of_host_path_profiles_are_labelled_privileged_and_say_why():
+    """Pod Security Standards (https://kubernetes.io/docs/concepts/security/pod-security-standards/): baseline and
+    restricted forbid hostPath volumes, which GKE GPU profiles' pods mount; Pod Security Admission reads the
+    namespace label pod-security.kubernetes.io/enforce (https://kubernetes.io/docs/concepts/security/
+    pod-security-admission/)."""
+    from shardline.launch.kubernetes.objects import render_objects
+
+    for profile in ("a3-high", "a3-mega", "a3-ultra", "a4"):
+        spec = spec_with(f"launch.profile={profile}", "parallel.nproc_per_node=8", "train.global_batch_size=64",
+                         "launch.image=img:1", "run.id=psa-20261122-000000")
+        pod = render_objects(spec, "jobset")[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+        assert any("hostPath" in v for v in pod["spec"]["volumes"])  # what the baseline level would reject
+        ns = one(bootstrap_objects(spec, BootstrapOptions()), "Namespace")
+        assert ns["metadata"]["name"] == "default"
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+        assert "hostPath" in ns["metadata"]["annotations"]["shardline.dev/why-privileged"]
+    assert not by_kind(bootstrap_objects(spec_with(), BootstrapOptions()), "Namespace")
+
+
+def test_the_crd_the_launcher_checks_is_the_one_the_cluster_role_lets_it_read():
+    from shardline.launch.kubernetes.trainer_api import TRAINJOB_CRD
+    from shardline.ops.cluster_bootstrap import TRAINJOB_CRD as READABLE
+
+    assert READABLE == TRAINJOB_CRD

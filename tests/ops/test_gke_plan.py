@@ -106,6 +106,11 @@ done
 echo "git $*" >> "$FAKE_LOG"
 echo {COMMIT}
 """,
+    # GitHub's compare API as it answers (pretty-printed JSON); FAKE_PIN_STATUS says where the commit is
+    "curl": """#!/usr/bin/env bash
+echo "curl $*" >> "$FAKE_LOG"
+printf '{\\n  "url": "%s",\\n  "status": "%s",\\n  "ahead_by": 0\\n}\\n' "${@: -1}" "${FAKE_PIN_STATUS:-behind}"
+""",
 }
 
 
@@ -385,3 +390,76 @@ def test_secret_names_and_keys_that_would_reach_the_setup_shell_are_refused(fiel
     overrides = [o for o in HF_SECRET if not o.split("=")[0].endswith(f".{field}")]
     with pytest.raises(SpecError, match=f"launch.kubernetes.secret_env.HF_TOKEN.{field}"):
         load_spec("tiny", [*overrides, f"launch.kubernetes.secret_env.HF_TOKEN.{field}={value}"])
+
+
+def test_the_dws_pool_keeps_auto_upgrade_that_the_release_channel_requires_and_an_exclusion_holds_upgrades(tmp_path):
+    """The GKE API rejects auto_upgrade=false on a node pool of a release-channel cluster ("Auto_upgrade cannot be
+    false when release_channel REGULAR is set"); https://cloud.google.com/kubernetes-engine/docs/concepts/
+    maintenance-windows-and-exclusions: a `no_minor_or_node_upgrades` exclusion keeps upgrades from evicting
+    training pods instead. https://cloud.google.com/kubernetes-engine/docs/how-to/provisioningrequest: the DWS pool
+    is created with queued provisioning, flex-start and auto-repair off."""
+    out = render(tmp_path, "a3-mega-dws")
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False)
+    assert rc == 0, err
+    cluster = next(c for c in calls if "clusters create" in c)
+    assert "--release-channel regular" in cluster
+    (dws,) = [c for c in calls if "node-pools create" in c]
+    assert "--no-enable-autoupgrade" not in dws and "--no-enable-autorepair" in dws
+    (update,) = [c for c in calls if c.startswith("gcloud container clusters update")]
+    assert "--add-maintenance-exclusion-scope no_minor_or_node_upgrades" in update
+    start = re.search(r"--add-maintenance-exclusion-start (\S+)", update).group(1)
+    end = re.search(r"--add-maintenance-exclusion-end (\S+)", update).group(1)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", start) and end > start
+    assert calls.index(cluster) < calls.index(update) < calls.index(dws)
+
+
+def test_every_applied_upstream_file_is_a_pin_from_the_table_with_its_source():
+    """The pin table (profiles.PINS), checked offline: each raw.githubusercontent.com URL setup.sh applies names a
+    full commit (no branch, no tag) of a table entry that says which release note names it and whether its
+    presence on the default branch was verified. The A3 High NRI injector is the generic one GKE's guide applies
+    (container-engine-accelerators nri_device_injector/nri-device-injector.yaml), not gpudirect-tcpx's copy whose
+    init container edits containerd's config and restarts containerd."""
+    from shardline.profiles import PINS, PROFILES
+
+    table = {p.url: p for p in PINS.values()}
+    for name, (overrides, opts) in CASES.items():
+        text = "\n".join(s.create for s in plan_steps(spec_with(*overrides), opts))
+        urls = re.findall(r"https://raw\.githubusercontent\.com/[^\s\"']+", text)
+        assert urls and all(u in table for u in urls), (name, urls)
+    for pin in PINS.values():
+        assert re.fullmatch(r"[0-9a-f]{40}", pin.commit) and pin.source and pin.default_branch
+        assert pin.default_branch.startswith(("verified", "unverified"))
+    assert PINS["nri-device-injector"].path == "nri_device_injector/nri-device-injector.yaml"
+    for profile in PROFILES.values():  # the sidecar image is the one the installer's release pairs it with
+        if profile.rx_daemon:
+            installer = profile.node_manifests[0]
+            assert profile.rx_daemon.image.rsplit(":", 1)[1] in installer.source, profile.name
+
+
+@pytest.mark.parametrize("status, ok", [("behind", True), ("identical", True), ("diverged", False), ("ahead", False)])
+def test_setup_stops_before_creating_anything_when_a_pinned_commit_is_not_on_the_default_branch(tmp_path, status, ok):
+    """GitHub's compare API (https://docs.github.com/en/rest/commits/commits#compare-two-commits) answers
+    `behind` or `identical` for BASE...HEAD when the branch BASE contains HEAD; a commit that exists only in a pull
+    request or a fork answers `diverged` (or 404: curl fails). Pins the table could not verify offline are
+    checked here, first."""
+    out = render(tmp_path, "a3-high-spot")
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False, env={"FAKE_PIN_STATUS": status})
+    checks = [c for c in calls if c.startswith("curl ")]
+    assert checks and all("api.github.com/repos/GoogleCloudPlatform/container-engine-accelerators/compare/master..."
+                          in c for c in checks)
+    if ok:
+        assert rc == 0, err
+    else:
+        assert rc != 0 and "is not on its master branch" in err
+        assert not any(" create " in c or c.startswith("kubectl apply") for c in calls)
+
+
+def test_the_plan_states_the_spot_pools_preemption_grace(tmp_path):
+    """https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms: 15 s for a preempted pod; setup.sh says
+    so in its header and when it ends."""
+    out = render(tmp_path, "a3-high-spot")
+    text = (out / "setup.sh").read_text()
+    header = text.split("set -euo pipefail")[0]
+    assert "spot pool: GKE gives a preempted pod 15 s" in header
+    rc, _, _ = run_script(out / "setup.sh", tmp_path, exists=True)
+    assert rc == 0 and "warning: spot pool" in text.splitlines()[-1]

@@ -159,18 +159,48 @@ RAYJOB_API = "ray.io/v1"
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
 """The head only runs the driver and Ray's services (num-cpus/num-gpus 0: no training worker lands on it)."""
 SUBMITTER_CONTAINER = "ray-job-submitter"
+RAY_TOKEN_AUTH = (2, 52)
+"""Ray's token authentication (RAY_AUTH_MODE=token) exists from Ray 2.52; KubeRay 1.5.1 sets it up from
+`rayClusterSpec.authOptions` (https://docs.ray.io/en/latest/cluster/kubernetes/user-guides/kuberay-auth.html)."""
+HEAD_NODE_LABEL = "ray.io/node-type"
+"""KubeRay's label on each Ray pod: head or worker."""
 # RayJob status (jobDeploymentStatus, then the Ray job's jobStatus) → the phases every backend reports.
 DEPLOYMENT_PHASES = {"": "queued", "New": "queued", "Suspended": "queued", "Suspending": "queued",
                      "Waiting": "queued", "Initializing": "starting", "Running": "running", "Retrying": "starting",
                      "Complete": "succeeded", "Failed": "failed", "ValidationFailed": "failed"}
 
 
-def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
-    """ConfigMap with the resolved spec + a RayJob whose head runs the ray_train entrypoint.
+def _check_ray_version(version: str) -> None:
+    if tuple(int(x) for x in version.split(".")[:2]) < RAY_TOKEN_AUTH:
+        raise SpecError("launch.ray.ray_version", f"is {version}, older than Ray "
+                        f"{'.'.join(map(str, RAY_TOKEN_AUTH))}, which the RayJob's token authentication needs (its "
+                        "head serves the Jobs API and holds the job's secrets)", "set launch.ray.ray_version to "
+                        "2.52.0 or later, and build the image with that Ray")
 
-    Pods are built by the Kubernetes launcher's helpers (image, env with the NCCL profile and secrets,
-    volumes with the spec, /dev/shm, host libraries and shared storage, GPU NIC annotations, node
-    selector, tolerations): one source of truth for what a training pod needs."""
+
+def head_network_policy(spec: JobSpec, name: str) -> dict:
+    """Only this run's Ray pods and its submitter Job (pods labelled with the Job's name) reach the head: the
+    dashboard and Jobs API on 0.0.0.0 are for them, not for every pod in the cluster. `kubectl port-forward`
+    still works (it enters the pod's network namespace)."""
+    from shardline.launch.kubernetes import pod as k8s_pod
+
+    run = {"shardline.dev/run-id": name}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-head", "namespace": spec.launch.kubernetes.namespace,
+                         "labels": k8s_pod.labels(spec)},
+            "spec": {"podSelector": {"matchLabels": {**run, HEAD_NODE_LABEL: "head"}}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": run}},
+                                           {"podSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}}}]}]}}
+
+
+def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
+    """ConfigMap with the resolved spec, a NetworkPolicy closing the head to all but the run, and a RayJob whose
+    head runs the ray_train entrypoint with Ray's token authentication on.
+
+    Pods are built by the Kubernetes launcher's helpers (image, env with the NCCL profile and secrets, volumes
+    with the spec, /dev/shm and shared storage): one source of truth for what a training pod needs. Only GPU
+    workers get the GPU NICs, the fabric's host paths, its RxDM sidecar, the GPU node selector and toleration;
+    the head runs on the CPU pool (a head with GPU NICs could only fit a GPU node it does not tolerate)."""
     from shardline.launch.kubernetes import pod as k8s_pod
     from shardline.launch.kubernetes.objects import config_map, job_annotations, queue_labels
 
@@ -178,6 +208,7 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
         spec = spec.model_copy(deep=True)
         spec.run.id = new_run_id(spec.run.name)
     k, r = spec.launch.kubernetes, spec.launch.ray
+    _check_ray_version(r.ray_version)
     for name in r.secret_env:
         if name not in k.secret_env:
             raise SpecError("launch.ray.secret_env", f"{name} would be passed from the submitting environment, but "
@@ -185,11 +216,11 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
                             f"launch.kubernetes.secret_env.{name}: {{secret: <name>, key: <key>}}")
     name = k8s_pod.object_name(spec)
     cm = config_map(spec, name)
-    volumes, mounts = k8s_pod.volumes_and_mounts(spec, cm["metadata"]["name"])
     env = k8s_pod.container_env(spec, [])
     gpu = r.gpus_per_worker > 0
 
-    def pod(role: str, resources: dict, selector: bool) -> dict:
+    def pod(role: str, resources: dict, on_gpu: bool) -> dict:
+        volumes, mounts = k8s_pod.volumes_and_mounts(spec, cm["metadata"]["name"], gpu=on_gpu)
         container = {"name": f"ray-{role}", "image": k8s_pod.image_ref(spec), "env": env, "volumeMounts": mounts,
                      "securityContext": k8s_pod.container_security(spec)}
         if resources:
@@ -200,12 +231,16 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
                           "containers": [container], "volumes": volumes}
         if k.priority_class:
             pod_spec["priorityClassName"] = k.priority_class
-        if selector and (node_selector := k8s_pod.node_selector(spec)):
-            pod_spec["nodeSelector"] = node_selector
-        if selector and (tolerations := k8s_pod.tolerations(spec)):
-            pod_spec["tolerations"] = tolerations
+        annotations = k8s_pod.pod_annotations(spec) if on_gpu else k8s_pod.storage_annotations(spec)
+        if on_gpu:
+            if sidecar := k8s_pod.rx_daemon_container(spec):
+                pod_spec["initContainers"] = [sidecar]
+            if node_selector := k8s_pod.node_selector(spec):
+                pod_spec["nodeSelector"] = node_selector
+            if tolerations := k8s_pod.tolerations(spec):
+                pod_spec["tolerations"] = tolerations
         meta: dict = {"labels": k8s_pod.labels(spec)}
-        if annotations := k8s_pod.pod_annotations(spec):
+        if annotations:
             meta["annotations"] = annotations
         return {"metadata": meta, "spec": pod_spec}
 
@@ -229,15 +264,16 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
             "backoffLimit": 0,  # Ray Train restarts workers (launch.ray.max_failures); a retry would be a new cluster
             "rayClusterSpec": {
                 "rayVersion": r.ray_version,
+                "authOptions": {"mode": "token"},
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
-                                  "template": pod("head", HEAD_RESOURCES, selector=False)},
+                                  "template": pod("head", HEAD_RESOURCES, on_gpu=False)},
                 "workerGroupSpecs": [{
                     "groupName": "gpu" if gpu else "cpu", "replicas": nodes, "minReplicas": nodes,
                     "maxReplicas": nodes, "rayStartParams": {}, "template": pod("worker", worker_resources, gpu)}],
             },
         },
     }
-    return [cm, rayjob]
+    return [cm, head_network_policy(spec, name), rayjob]
 
 
 def _rayjob_ref(record: LaunchRecord) -> dict[str, str]:

@@ -7,11 +7,17 @@ Built from the job spec as plain dicts (typed data, never text templates):
   `launch.kubernetes.queue` names, in the spec's namespace. With DWS, an AdmissionCheck and its
   ProvisioningRequestConfig (GKE queued provisioning) gate the DWS flavor only. Optional
   WorkloadPriorityClasses (`shardline-low|medium|high`).
+- Namespace: on a GKE GPU profile the training pods mount host paths (the fabric's libraries, /sys for the
+  RxDM sidecar), which only the Pod Security level "privileged" admits
+  (https://kubernetes.io/docs/concepts/security/pod-security-standards/): the namespace is labelled so, with an
+  annotation saying why.
 - Identity: the trainer ServiceAccount `launch.kubernetes.service_account` with no API token at all (training
   pods never call the Kubernetes API; GCS FUSE and the GKE metadata server authenticate the pod without a
   mounted token), and a `shardline-launcher` Role holding exactly what a *user* of `shardline
-  launch|status|logs|wait|cancel` needs in that namespace. Bind it with `--bind-launcher` or
-  `kubectl create rolebinding shardline-launcher --role shardline-launcher --user alice@example.com -n NS`.
+  launch|status|logs|wait|cancel` needs in that namespace (every target: Job, JobSet, TrainJob, RayJob with its
+  NetworkPolicy), plus a ClusterRole that reads the one CRD `--target trainjob` checks the Trainer version in.
+  Bind them with `--bind-launcher`, or `kubectl create rolebinding shardline-launcher --role shardline-launcher
+  --user alice@example.com -n NS` and the matching `kubectl create clusterrolebinding`.
 - Metrics (`--managed-prometheus`, on GKE with Google Cloud Managed Service for Prometheus): one PodMonitoring
   in the namespace that scrapes rank 0 of every shardline job through its container port `metrics`. It lives
   here, not with each job, because it serves every job of the namespace, needs no monitoring permission in the
@@ -46,6 +52,10 @@ ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 DEFAULT_LOCAL_QUEUE = "shardline"
 LAUNCHER_ROLE = "shardline-launcher"
+CRD_READER_ROLE = "shardline-launcher-crd-reader"
+TRAINJOB_CRD = "trainjobs.trainer.kubeflow.org"
+"""The CRD `launch --target trainjob` reads (launch/kubernetes/trainer_api.py; ops/ may not import launch/)."""
+POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
 ADMISSION_CHECK = "shardline-dws"
 PRIORITY_CLASSES = {"shardline-low": 100, "shardline-medium": 1000, "shardline-high": 10000}
 LABELS = {"app.kubernetes.io/managed-by": "shardline", "app.kubernetes.io/component": "cluster-bootstrap"}
@@ -237,6 +247,8 @@ def launcher_role(namespace: str) -> dict:
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _WRITE},
         {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": _WRITE},
         {"apiGroups": ["trainer.kubeflow.org"], "resources": ["trainjobs"], "verbs": _WRITE},
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": _WRITE},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _WRITE},  # RayJob head
         {"apiGroups": [""], "resources": ["pods"], "verbs": _READ},  # status per rank; logs find pods
         {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": _READ},  # why a pod is unschedulable / not pulling
@@ -246,6 +258,13 @@ def launcher_role(namespace: str) -> dict:
             "metadata": _meta(LAUNCHER_ROLE, namespace), "rules": rules}
 
 
+def crd_reader_role() -> dict:
+    """Read the TrainJob CRD only: `--target trainjob` reads its schema for the Trainer version first."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": _meta(CRD_READER_ROLE),
+            "rules": [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+                       "resourceNames": [TRAINJOB_CRD], "verbs": ["get"]}]}
+
+
 def identity_objects(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
     k8s = spec.launch.kubernetes
     objs: list[dict] = [
@@ -253,15 +272,35 @@ def identity_objects(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
          # The trainer never calls the Kubernetes API: no token in its pods at all.
          "automountServiceAccountToken": False},
         launcher_role(k8s.namespace),
+        crd_reader_role(),
     ]
     if opts.bind_launcher:
-        objs.append({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": _meta(LAUNCHER_ROLE, k8s.namespace),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": LAUNCHER_ROLE},
-            "subjects": [_subject(s, k8s.namespace) for s in opts.bind_launcher],
-        })
+        subjects = [_subject(s, k8s.namespace) for s in opts.bind_launcher]
+        for kind, binding, meta in (("Role", "RoleBinding", _meta(LAUNCHER_ROLE, k8s.namespace)),
+                                    ("ClusterRole", "ClusterRoleBinding", _meta(f"{CRD_READER_ROLE}-{k8s.namespace}"))):
+            objs.append({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": binding, "metadata": meta,
+                         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind,
+                                     "name": LAUNCHER_ROLE if kind == "Role" else CRD_READER_ROLE},
+                         "subjects": subjects})
     return objs
+
+
+def namespace_object(spec: JobSpec) -> dict | None:
+    """The job namespace, labelled Pod Security "privileged" where the profile's pods mount host paths (the
+    fabric's libraries, devices and /sys): the baseline level forbids hostPath volumes."""
+    namespace = spec.launch.kubernetes.namespace
+    profile = get_profile(spec.launch.profile)
+    privileged = bool(profile.host_mounts or profile.rx_daemon)
+    if namespace == "default" and not privileged:
+        return None  # exists on every cluster, and nothing to label
+    meta: dict = {"name": namespace, "labels": dict(LABELS)}
+    if privileged:
+        meta["labels"][POD_SECURITY_ENFORCE] = "privileged"
+        meta["annotations"] = {"shardline.dev/why-privileged": (
+            f"profile {profile.name} mounts host paths into training pods (installed NCCL/fabric libraries"
+            + (f", devices and /sys for the {profile.rx_daemon.name} sidecar" if profile.rx_daemon else "")
+            + "); Pod Security baseline and restricted reject hostPath volumes")}
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
 
 
 def _priority_classes(spec: JobSpec) -> list[dict]:
@@ -287,8 +326,8 @@ def bootstrap_objects(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
                         "use lowercase letters, digits and '-'")
     namespace = spec.launch.kubernetes.namespace
     objs: list[dict] = []
-    if namespace != "default":
-        objs.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace, "labels": dict(LABELS)}})
+    if ns := namespace_object(spec):
+        objs.append(ns)
     flavors = resource_flavors(spec, opts)
     objs += flavors
     if opts.dws:

@@ -213,6 +213,8 @@ class StorageSpec(Section):
     """Read-write mount and the container's working directory: relative run.dir and caches land here."""
     read_path: str = "/mnt/shardline-data"
     """The same storage mounted read-only (file cache and parallel downloads on GCS FUSE) for weights and data."""
+    file_cache: Quantity = "100Gi"
+    """GCS FUSE read mount: most local disk its file cache may fill; the pod requests it as ephemeral storage."""
 
 
 class KubernetesSpec(Section):

@@ -1,12 +1,16 @@
 """The few Kubernetes API calls the launcher makes, behind one small interface.
 
 `ClusterApi` talks to a real API server through the `kubernetes` client and the user's kubeconfig, and turns
-every failed request into a ClusterError (launch/kubernetes/api_errors.py). Tests drive the launcher's logic through the
-same interface with recorded objects, and `ClusterApi` itself against a local server that answers like one.
+every failed request into a ClusterError (launch/kubernetes/api_errors.py). Every create asks the API server for
+strict field validation (`fieldValidation=Strict`): a field the server does not know is an error, never silently
+dropped (https://kubernetes.io/docs/reference/using-api/api-concepts/#field-validation). Tests drive the launcher's
+logic through the same interface with recorded objects, and `ClusterApi` itself against a local server that answers
+like one.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -29,6 +33,8 @@ class Api(Protocol):
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
 
     def list_pods(self, namespace: str, selector: str) -> list[dict]: ...
+
+    def get_crd(self, name: str) -> dict | None: ...
 
     def list_workloads(self, namespace: str) -> list[dict]: ...
 
@@ -69,7 +75,9 @@ def _after_cleanup(api: Api, created: list[dict], error: ClusterError) -> Cluste
     return ClusterError(error.where, problem, fix)
 
 
-RESOURCES = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs.batch", "Pod": "pods"}
+RESOURCES = {"ConfigMap": "configmaps", "Service": "services", "Job": "jobs.batch", "Pod": "pods",
+             "NetworkPolicy": "networkpolicies.networking.k8s.io"}
+STRICT = "Strict"
 
 
 def resource(api_version: str, kind: str) -> str:
@@ -100,6 +108,8 @@ class ClusterApi:
         self.server = self.client.configuration.host
         self.core = client.CoreV1Api(self.client)
         self.batch = client.BatchV1Api(self.client)
+        self.networking = client.NetworkingV1Api(self.client)
+        self.extensions = client.ApiextensionsV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
 
     def _call(self, request: Request, fn, *args, absent: tuple[int, ...] = (), **kwargs):
@@ -119,15 +129,19 @@ class ClusterApi:
     def create(self, obj: dict) -> None:
         ns, kind, name = obj["metadata"]["namespace"], obj["kind"], obj["metadata"]["name"]
         request = Request("create", resource(obj["apiVersion"], kind), ns, name)
+        strict = {"field_validation": STRICT}
         if kind == "ConfigMap":
-            self._call(request, self.core.create_namespaced_config_map, ns, obj)
+            self._call(request, self.core.create_namespaced_config_map, ns, obj, **strict)
         elif kind == "Service":
-            self._call(request, self.core.create_namespaced_service, ns, obj)
+            self._call(request, self.core.create_namespaced_service, ns, obj, **strict)
         elif kind == "Job":
-            self._call(request, self.batch.create_namespaced_job, ns, obj)
+            self._call(request, self.batch.create_namespaced_job, ns, obj, **strict)
+        elif kind == "NetworkPolicy":
+            self._call(request, self.networking.create_namespaced_network_policy, ns, obj, **strict)
         else:
             group, version, plural = KINDS[(obj["apiVersion"], kind)]
-            self._call(request, self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
+            self._call(request, self.custom.create_namespaced_custom_object, group, version, ns, plural, obj,
+                       **strict)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         request = Request("get", resource(api_version, kind), namespace, name)
@@ -149,6 +163,8 @@ class ClusterApi:
             self._call(request, self.core.delete_namespaced_service, name, namespace, absent=(404,))
         elif kind == "Job":
             self._call(request, self.batch.delete_namespaced_job, name, namespace, body=body, absent=(404,))
+        elif kind == "NetworkPolicy":
+            self._call(request, self.networking.delete_namespaced_network_policy, name, namespace, absent=(404,))
         else:
             group, version, plural = KINDS[(api_version, kind)]
             self._call(request, self.custom.delete_namespaced_custom_object, group, version, namespace, plural, name,
@@ -158,6 +174,21 @@ class ClusterApi:
         pods = self._call(Request("list", "pods", namespace), self.core.list_namespaced_pod, namespace,
                           label_selector=selector)
         return self.client.sanitize_for_serialization(pods)["items"]
+
+    def get_crd(self, name: str) -> dict | None:
+        """A CustomResourceDefinition as the cluster serves it; None where it is not installed, {} where this
+        identity may not read it (then the strict create still refuses what the cluster's schema lacks)."""
+        from kubernetes.client.exceptions import ApiException
+
+        request = Request("get", "customresourcedefinitions.apiextensions.k8s.io", "(cluster)", name)
+        try:
+            crd = self._call(request, self.extensions.read_custom_resource_definition, name, absent=(404,),
+                             _preload_content=False)
+        except ClusterError as e:
+            if isinstance(e.__cause__, ApiException) and e.__cause__.status == 403:
+                return {}
+            raise
+        return None if crd is None else json.loads(crd.data)
 
     def list_workloads(self, namespace: str) -> list[dict]:
         group, version, plural = KINDS[("kueue.x-k8s.io/v1beta2", "Workload")]

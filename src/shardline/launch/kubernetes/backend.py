@@ -16,6 +16,8 @@ from shardline.launch.kubernetes import pod as k8s_pod
 from shardline.launch.kubernetes.api import Api, ClusterApi, create_all
 from shardline.launch.kubernetes.objects import render_objects
 from shardline.launch.kubernetes.status import INDEX_ANNOTATION, explain
+from shardline.launch.kubernetes.trainer_api import TRAINJOB_CRD, check_trainer
+from shardline.ops.preemption import preemption_notes
 from shardline.spec import JobSpec
 
 
@@ -38,11 +40,18 @@ class KubernetesBackend:
         self.poll_s = poll_s
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:
-        return {f"{k8s_pod.object_name(spec)}-{self.target}.yaml": to_yaml(render_objects(spec, self.target, task))}
+        """The manifests, headed by the capacity's risks as YAML comments (preemption grace, run limits)."""
+        objects = render_objects(spec, self.target, task)
+        notes = "".join(f"# warning: {n}\n" for n in preemption_notes(spec))
+        return {f"{k8s_pod.object_name(spec)}-{self.target}.yaml": notes + to_yaml(objects)}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
         objects = render_objects(spec, self.target, task)
-        create_all(self._api_factory(spec.launch.kubernetes.context), objects)
+        api = self._api_factory(spec.launch.kubernetes.context)
+        if self.target == "trainjob":  # before anything is created: a too-old Trainer leaves nothing behind
+            check_trainer(api.get_crd(TRAINJOB_CRD), f"--target trainjob on context "
+                          f"{spec.launch.kubernetes.context or '(current)'}")
+        create_all(api, objects)
         return LaunchRecord(
             target=self.target, run_id=spec.run.id or "", submitted_at=datetime.now(UTC).isoformat(timespec="seconds"),
             namespace=spec.launch.kubernetes.namespace, context=spec.launch.kubernetes.context,

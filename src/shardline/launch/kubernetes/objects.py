@@ -16,6 +16,7 @@ from shardline.errors import SpecError
 from shardline.launch.command import cluster_spec
 from shardline.launch.kubernetes import pod as k8s_pod
 from shardline.launch.kubernetes.trainjob import check_trainjob, split_pod
+from shardline.ops.preemption import preemption_notes
 from shardline.profiles import RENDEZVOUS_PORT
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
@@ -160,5 +161,6 @@ def render_objects(spec: JobSpec, target: str, task: str = "train") -> list[dict
     if spec.run.id is None:
         raise SpecError("run.id", "is not assigned", "render through `shardline render`/`launch`, which assign it")
     check_cluster_spec(spec)
+    preemption_notes(spec)  # refuses spot capacity that nothing would save from a preemption
     builders = {"k8s-job": indexed_job, "jobset": jobset, "trainjob": trainjob}
     return [config_map(spec, k8s_pod.object_name(spec)), *builders[target](spec, task)]

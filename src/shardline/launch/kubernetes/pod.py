@@ -1,17 +1,21 @@
 """The training pod, built as typed data from the spec: one container named `node` running the node's torchrun.
 
-Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/kubernetes/objects.py); only how rank and
-rendezvous host reach the pod differs, and that is passed in as `rank_env`.
+Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/kubernetes/objects.py) and the RayJob's GPU
+workers (launch/ray.py); only how rank and rendezvous host reach the pod differs, and that is passed in as `rank_env`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+
+import yaml
 
 from shardline.errors import SpecError
 from shardline.launch.command import node_torchrun_command
-from shardline.profiles import get_profile, gpu_network_names, nccl_environment
+from shardline.ops.preemption import termination_grace_seconds
+from shardline.profiles import HostMount, NetworkProfile, get_profile, gpu_network_names, nccl_environment
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_hash
 
@@ -23,10 +27,19 @@ NAME_LIMIT = 40
 """Object names stay short enough that JobSet pod hostnames (`<name>-node-0-<i>`) fit a 63-char DNS label."""
 GCSFUSE_WRITE_OPTIONS = ("implicit-dirs", "metadata-cache:ttl-secs:60", "metadata-cache:negative-ttl-secs:0",
                          "write:enable-streaming-writes:true")
-GCSFUSE_READ_OPTIONS = ("implicit-dirs", "metadata-cache:ttl-secs:-1", "metadata-cache:stat-cache-max-size-mb:-1",
-                        "metadata-cache:type-cache-max-size-mb:-1", "file-system:kernel-list-cache-ttl-secs:-1",
-                        "file-cache:max-size-mb:-1", "file-cache:cache-file-for-range-read:true",
-                        "file-cache:enable-parallel-downloads:true")
+GCSFUSE_READ_OPTIONS = ("implicit-dirs", "metadata-cache:ttl-secs:60", "metadata-cache:stat-cache-max-size-mb:-1",
+                        "metadata-cache:type-cache-max-size-mb:-1", "file-system:kernel-list-cache-ttl-secs:60",
+                        "file-cache:cache-file-for-range-read:true", "file-cache:enable-parallel-downloads:true")
+"""The write mount changes what the read mount shows (checkpoints, run directories): metadata expires after 60 s
+there too. The file cache is bounded by launch.kubernetes.storage.file_cache (`file-cache:max-size-mb`)."""
+GCSFUSE_CACHE_VOLUME = "gke-gcsfuse-cache"
+"""The GCS FUSE CSI driver keeps its file cache in a pod volume of this name when the pod defines one."""
+NODE_SHARE = 0.9
+"""Share of a GKE node's vCPUs and memory a training pod requests when launch.kubernetes.cpu/memory are unset:
+the rest is the kubelet's reservation (about 1 vCPU and 2-3 % of memory on these machine types) and DaemonSets."""
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
+          "Ti": 2**40}
 
 
 def object_name(spec: JobSpec) -> str:
@@ -60,10 +73,14 @@ def image_ref(spec: JobSpec) -> str:
 def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
                  workdir: str | None = None) -> list[str]:
     """Wait for the rendezvous host's DNS record (and enter `workdir` where the engine cannot set the
-    container's working directory), then the one torchrun line (docs/architecture.md §6)."""
+    container's working directory), then the one torchrun line (docs/architecture.md §6). Where the fabric ships
+    an environment script (gIB), bash sources it first; the script path and the command reach bash as arguments
+    ("$0", "$@"), never inside the shell text."""
     chdir = ["--chdir", workdir] if workdir else []
-    return ["python", "-m", "shardline.launch.wait_rendezvous", *chdir, "--",
-            *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]
+    command = ["python", "-m", "shardline.launch.wait_rendezvous", *chdir, "--",
+               *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]
+    script = get_profile(spec.launch.profile).nccl_env_script
+    return ["bash", "-c", 'source "$0" && exec "$@"', script, *command] if script else command
 
 
 def container_env(spec: JobSpec, rank_env: list[dict]) -> list[dict]:
@@ -80,11 +97,22 @@ def container_env(spec: JobSpec, rank_env: list[dict]) -> list[dict]:
     return env
 
 
+def node_requests(profile: NetworkProfile) -> dict[str, str]:
+    """cpu and memory a whole-node training pod requests on this profile's machine type ({} when unknown)."""
+    if not (profile.node_cpus and profile.node_memory_gib):
+        return {}
+    return {"cpu": str(int(profile.node_cpus * NODE_SHARE)), "memory": f"{int(profile.node_memory_gib * NODE_SHARE)}Gi"}
+
+
 def resources(spec: JobSpec) -> dict:
+    """GPUs per pod, and cpu/memory: launch.kubernetes.cpu/memory, else sized to the profile's node. A pod that
+    requests only GPUs is the first the kubelet evicts under memory pressure (its memory-backed /dev/shm counts
+    as memory) and counts nothing against Kueue's cpu/memory quota."""
     k = spec.launch.kubernetes
     amounts: dict[str, str] = {}
     if k.gpu_resource:
         amounts[k.gpu_resource] = str(spec.parallel.nproc_per_node)
+        amounts |= node_requests(get_profile(spec.launch.profile))
     if k.cpu:
         amounts["cpu"] = k.cpu
     if k.memory:
@@ -115,30 +143,87 @@ def _storage_volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
         return {"name": name, "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": read_only,
                                       "volumeAttributes": attrs}}
 
+    read_options = (*GCSFUSE_READ_OPTIONS, f"file-cache:max-size-mb:{quantity_bytes(st.file_cache) // 2**20}")
     return ([fuse("storage", GCSFUSE_WRITE_OPTIONS, False, {}),
-             fuse("storage-read", GCSFUSE_READ_OPTIONS, True, {"gcsfuseMetadataPrefetchOnMount": "true",
-                                                                "fileCacheForRangeRead": "true"})],
+             fuse("storage-read", read_options, True, {"gcsfuseMetadataPrefetchOnMount": "true",
+                                                       "fileCacheForRangeRead": "true"}),
+             {"name": GCSFUSE_CACHE_VOLUME, "emptyDir": {"sizeLimit": st.file_cache}}],
             [{"name": "storage", "mountPath": st.mount_path},
              {"name": "storage-read", "mountPath": st.read_path, "readOnly": True}])
 
 
-def volumes_and_mounts(spec: JobSpec, config_map: str) -> tuple[list[dict], list[dict]]:
+def quantity_bytes(value: str) -> int:
+    """A Kubernetes quantity without fractions (`100Gi`, `500M`, `1024`) in bytes."""
+    m = _QUANTITY.match(value)
+    if not m:
+        raise SpecError("launch.kubernetes.storage.file_cache", f"{value!r} is not a whole quantity",
+                        "write e.g. 100Gi or 500000Mi")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _host_volume(mount: HostMount) -> dict:
+    return {"name": mount.name, "hostPath": {"path": mount.host_path}}
+
+
+def _mount(mount: HostMount) -> dict:
+    return {"name": mount.name, "mountPath": mount.mount_path, **({"readOnly": True} if mount.read_only else {})}
+
+
+def gpu_volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
+    """Host paths of the profile's fabric: every volume the trainer or the RxDM sidecar mounts, and the trainer's
+    mounts. Only GPU pods get them (a CPU node has no /home/kubernetes/bin/gib)."""
+    profile = get_profile(spec.launch.profile)
+    daemon = profile.rx_daemon.mounts if profile.rx_daemon else ()
+    by_name = {m.name: m for m in (*profile.host_mounts, *daemon)}
+    return [_host_volume(m) for m in by_name.values()], [_mount(m) for m in profile.host_mounts]
+
+
+def volumes_and_mounts(spec: JobSpec, config_map: str, gpu: bool = True) -> tuple[list[dict], list[dict]]:
+    """The pod's volumes and the trainer's mounts: spec, /dev/shm, the fabric's host paths (`gpu`), storage."""
     k = spec.launch.kubernetes
     volumes = [{"name": "spec", "configMap": {"name": config_map}},
                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
     mounts = [{"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True}, {"name": "dshm", "mountPath": "/dev/shm"}]
-    for lib in get_profile(spec.launch.profile).host_libraries:
-        volumes.append({"name": lib.name, "hostPath": {"path": lib.host_path}})
-        mounts.append({"name": lib.name, "mountPath": lib.mount_path, "readOnly": True})
+    if gpu:
+        host_volumes, host_mounts = gpu_volumes(spec)
+        volumes, mounts = volumes + host_volumes, mounts + host_mounts
     storage_volumes, storage_mounts = _storage_volumes(spec)
     return volumes + storage_volumes, mounts + storage_mounts
 
 
-def pod_annotations(spec: JobSpec) -> dict[str, str]:
+def rx_daemon_container(spec: JobSpec) -> dict | None:
+    """The fabric's receive-datapath daemon as a native sidecar (init container, restartPolicy Always: started
+    before the trainer, stopped after it, so a Job's pod completes). It runs as root with the capabilities the
+    upstream pod gives it; the trainer's own security context is unchanged."""
+    daemon = get_profile(spec.launch.profile).rx_daemon
+    if daemon is None:
+        return None
+    return {"name": daemon.name, "image": daemon.image, "command": list(daemon.command), "restartPolicy": "Always",
+            "env": [{"name": "LD_LIBRARY_PATH", "value": "/usr/local/nvidia/lib64"}],
+            "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                                "capabilities": {"add": list(daemon.capabilities)}},
+            "volumeMounts": [_mount(m) for m in daemon.mounts]}
+
+
+def check_whole_node(spec: JobSpec, profile: NetworkProfile) -> None:
+    """A pod that takes every GPU NIC of its node must take every GPU too: with fewer processes the node's other
+    GPUs idle (no second pod can get a NIC) while Kueue counts only the GPUs requested."""
+    nproc = spec.parallel.nproc_per_node
+    if profile.gpu_nics and spec.launch.kubernetes.gpu_resource and nproc != profile.gpus_per_node:
+        raise SpecError("parallel.nproc_per_node", f"is {nproc}, but profile {profile.name} gives each pod all "
+                        f"{profile.gpu_nics} GPU NICs of a {profile.gpus_per_node}-GPU node",
+                        f"set parallel.nproc_per_node={profile.gpus_per_node} (fewer nodes for the same world "
+                        "size), or use launch.profile=generic for pods that share a node")
+
+
+def gpu_annotations(spec: JobSpec) -> dict[str, str]:
+    """What only a GPU pod carries: its GPU NICs (GKE multi-networking) and the RxDM sidecar's devices (GKE's
+    NRI device injector)."""
     k = spec.launch.kubernetes
     profile = get_profile(spec.launch.profile)
     out: dict[str, str] = {}
     if profile.gpu_nics:
+        check_whole_node(spec, profile)
         names = gpu_network_names(profile, k.gpu_networks)
         if len(names) != profile.gpu_nics:
             raise SpecError("launch.kubernetes.gpu_networks", f"has {len(names)} names but profile "
@@ -148,10 +233,27 @@ def pod_annotations(spec: JobSpec) -> dict[str, str]:
             interfaces.append({"interfaceName": f"eth{i + 1}", "network": net})
         out["networking.gke.io/default-interface"] = "eth0"
         out["networking.gke.io/interfaces"] = json.dumps(interfaces)
-    if k.storage.kind == "gcsfuse":
-        out["gke-gcsfuse/volumes"] = "true"
-        for r in ("cpu", "memory", "ephemeral-storage"):  # "0": the sidecar may use what the node has
-            out[f"gke-gcsfuse/{r}-limit"] = "0"
+    if profile.rx_daemon:
+        out[f"devices.gke.io/container.{profile.rx_daemon.name}"] = yaml.safe_dump(
+            [{"path": d} for d in profile.rx_daemon.devices], default_flow_style=False)
+    return out
+
+
+def storage_annotations(spec: JobSpec) -> dict[str, str]:
+    """GCS FUSE: the sidecar may use what the node has ("0" limits) and requests the file cache's disk."""
+    st = spec.launch.kubernetes.storage
+    if st.kind != "gcsfuse":
+        return {}
+    out = {"gke-gcsfuse/volumes": "true"}
+    for r in ("cpu", "memory", "ephemeral-storage"):
+        out[f"gke-gcsfuse/{r}-limit"] = "0"
+    out["gke-gcsfuse/ephemeral-storage-request"] = st.file_cache
+    return out
+
+
+def pod_annotations(spec: JobSpec) -> dict[str, str]:
+    k = spec.launch.kubernetes
+    out = gpu_annotations(spec) | storage_annotations(spec)
     if k.topology:
         out[f"kueue.x-k8s.io/podset-{k.topology_mode}-topology"] = k.topology
     if spec.observe.metrics_port:  # rank 0 serves /metrics; other ranks' pods answer nothing there
@@ -213,8 +315,10 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
         container["workingDir"] = k.storage.mount_path
     out = {"restartPolicy": "Never", "serviceAccountName": k.service_account,
            "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
-           "terminationGracePeriodSeconds": spec.launch.grace_seconds + 30,
+           "terminationGracePeriodSeconds": termination_grace_seconds(spec),
            "containers": [container], "volumes": volumes}
+    if sidecar := rx_daemon_container(spec):
+        out["initContainers"] = [sidecar]
     if subdomain:
         out["subdomain"] = subdomain
     if k.priority_class:

@@ -10,7 +10,9 @@ way, or refused with the spec field that asks for it — never dropped:
 - `workingDir` has none either: the node command enters the directory itself (wait_rendezvous --chdir);
 - `priorityClassName` cannot be carried: launch.kubernetes.priority_class is refused;
 - an elastic job (launch.min_nnodes) cannot run: Trainer's torch plugin has no elastic policy, injects a
-  fixed PET_NNODES, and its rendezvous host belongs to the runtime's JobSet, not to an object rendered here.
+  fixed PET_NNODES, and its rendezvous host belongs to the runtime's JobSet, not to an object rendered here;
+- a GPUDirect-TCPX(O) profile cannot run: its RxDM sidecar is a container with its own image and command, and a
+  runtime patch may only set env, volume mounts and security context of containers the runtime already has.
 `restartPolicy` is the runtime's own (its Job template), like its JobSet's failure and success policies.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from shardline.errors import SpecError
 from shardline.launch.kubernetes import pod as k8s_pod
+from shardline.profiles import get_profile
 from shardline.spec import JobSpec
 
 TARGET = "trainjob"
@@ -41,6 +44,13 @@ def check_trainjob(spec: JobSpec) -> None:
                         "(an elastic job), which target trainjob cannot run: Kubeflow Trainer has no elastic policy, "
                         "gives every node a fixed PET_NNODES, and owns the rendezvous host",
                         "use --target jobset or k8s-job for an elastic job, or unset launch.min_nnodes")
+    daemon = get_profile(spec.launch.profile).rx_daemon
+    if daemon is not None:
+        raise SpecError("launch.profile", f"is {spec.launch.profile}, whose pods need the {daemon.name} sidecar, "
+                        "which target trainjob cannot add (runtime patches set only env, volume mounts and security "
+                        "context of the runtime's own containers)", "use --target jobset or k8s-job, or a "
+                        f"TrainingRuntime whose pod template already runs {daemon.name}, and launch with "
+                        "launch.profile=generic plus its NCCL settings")
     if spec.launch.kubernetes.priority_class:
         raise SpecError("launch.kubernetes.priority_class", f"is {spec.launch.kubernetes.priority_class!r}, but "
                         "target trainjob cannot set a pod's priorityClassName (Trainer's runtime patches have no "
