@@ -77,10 +77,10 @@ def test_no_module_imports_itself_back_through_others():
     assert cycles == [], "import cycles:\n" + "\n".join(" ↔ ".join(c) for c in cycles)
 
 
-# docs/architecture.md §1: the layers, bottom (1) to top (7), by module-name prefix (the longest prefix wins).
+# docs/architecture.md §1: the layers, bottom (1) to top (9), by module-name prefix (the longest prefix wins).
 LAYERS = {
-    "shardline": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1, "shardline.storage": 1,
-    "shardline.failures": 1,
+    "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1,
+    "shardline.storage": 1, "shardline.failures": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.plan": 3, "shardline.rundir": 3,
     "shardline.run_status": 3,
@@ -88,7 +88,9 @@ LAYERS = {
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
     "shardline.ops": 5,
     "shardline.launch": 6,
-    "shardline.cli": 7, "shardline.cli_launch": 7,
+    "shardline.api": 7,
+    "shardline.cli": 8, "shardline.cli_launch": 8,
+    "shardline": 9,  # the package's face: `import shardline` offers the API (lazily); nothing imports it
 }
 # docs/architecture.md §1.1: upward imports that are allowed, each with its reason there.
 ALLOWED_UPWARD: set[tuple[str, str]] = set()
@@ -100,7 +102,8 @@ def layer(module: str) -> int:
 
 
 def test_every_module_has_a_layer():
-    assert all(layer(m) for m in import_graph())
+    unplaced = [m for m in import_graph() if m != "shardline" and layer(m) == LAYERS["shardline"]]
+    assert unplaced == [], f"modules without a layer in LAYERS: {unplaced}"
 
 
 def test_imports_point_down_except_the_documented_few():

@@ -1,3 +1,41 @@
-"""shardline: train and fine-tune LLMs with PyTorch FSDP2 from one job spec, on any scale."""
+"""shardline: train and fine-tune LLMs with PyTorch FSDP2 from one job spec, on any scale.
 
-__version__ = "0.1.0"
+The public Python API (docs/python-api.md) is importable from here; it loads on first use, so the worker and
+the CLI do not pay for what they do not touch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardline.version import __version__
+
+if TYPE_CHECKING:
+    from shardline.api import (
+        ClusterError,
+        DataError,
+        Plan,
+        Rendered,
+        Run,
+        RunState,
+        RunStatus,
+        ShardlineError,
+        Spec,
+        SpecError,
+        launch,
+        plan,
+        render,
+        runs,
+        train,
+    )
+
+__all__ = ["ClusterError", "DataError", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
+           "Spec", "SpecError", "__version__", "launch", "plan", "render", "runs", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import shardline.api
+
+        return getattr(shardline.api, name)
+    raise AttributeError(f"module 'shardline' has no attribute {name!r}")

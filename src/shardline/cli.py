@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, ShardlineError, SpecError
-from shardline.spec.resolve import load_spec, preset_names, spec_to_yaml
+from shardline.spec.resolve import preset_names
 
 console = Console(soft_wrap=True)
 
@@ -24,23 +24,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace):
+    from shardline.api import Spec
+
     overrides = list(args.overrides)
     if getattr(args, "nproc", None):
         overrides.append(f"parallel.nproc_per_node={args.nproc}")
-    source = args.spec
-    if source and Path(source).is_dir():
-        run_spec = Path(source) / "spec.yaml"
-        if not run_spec.is_file():
-            raise SpecError(source, "is a directory without spec.yaml", "give a run directory, preset or YAML")
-        source = str(run_spec)
-        overrides = [*run_dir_overrides(Path(source).parent), *overrides]
-    return load_spec(source, overrides)
-
-
-def run_dir_overrides(run_dir: Path) -> list[str]:
-    """The directory given is the run, wherever the command runs from (not `run.dir` relative to here)."""
-    run_dir = run_dir.resolve()
-    return [f"run.dir={run_dir.parent}", f"run.id={run_dir.name}"]
+    return Spec.load(args.spec, overrides)
 
 
 def _prepare_with_progress(spec):
@@ -70,7 +59,7 @@ def _prepare_with_progress(spec):
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    console.print(spec_to_yaml(_resolve(args)), end="", highlight=False, markup=False)
+    console.print(_resolve(args).to_yaml(), end="", highlight=False, markup=False)
     return EXIT_OK
 
 
@@ -93,35 +82,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from shardline.api import Spec
     from shardline.environment import check_environment
     from shardline.launch.local import run_local
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "spec.yaml").is_file():
         raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
-    overrides = [f"parallel.nproc_per_node={args.nproc}"] if args.nproc else []
-    spec = load_spec(str(run_dir / "spec.yaml"), [*run_dir_overrides(run_dir), *overrides])
+    spec = Spec.load(run_dir, [f"parallel.nproc_per_node={args.nproc}"] if args.nproc else [])
     check_environment(spec, "eval")
     eval_spec = run_dir / "eval-spec.yaml"
-    eval_spec.write_text(spec_to_yaml(spec))
+    eval_spec.write_text(spec.to_yaml())
     return run_local(spec, eval_spec, "eval")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardline.export import export_run
+    from shardline.api import Run
 
-    out = export_run(Path(args.run_dir), Path(args.out), step=args.step, merge_lora=args.merge_lora)
+    out = Run.open(args.run_dir).export(args.out, step=args.step, merge_lora=args.merge_lora)
     console.print(f"exported to {out}", highlight=False)
     return EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from shardline.observe.report import write_report
+    from shardline.api import Run
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "spec.yaml").is_file():
         raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
-    console.print(f"report: {write_report(run_dir)}", highlight=False)
+    console.print(f"report: {Run.open(run_dir).report()}", highlight=False)
     return EXIT_OK
 
 
@@ -134,20 +123,12 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardline.plan.devices import current_device, get_device
-    from shardline.plan.memory import gib, plan_memory, plan_rows, suggest
+    from shardline.api import plan as plan_spec
+    from shardline.plan.memory import gib, plan_rows, suggest
 
     spec = _resolve(args)
-    if args.device or args.memory_gb is not None:
-        device = get_device(args.device or current_device().kind, args.memory_gb)
-    else:  # this machine's GPU; on a CPU-only host, hub models are planned for the profile's GPU (or an H100)
-        device = current_device()
-        if device.kind == "cpu" and spec.model.path is not None:
-            from shardline.profiles import get_profile
-
-            gpu = get_profile(spec.launch.profile).gpu
-            device = get_device(gpu.key if gpu else "h100")
-    plan = plan_memory(spec, device)
+    planned = plan_spec(spec, args.device, args.memory_gb)
+    plan, device = planned.memory, planned.device
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
                                        if p.activation_checkpointing_every > 1 else "")
@@ -178,7 +159,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"[green]fits[/]: {gib(plan.capacity_bytes - plan.total_bytes)} GiB to spare", highlight=False)
         return EXIT_OK
     console.print(f"[red]does not fit[/]: {gib(plan.total_bytes - plan.capacity_bytes)} GiB over", highlight=False)
-    fix = suggest(spec, device)
+    fix = planned.suggestion
     if fix is None:
         console.print("no change tried (AC, micro-batch, layout, offload, up to 8× the GPUs) makes it fit")
     else:

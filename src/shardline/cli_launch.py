@@ -10,56 +10,45 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from shardline.api import Run, RunState, launch, render
+from shardline.api import runs as list_runs
 from shardline.errors import EXIT_OK
-from shardline.launch.backend import JobState, load_record, save_record, wait_for
-from shardline.launch.registry import BACKENDS, get_backend
-from shardline.rundir import new_run_id
-from shardline.spec import JobSpec
+from shardline.launch.backend import EXIT_BY_PHASE, EXIT_TIMEOUT, record_path
+from shardline.launch.registry import BACKENDS
+from shardline.run_status import format_duration
 
 TASKS = ("train", "eval", "netcheck", "gpucheck")
 
 
-def _with_run_id(spec: JobSpec) -> JobSpec:
-    if spec.run.id is None:
-        spec = spec.model_copy(deep=True)
-        spec.run.id = new_run_id(spec.run.name)
-    return spec
-
-
 def cmd_render(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
-    spec = _with_run_id(resolve(args))
-    files = get_backend(args.target).render(spec, args.task)
+    rendered = render(resolve(args), args.target, args.task, args.out)
     if args.out is None:
-        for text in files.values():
+        for text in rendered.files.values():
             console.print(text, end="", highlight=False, markup=False)
-        return EXIT_OK
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text)
-        console.print(f"wrote {out / name}", highlight=False)
+    for path in rendered.written:
+        console.print(f"wrote {path}", highlight=False)
     return EXIT_OK
 
 
 def cmd_launch(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
-    spec = _with_run_id(resolve(args))
-    backend = get_backend(args.target)
+    spec = resolve(args)
     if args.dry_run:
-        for name, text in backend.render(spec, args.task).items():
+        for name, text in render(spec, args.target, args.task).files.items():
             console.print(f"# {name}", highlight=False, markup=False)
             console.print(text, end="", highlight=False, markup=False)
         return EXIT_OK
-    record = backend.submit(spec, args.task)
-    path = save_record(Path(spec.run.dir) / record.run_id, record)
+    run = launch(spec, args.target, args.task)
+    record = run.record
     console.print(f"launched [bold]{record.run_id}[/] on {args.target}"
                   + (f" (namespace {record.namespace})" if record.namespace else "")
                   + (f" job {record.job_id}" if record.job_id else ""), highlight=False)
-    console.print(f"record: {path}\nnext: shardline status {record.run_id} · shardline logs {record.run_id} --follow"
+    console.print(f"record: {record_path(Path(spec.run.dir) / record.run_id)}\n"
+                  f"next: shardline status {record.run_id} · shardline logs {record.run_id} --follow"
                   f" · shardline wait {record.run_id}", highlight=False)
     return EXIT_OK
 
 
-def print_state(state: JobState, console: Console, title: str) -> None:
+def print_state(state: RunState, console: Console, title: str) -> None:
     console.print(f"[bold]{title}[/]: {state.phase}" + (f" · {state.restarts} gang restarts" if state.restarts
                                                          else ""), highlight=False)
     for reason in state.reasons:
@@ -74,38 +63,39 @@ def print_state(state: JobState, console: Console, title: str) -> None:
 
 
 def cmd_status(args: argparse.Namespace, console: Console) -> int:
-    record = load_record(args.run, args.runs_dir)
-    print_state(get_backend(record.target).status(record), console, f"{record.run_id} ({record.target})")
+    run = Run.open(args.run, args.runs_dir)
+    print_state(run.status(), console, f"{run.id} ({run.target})")
     return EXIT_OK
 
 
 def cmd_logs(args: argparse.Namespace, console: Console) -> int:
-    record = load_record(args.run, args.runs_dir)
-    for line in get_backend(record.target).logs(record, args.rank, args.follow):
+    for line in Run.open(args.run, args.runs_dir).logs(args.rank, args.follow):
         console.print(line, highlight=False, markup=False)
     return EXIT_OK
 
 
 def cmd_wait(args: argparse.Namespace, console: Console) -> int:
-    record = load_record(args.run, args.runs_dir)
-    code = wait_for(get_backend(record.target), record, args.timeout, args.poll,
-                    on_change=lambda s: print_state(s, console, record.run_id))
-    console.print({0: "succeeded", 1: "failed", 75: "preempted (a checkpoint was saved; train the run again to resume)",
-                   124: f"timed out after {args.timeout} s"}[code], highlight=False)
+    run = Run.open(args.run, args.runs_dir)
+    try:
+        final = run.wait(args.timeout, args.poll, on_change=lambda s: print_state(s, console, run.id))
+    except TimeoutError:
+        console.print(f"timed out after {args.timeout} s", highlight=False)
+        return EXIT_TIMEOUT
+    code = EXIT_BY_PHASE[final.phase]
+    console.print({0: "succeeded", 1: "failed", 75: "preempted (a checkpoint was saved; train the run again to "
+                   "resume)"}[code], highlight=False)
     return code
 
 
 def cmd_cancel(args: argparse.Namespace, console: Console) -> int:
-    record = load_record(args.run, args.runs_dir)
-    get_backend(record.target).cancel(record)
-    console.print(f"cancelled {record.run_id}", highlight=False)
+    run = Run.open(args.run, args.runs_dir)
+    run.cancel()
+    console.print(f"cancelled {run.id}", highlight=False)
     return EXIT_OK
 
 
 def cmd_runs(args: argparse.Namespace, console: Console) -> int:
-    from shardline.run_status import format_duration, list_runs
-
-    runs = list_runs(Path(args.directory))
+    runs = list_runs(args.directory)
     if args.json:
         console.print_json(json.dumps([r.model_dump(mode="json") for r in runs]))
         return EXIT_OK

@@ -20,6 +20,11 @@ class ShardlineError(Exception):
         self.fix = fix
         super().__init__(f"{where}: {problem} — {fix}")
 
+    @property
+    def field(self) -> str:
+        """The spec field or file the error is about (the same as `where`)."""
+        return self.where
+
     def __reduce__(self):  # DCP and torch.distributed carry errors between ranks as pickles
         return (type(self), (self.where, self.problem, self.fix))
 

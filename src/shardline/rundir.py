@@ -14,11 +14,11 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 
-from shardline import __version__
 from shardline.errors import SpecError
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file, spec_hash, spec_to_yaml
 from shardline.spec.resume_policy import changed_fields, check_resume
+from shardline.version import __version__
 
 ATTEMPTS_DIR = "attempts"
 

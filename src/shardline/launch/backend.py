@@ -39,7 +39,8 @@ class LaunchRecord(BaseModel):
     job_id: str | None = None
     """Engine job id (Slurm job id, Ray submission id, the local launcher's pid)."""
     run_dir: str | None = None
-    """The run directory on this machine (local runs)."""
+    """The run directory on this machine: where this record was found (a cluster run's metrics may live in
+    its bucket instead)."""
 
 
 class RankState(BaseModel):
@@ -93,8 +94,7 @@ def load_record(run: str, runs_dir: str = "runs") -> LaunchRecord:
     for c in candidates:
         if record_path(c).is_file():
             record = LaunchRecord.model_validate(json.loads(record_path(c).read_text()))
-            if record.target == "local":  # the directory given is the run, wherever it was moved
-                record.run_dir = str(c.resolve())
+            record.run_dir = str(c.resolve())  # the directory given is the run, wherever it was moved
             return record
     for c in candidates:
         if (c / "manifest.json").is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,15 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError as e:
         raise SpecError(f"--set {assignment}", f"value is not valid YAML ({e})", "quote the value") from e
+    set_field(data, key, value)
+
+
+def set_field(data: dict[str, Any], key: str, value: object) -> None:
+    """Set the dotted field `key` (e.g. `train.lr`) to `value` in place, creating sections on the way."""
     node = data
     parts = key.split(".")
+    if not all(parts):
+        raise SpecError(key, "is not a dotted field name", "write e.g. train.lr")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -89,11 +97,20 @@ def _known_fields(section: str) -> str:
     return ", ".join(model.model_fields)
 
 
-def load_spec(source: str | None = None, overrides: list[str] | None = None) -> JobSpec:
-    """Resolve a spec from a preset name or YAML path plus `--set` overrides; raises `SpecError`."""
-    data = _read_source(source or DEFAULT_PRESET)
+def load_spec(source: str | None = None, overrides: list[str] | None = None,
+              values: Mapping[str, object] | None = None) -> JobSpec:
+    """Resolve a spec from a preset name or YAML path plus `--set` overrides, then typed `values` by dotted
+    field (the Python API's); raises `SpecError`."""
+    return resolve_data(_read_source(source or DEFAULT_PRESET), overrides, values)
+
+
+def resolve_data(data: dict[str, Any], overrides: list[str] | None = None,
+                 values: Mapping[str, object] | None = None) -> JobSpec:
+    """Validate spec data after applying overrides: the one path every spec takes."""
     for assignment in overrides or []:
         apply_override(data, assignment)
+    for key, value in (values or {}).items():
+        set_field(data, key, value)
     parallel = data.setdefault("parallel", {})
     if isinstance(parallel, dict) and parallel.get("nproc_per_node") is None:
         parallel["nproc_per_node"] = _default_nproc()
@@ -101,8 +118,6 @@ def load_spec(source: str | None = None, overrides: list[str] | None = None) -> 
         return JobSpec.model_validate(data)
     except ValidationError as e:
         raise _validation_to_spec_error(e, data) from None
-    except SpecError:
-        raise
 
 
 def read_spec_file(path: str, text: str) -> JobSpec:

@@ -1,0 +1,306 @@
+"""The Python API: the objects the CLI is built on, for notebooks, scripts and pipeline steps.
+
+    import shardline
+    spec = shardline.Spec.load("tiny", overrides={"train.max_steps": 20})
+    run = shardline.train(spec, nproc=2)      # returns at once; the run trains in the background
+    final = run.wait()                        # RunState: phase, reasons, ranks, the run's progress
+    losses = [r["loss"] for r in run.metrics("train")]
+
+Nothing here prints or exits: results are returned, failures raised as `ShardlineError` (`SpecError`,
+`DataError`, `ClusterError`; each has `.field`, `.problem` and `.fix`) or `TimeoutError` from `Run.wait`.
+The walk-through in docs/python-api.md is executed by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from shardline.errors import ClusterError, DataError, ShardlineError, SpecError
+from shardline.launch.backend import (
+    EXIT_TIMEOUT,
+    TERMINAL,
+    JobState,
+    LaunchRecord,
+    RankState,
+    load_record,
+    save_record,
+    wait_for,
+)
+from shardline.launch.registry import BACKENDS, get_backend
+from shardline.plan import memory
+from shardline.plan.devices import Device, current_device, get_device
+from shardline.plan.memory import MemoryPlan, Suggestion
+from shardline.run_status import RunStatus, list_runs, read_status
+from shardline.rundir import new_run_id
+from shardline.spec import JobSpec
+from shardline.spec.resolve import load_spec, resolve_data, spec_to_yaml
+
+__all__ = ["ClusterError", "DataError", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
+           "Spec", "SpecError", "launch", "plan", "render", "runs", "train"]
+
+
+class Spec(JobSpec):
+    """The validated job spec (every section typed); what every other call takes."""
+
+    @classmethod
+    def load(cls, source: str | Path | None = None,
+             overrides: Mapping[str, object] | Sequence[str] | None = None) -> Spec:
+        """A preset name (default `tiny`), a YAML file or a run directory, then `overrides`: a mapping of dotted
+        fields to values (`{"train.lr": 2e-5}`) or `--set`-style strings (`["train.lr=2e-5"]`). A run directory
+        is that run, wherever it lies (its spec, its id). Raises `SpecError` naming the field."""
+        assignments: list[str] = []
+        values: dict[str, object] = {}
+        if isinstance(overrides, Mapping):
+            values = dict(overrides)
+        elif overrides is not None:
+            if isinstance(overrides, str):
+                raise SpecError("overrides", "is one string", "pass a mapping or a list of 'key=value' strings")
+            assignments = list(overrides)
+        text = None if source is None else str(source)
+        if text is not None and Path(text).is_dir():
+            run_dir = Path(text).resolve()
+            if not (run_dir / "spec.yaml").is_file():
+                raise SpecError(text, "is a directory without spec.yaml", "give a run directory, preset or YAML")
+            text = str(run_dir / "spec.yaml")
+            assignments = [f"run.dir={run_dir.parent}", f"run.id={run_dir.name}", *assignments]
+        return cls.of(load_spec(text, assignments, values))
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Spec:
+        """The same spec as a `Spec`, validated again (after a lower layer or a direct edit changed it)."""
+        return cls.model_validate(spec.model_dump())
+
+    def to_yaml(self) -> str:
+        """The resolved spec as `shardline config show` prints it and a run's spec.yaml holds it."""
+        return spec_to_yaml(self)
+
+    def with_overrides(self, overrides: Mapping[str, object]) -> Spec:
+        """A copy with dotted fields changed (`{"train.lr": 1e-4}`), validated again."""
+        return Spec.of(resolve_data(self.model_dump(mode="json"), values=overrides))
+
+
+# ---- plan ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Per-device memory of a spec on a device, whether it fits, and the smallest change that makes it fit."""
+
+    memory: MemoryPlan
+    suggestion: Suggestion | None
+    """None when it fits, or when no change tried makes it fit."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def device(self) -> Device:
+        return self.memory.device
+
+    @property
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self.memory, name) for name in memory.COMPONENTS}
+
+
+def planning_device(spec: JobSpec, device: str | None = None, memory_gb: float | None = None) -> Device:
+    """The device named, else this machine's; on a CPU-only host a hub model is planned for its profile's GPU."""
+    if device is not None:
+        return get_device(device, memory_gb)
+    found = current_device()
+    if found.kind == "cpu" and spec.model.path is not None:
+        from shardline.profiles import get_profile
+
+        gpu = get_profile(spec.launch.profile).gpu
+        found = get_device(gpu.key if gpu else "h100", memory_gb)
+    return found
+
+
+def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = None) -> Plan:
+    """`shardline plan`: memory per component at the peak, capacity, and a fix when it does not fit."""
+    target = planning_device(spec, device, memory_gb)
+    planned = memory.plan_memory(spec, target)
+    return Plan(planned, None if planned.fits else memory.suggest(spec, target))
+
+
+# ---- render and launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rendered:
+    """What an engine would be given: file name → text, the objects parsed from it, and the files written."""
+
+    target: str
+    files: dict[str, str]
+    objects: list[dict[str, Any]] = field(default_factory=list)
+    """Every YAML/JSON document among the files (Kubernetes objects, a CustomJob), in file order."""
+    written: list[Path] = field(default_factory=list)
+
+
+def _with_run_id(spec: JobSpec) -> JobSpec:
+    if spec.run.id is None:
+        spec = spec.model_copy(deep=True)
+        spec.run.id = new_run_id(spec.run.name)
+    return spec
+
+
+def _targets() -> str:
+    return ", ".join(sorted(BACKENDS))
+
+
+def render(spec: JobSpec, target: str, task: str = "train", out: str | Path | None = None) -> Rendered:
+    """The engine's files for `target` (one of the launch targets); written into `out` when given."""
+    files = get_backend(target).render(_with_run_id(spec), task)
+    objects: list[dict[str, Any]] = []
+    for name, text in files.items():
+        if name.endswith((".yaml", ".yml")):
+            objects += [d for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+        elif name.endswith(".json"):
+            objects.append(json.loads(text))
+    written: list[Path] = []
+    if out is not None:
+        directory = Path(out)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+            written.append(directory / name)
+    return Rendered(target, files, objects, written)
+
+
+def launch(spec: JobSpec, target: str, task: str = "train") -> Run:
+    """Submit to `target` and record where it runs (`<run.dir>/<run id>/launch.json`); returns at once."""
+    record = get_backend(target).submit(_with_run_id(spec), task)
+    run_dir = Path(spec.run.dir) / record.run_id
+    save_record(run_dir, record)
+    return Run(record)
+
+
+def train(spec: JobSpec, nproc: int | None = None) -> Run:
+    """Train on this machine under torchrun with `nproc` processes (default: the spec's), in the background:
+    the same run as `shardline train`, detached (its console in logs/launcher.log)."""
+    if nproc is not None:  # validated again: the batch must still divide by the new world size
+        spec = resolve_data(spec.model_dump(mode="json"), values={"parallel.nproc_per_node": nproc})
+    return launch(spec, "local")
+
+
+# ---- runs ----------------------------------------------------------------------------------------------
+class RunState(BaseModel):
+    """Where a run is: the engine's phase and reasons, each rank, and (where the run directory is readable
+    here) the run's own progress — step, loss, ETA, cost, the failure."""
+
+    phase: str
+    reasons: list[str] = []
+    ranks: list[RankState] = []
+    restarts: int = 0
+    run: RunStatus | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.phase in TERMINAL
+
+
+class Run:
+    """A run, wherever it runs: open it by directory or id, ask it, follow it, stop it, read its results."""
+
+    def __init__(self, record: LaunchRecord) -> None:
+        self.record = record
+
+    @classmethod
+    def open(cls, run: str | Path, runs_dir: str | Path = "runs") -> Run:
+        """A run directory, or a run id under `runs_dir` (one started by `train`, `launch` or the CLI)."""
+        return cls(load_record(str(run), str(runs_dir)))
+
+    @property
+    def id(self) -> str:
+        return self.record.run_id
+
+    @property
+    def target(self) -> str:
+        return self.record.target
+
+    @property
+    def dir(self) -> Path:
+        """The run directory on this machine (for cluster runs: where the launch record lives)."""
+        return Path(self.record.run_dir) if self.record.run_dir else Path("runs") / self.record.run_id
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, target={self.target!r})"
+
+    def _backend(self):
+        return get_backend(self.record.target)
+
+    def _state(self, job: JobState) -> RunState:
+        local = self.dir / "manifest.json"
+        return RunState(phase=job.phase, reasons=job.reasons, ranks=job.ranks, restarts=job.restarts,
+                        run=read_status(self.dir, self.target) if local.is_file() else None)
+
+    def status(self) -> RunState:
+        return self._state(self._backend().status(self.record))
+
+    def logs(self, rank: int | None = None, follow: bool = False) -> Iterator[str]:
+        """Log lines prefixed with `[rank k]`; with `follow`, streams until the run ends."""
+        return self._backend().logs(self.record, rank, follow)
+
+    def wait(self, timeout: float | None = None, poll: float = 2.0,
+             on_change: Callable[[RunState], None] | None = None) -> RunState:
+        """Block until the run ends and return its final state; `TimeoutError` after `timeout` seconds."""
+        last: list[JobState] = []
+
+        def seen(job: JobState) -> None:
+            last.append(job)
+            if on_change is not None:
+                on_change(self._state(job))
+
+        code = wait_for(self._backend(), self.record, timeout, poll, on_change=seen)
+        if code == EXIT_TIMEOUT:
+            raise TimeoutError(f"run {self.id} still {last[-1].phase if last else 'unknown'} after {timeout} s")
+        return self._state(last[-1])
+
+    def cancel(self) -> None:
+        """Stop it: Kubernetes objects deleted, the Slurm/Ray/Vertex job cancelled; a local run gets SIGTERM,
+        checkpoints and ends `preempted`."""
+        self._backend().cancel(self.record)
+
+    def metrics(self, kind: str = "train", frame: bool = False) -> Any:
+        """The run's records of one kind (`train`, `eval`, `event`) from metrics.jsonl, as dicts with the
+        fields of docs/architecture.md §5; `frame=True` gives a pandas DataFrame (pandas must be installed)."""
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            raise ShardlineError(str(path), "does not exist (yet)",
+                                 "wait until the run logs its first step; cluster runs write it under run.dir")
+        rows = []
+        with path.open() as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line from a killed attempt
+                if record.get("kind") == kind:
+                    rows.append(record)
+        if not frame:
+            return rows
+        try:
+            import pandas
+        except ImportError:
+            raise ShardlineError("frame=True", "needs pandas", "pip install pandas, or use the rows") from None
+        return pandas.DataFrame(rows)
+
+    def report(self) -> Path:
+        """Write the run report (report/index.html + plots) and return the page."""
+        from shardline.observe.report import write_report
+
+        return write_report(self.dir)
+
+    def export(self, out: str | Path, step: int | None = None, merge_lora: bool = False) -> Path:
+        """A Hugging Face directory (or LoRA adapter) from a committed checkpoint (default: the latest)."""
+        from shardline.export import export_run
+
+        return export_run(self.dir, Path(out), step=step, merge_lora=merge_lora)
+
+
+def runs(directory: str | Path = "runs") -> list[RunStatus]:
+    """Every run under `directory`, newest first (the rows of `shardline runs`)."""
+    return list_runs(Path(directory))
