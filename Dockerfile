@@ -28,7 +28,7 @@ RUN if [ "$FLASH_ATTN" = true ]; then EXTRAS="$EXTRAS,flash"; fi \
  && TORCH_INDEX="$TORCH_INDEX" MAX_JOBS="$MAX_JOBS" scripts/install-python /opt/venv "$EXTRAS"
 
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04@sha256:ac55d124da4882b497f732d8dfd9a702d5447a5f29d08d56da6f64f0a1eb34bc AS runtime
-# The uid and gid pods run as (launch/kubernetes/pod.py USER_ID); Ubuntu's own user 1000 makes way.
+# The uid and gid pods run as (engines/kubernetes/pod.py USER_ID); Ubuntu's own user 1000 makes way.
 ARG USER_ID=1000
 # The source commit, recorded in every run's manifest.json (git_commit) since the image holds no .git.
 ARG GIT_COMMIT=""

@@ -63,7 +63,7 @@ def make_trainer(model: str, ctx, tmp: Path, run_id: str, async_save: bool):
     from shardline.data.prepare import prepare
     from shardline.rundir import create_run
     from shardline.spec.resolve import load_spec
-    from shardline.train.trainer import Trainer
+    from shardline.training.trainer import Trainer
 
     overrides = [f"run.dir={tmp / 'runs'}", f"data.cache_dir={tmp / 'prepared'}", f"run.id={run_id}",
                  f"checkpoint.async_save={str(async_save).lower()}", *COMMON, *MODELS[model]]
@@ -204,7 +204,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
 
-    from shardline.train.distributed import distributed
+    from shardline.training.distributed import distributed
 
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, distributed() as ctx:

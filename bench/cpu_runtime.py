@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import shardline.worker  # noqa: F401 - the worker's imports (trainer, data, peft)
-from shardline.plan.devices import CPU_RUNTIME_BYTES, MiB
+from shardline.planning.devices import CPU_RUNTIME_BYTES, MiB
 
 
 def measure_cpu_runtime_bytes() -> int:

@@ -193,7 +193,7 @@ def build(run: Run, layers: int) -> Bench:
     from transformers import AutoModelForCausalLM
 
     from shardline.spec import ParallelSpec
-    from shardline.train.parallelize import apply_activation_checkpointing
+    from shardline.training.parallelize import apply_activation_checkpointing
 
     torch.manual_seed(0)
     with torch.device(run.device):

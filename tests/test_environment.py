@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from shardline import cli
+from shardline.engines.registry import get_backend
 from shardline.environment import check_environment
 from shardline.errors import SpecError
 from shardline.failures import read_failures
-from shardline.launch.registry import get_backend
 from shardline.rundir import create_run
 from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, small_overrides

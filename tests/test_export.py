@@ -21,7 +21,7 @@ from shardline.export import export_run
 from shardline.model.build import build_model
 from shardline.rundir import create_run, read_manifest
 from shardline.spec.resolve import spec_to_yaml
-from shardline.train.trainer import Trainer
+from shardline.training.trainer import Trainer
 from tests.conftest import REPO, small_spec
 
 

@@ -10,8 +10,8 @@ import shardline
 from shardline.hardware import ACCELERATORS, GPUS, match_device
 from shardline.model.flops import table_peak_tflops
 from shardline.ops.gpucheck import expected_peaks
-from shardline.plan.cost import device_key, price_table
-from shardline.plan.devices import MiB, cuda_device, device_names, get_device
+from shardline.planning.cost import device_key, price_table
+from shardline.planning.devices import MiB, cuda_device, device_names, get_device
 from shardline.profiles import PROFILES
 from tests.conftest import small_spec
 

@@ -23,7 +23,7 @@ from dockerfile_parse import DockerfileParser
 from packaging.requirements import Requirement
 
 from shardline import rundir
-from shardline.launch.kubernetes.pod import USER_ID, container_env, image_ref
+from shardline.engines.kubernetes.pod import USER_ID, container_env, image_ref
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_spec
 

@@ -18,8 +18,8 @@ from shardline.data.prepare import prepare
 from shardline.errors import SpecError
 from shardline.model.build import decoder_layers, llama_config
 from shardline.model.lora import apply_lora
-from shardline.plan.devices import GiB, get_device
-from shardline.plan.memory import (
+from shardline.planning.devices import GiB, get_device
+from shardline.planning.memory import (
     KNOWN_MODELS,
     block_saved_bytes,
     model_shape,
@@ -30,8 +30,8 @@ from shardline.plan.memory import (
 )
 from shardline.spec import LoraSpec
 from shardline.spec.resolve import load_spec, spec_to_yaml
-from shardline.train.evaluate import token_loss_sum
-from shardline.train.trainer import Trainer
+from shardline.training.evaluate import token_loss_sum
+from shardline.training.trainer import Trainer
 from tests.conftest import free_port, run_cli, small_spec
 
 LORA_ALL = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"

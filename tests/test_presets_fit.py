@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardline.cli import main
-from shardline.plan import memory
-from shardline.plan.memory import AC_ORDER, MemoryPlan, plan_memory
+from shardline.planning import memory
+from shardline.planning.memory import AC_ORDER, MemoryPlan, plan_memory
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, preset_names
 

@@ -22,8 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from shardline.errors import ClusterError, DataError, ShardlineError, SpecError
-from shardline.launch.backend import (
+from shardline.engines.backend import (
     EXIT_TIMEOUT,
     TERMINAL,
     JobState,
@@ -33,10 +32,11 @@ from shardline.launch.backend import (
     save_record,
     wait_for,
 )
-from shardline.launch.registry import BACKENDS, get_backend
-from shardline.plan import memory
-from shardline.plan.devices import Device, current_device, get_device
-from shardline.plan.memory import MemoryPlan, Suggestion
+from shardline.engines.registry import BACKENDS, get_backend
+from shardline.errors import ClusterError, DataError, ShardlineError, SpecError
+from shardline.planning import memory
+from shardline.planning.devices import Device, current_device, get_device
+from shardline.planning.memory import MemoryPlan, Suggestion
 from shardline.run_status import RunStatus, list_runs, read_status
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec

@@ -69,8 +69,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
-    from shardline.launch.local import torchrun_command, train_run
     from shardline.rundir import create_run
 
     spec = _resolve(args)
@@ -83,8 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from shardline.api import Spec
+    from shardline.engines.local import run_local
     from shardline.environment import check_environment
-    from shardline.launch.local import run_local
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "spec.yaml").is_file():
@@ -124,7 +124,7 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.api import plan as plan_spec
-    from shardline.plan.memory import gib, plan_rows, suggest
+    from shardline.planning.memory import gib, plan_rows, suggest
 
     spec = _resolve(args)
     planned = plan_spec(spec, args.device, args.memory_gb)
@@ -147,7 +147,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     share = f" ({p.nproc_per_node} processes share the host)" if plan.device.kind == "cpu" else ""
     table.add_row(f"capacity{share}", gib(plan.capacity_bytes))
     console.print(table)
-    from shardline.plan.cost import plan_cost_lines
+    from shardline.planning.cost import plan_cost_lines
 
     for line in plan_cost_lines(spec, plan.device.kind, plan.device.name,
                                 Path(args.from_run) if args.from_run else None):
@@ -201,7 +201,7 @@ def cmd_cluster_plan_gke(args: argparse.Namespace) -> int:
 
 
 def _run_ops_task(args: argparse.Namespace, task: str, settings: dict[str, object]) -> int:
-    from shardline.launch.local import run_task_locally
+    from shardline.engines.local import run_task_locally
 
     overrides = [f"launch.{task}.{k}={v}" for k, v in settings.items() if v is not None]
     if args.nproc:  # the task trains nothing: keep the batch valid for whatever world size is asked for

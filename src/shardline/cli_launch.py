@@ -1,4 +1,4 @@
-"""Cluster verbs: render, launch, status, logs, wait, cancel — the same for every target (launch/backend.py)."""
+"""Cluster verbs: render, launch, status, logs, wait, cancel — the same for every target (engines/backend.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from rich.table import Table
 
 from shardline.api import Run, RunState, launch, render
 from shardline.api import runs as list_runs
+from shardline.engines.backend import EXIT_BY_PHASE, EXIT_TIMEOUT, record_path
+from shardline.engines.registry import BACKENDS
 from shardline.errors import EXIT_OK
-from shardline.launch.backend import EXIT_BY_PHASE, EXIT_TIMEOUT, record_path
-from shardline.launch.registry import BACKENDS
 from shardline.run_status import format_duration
 
 TASKS = ("train", "eval", "netcheck", "gpucheck")

@@ -34,8 +34,8 @@ from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, spec_hash
 from shardline.storage import filesystem_for
-from shardline.train.checkpoint import CheckpointStore, checkpoint_spec, step_name
-from shardline.train.checkpoint_storage import WeightsOnlyLoadPlanner
+from shardline.training.checkpoint import CheckpointStore, checkpoint_spec, step_name
+from shardline.training.checkpoint_storage import WeightsOnlyLoadPlanner
 
 EXPORT_INFO = "shardline_export.json"
 BASE_INFO = "shardline_base.json"

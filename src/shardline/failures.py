@@ -2,7 +2,7 @@
 
 A worker that raises writes `logs/failure-rank-<r>.json` (rank, exception, the phase it was in, the last
 committed checkpoint) and its traceback to `logs/rank-<r>.log`, then exits. The launcher side
-(`shardline.launch.torchrun`, on every engine) turns the records of one attempt, plus torchrun's view of ranks
+(`shardline.engines.torchrun`, on every engine) turns the records of one attempt, plus torchrun's view of ranks
 that died without a record (a signal, the OOM killer), into a single message instead of torchrun's dump.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 FAILURE_PREFIX = "failure-rank-"
 REPORTER_ENV = "SHARDLINE_FAILURES_REPORTED"
-"""Set by `shardline.launch.torchrun` for its workers; a worker started any other way prints its own error."""
+"""Set by `shardline.engines.torchrun` for its workers; a worker started any other way prints its own error."""
 PHASES = {
     "setup": "setting up (process group, data, model build/load)",
     "training": "training",

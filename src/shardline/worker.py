@@ -27,9 +27,9 @@ from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.storage import check_locations
-from shardline.train.distributed import DistContext, distributed
-from shardline.train.signals import Preempted, StopRequest
-from shardline.train.trainer import Trainer
+from shardline.training.distributed import DistContext, distributed
+from shardline.training.signals import Preempted, StopRequest
+from shardline.training.trainer import Trainer
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:

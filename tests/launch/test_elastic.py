@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from shardline.engines.command import node_torchrun_command
+from shardline.engines.registry import get_backend
 from shardline.errors import SpecError
-from shardline.launch.command import node_torchrun_command
-from shardline.launch.registry import get_backend
 from shardline.spec.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, free_port, read_metrics, small_overrides
 

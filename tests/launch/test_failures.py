@@ -131,7 +131,7 @@ def test_a_failure_in_the_last_validation_says_training_finished():
 def test_the_exit_code_is_the_causing_ranks_even_when_a_peer_aborted_first():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from shardline.launch.torchrun import exit_code
+    from shardline.engines.torchrun import exit_code
 
     cause, aborted = ProcessFailure(0, 100, 1, "/nonexistent"), ProcessFailure(1, 101, -6, "/nonexistent")
     cause.timestamp, aborted.timestamp = 20, 10  # the peer that lost its collective died first (SIGABRT)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import yaml
 
+from shardline.engines.kubernetes.objects import render_objects
 from shardline.errors import SpecError
-from shardline.launch.kubernetes.objects import render_objects
 from shardline.profiles import PINS
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate_all
@@ -134,7 +134,7 @@ def test_a_nic_profile_takes_whole_nodes_or_is_refused(target):
     """https://cloud.google.com/kubernetes-engine/docs/how-to/gpu-bandwidth-gpudirect-tcpx: the workload must use
     all GPUs and all secondary NICs of a node. A pod with every NIC but 4 of 8 GPUs leaves 4 GPUs idle (no other
     pod can get a NIC) while Kueue counts 4."""
-    from shardline.launch.registry import get_backend
+    from shardline.engines.registry import get_backend
 
     spec = load_spec("tiny", [*BASE, "launch.profile=a4", "parallel.nproc_per_node=4", "train.global_batch_size=8"])
     with pytest.raises(SpecError) as e:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from shardline.engines.kubernetes.backend import KubernetesBackend
 from shardline.errors import SpecError
-from shardline.launch.kubernetes.backend import KubernetesBackend
 from shardline.ops.preemption import SPOT_SHUTDOWN_S
 from shardline.spec.resolve import load_spec
 

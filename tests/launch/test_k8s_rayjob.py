@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from shardline.engines.ray import rayjob_manifests
 from shardline.errors import SpecError
-from shardline.launch.ray import rayjob_manifests
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate
 

@@ -7,11 +7,11 @@ import json
 import pytest
 import yaml
 
+from shardline.engines.backend import LaunchRecord, wait_for
+from shardline.engines.kubernetes.backend import KubernetesBackend
+from shardline.engines.kubernetes.objects import render_objects
+from shardline.engines.kubernetes.status import explain
 from shardline.errors import SpecError
-from shardline.launch.backend import LaunchRecord, wait_for
-from shardline.launch.kubernetes.backend import KubernetesBackend
-from shardline.launch.kubernetes.objects import render_objects
-from shardline.launch.kubernetes.status import explain
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate, validate_all
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardline.engines.kubernetes.api import ClusterApi
+from shardline.engines.kubernetes.trainer_api import trainer_version
+from shardline.engines.registry import get_backend
 from shardline.errors import ClusterError
-from shardline.launch.kubernetes.api import ClusterApi
-from shardline.launch.kubernetes.trainer_api import trainer_version
-from shardline.launch.registry import get_backend
 from shardline.spec.resolve import load_spec
 from tests.launch.k8s_apiserver import CRD_PATH, ApiServerStub, forbidden, kubeconfig
 

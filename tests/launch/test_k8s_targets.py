@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from shardline.engines.kubernetes.objects import render_objects
 from shardline.errors import SpecError
-from shardline.launch.kubernetes.objects import render_objects
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate_all
 from tests.launch.k8s_pods import pods_from

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardline.launch.kubernetes.objects import render_objects
-from shardline.launch.kubernetes.pod import SPEC_MOUNT
+from shardline.engines.kubernetes.objects import render_objects
+from shardline.engines.kubernetes.pod import SPEC_MOUNT
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
 from tests.k8s_schemas import validate_all

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardline.engines.backend import load_record, wait_for
+from shardline.engines.registry import get_backend
+from shardline.engines.slurm import parse_job
 from shardline.errors import ShardlineError, SpecError
-from shardline.launch.backend import load_record, wait_for
-from shardline.launch.registry import get_backend
-from shardline.launch.slurm import parse_job
 from shardline.rundir import create_run, read_spec
 from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, read_metrics, small_overrides
@@ -44,7 +44,7 @@ def test_sbatch_script_asks_for_the_allocation_and_runs_one_torchrun_per_node():
     assert "trap 'forward USR1' USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--output=/shared/runs/r1/logs/slurm-%j-node%n.out" in srun
-    assert "'export PET_NODE_RANK=$SLURM_NODEID; exec python -m shardline.launch.torchrun --nnodes=4 " \
+    assert "'export PET_NODE_RANK=$SLURM_NODEID; exec python -m shardline.engines.torchrun --nnodes=4 " \
            "--nproc-per-node=8" in srun
     assert "-m shardline.worker --spec /shared/runs/r1/slurm/spec.yaml --task train'" in srun
     assert spec["run"]["id"] == "r1" and spec["launch"]["nnodes"] == 4  # the resolved spec beside the script

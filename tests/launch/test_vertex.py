@@ -1,5 +1,5 @@
 """Vertex AI (`--target vertex`): the CustomJob a spec renders, checked by the aiplatform_v1 types, and
-launch/status/wait/cancel/logs through the real JobServiceClient against a local JobService (vertex_api.py)."""
+engines/status/wait/cancel/logs through the real JobServiceClient against a local JobService (vertex_api.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import yaml
 from google.cloud import aiplatform_v1
 
+from shardline.engines.backend import LaunchRecord, wait_for
+from shardline.engines.registry import get_backend
+from shardline.engines.vertex import VertexBackend
+from shardline.engines.vertex_job import custom_job, run_dir_url
 from shardline.errors import ClusterError, ShardlineError, SpecError
-from shardline.launch.backend import LaunchRecord, wait_for
-from shardline.launch.registry import get_backend
-from shardline.launch.vertex import VertexBackend
-from shardline.launch.vertex_job import custom_job, run_dir_url
 from shardline.spec.resolve import load_spec
 from tests.launch.vertex_api import VertexApi
 
@@ -53,9 +53,9 @@ def test_custom_job_has_the_primary_alone_in_pool_0_and_the_other_nodes_in_pool_
     container = pools[0]["containerSpec"]
     assert container["imageUri"] == f"us-docker.pkg.dev/p/repo/shardline@{DIGEST}"
     command = container["command"]
-    assert command[:10] == ["python", "-m", "shardline.launch.vertex_entry", "--workdir", "/gcs/my-bucket/shardline",
+    assert command[:10] == ["python", "-m", "shardline.engines.vertex_entry", "--workdir", "/gcs/my-bucket/shardline",
                             "--spec", "/tmp/shardline/spec.yaml", "--nnodes", "4", "--"]
-    assert command[10:14] == ["python", "-m", "shardline.launch.torchrun", "--nnodes=4"]
+    assert command[10:14] == ["python", "-m", "shardline.engines.torchrun", "--nnodes=4"]
     assert command[-6:] == ["-m", "shardline.worker", "--spec", "/tmp/shardline/spec.yaml", "--task", "train"]
     env = _env(pools[0])
     shipped = yaml.safe_load(env["SHARDLINE_SPEC"])  # the resolved spec, as the cluster launchers ship it
@@ -216,7 +216,7 @@ def test_launch_creates_the_rendered_custom_job_in_the_project_and_region(api):
 
 def test_the_cli_launches_records_and_waits_for_a_vertex_run(api, tmp_path, monkeypatch, capsys):
     from shardline.cli import main
-    from shardline.launch import vertex
+    from shardline.engines import vertex
 
     monkeypatch.setattr(vertex, "_default_client", api.client)  # the real client, pointed at the local JobService
     monkeypatch.chdir(tmp_path)

@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from shardline.model import sharded_load
 from shardline.model.build import build_model
 from shardline.spec import ModelSpec, ParallelSpec
-from shardline.train.distributed import distributed
-from shardline.train.parallelize import data_parallel_mesh, parallelize
+from shardline.training.distributed import distributed
+from shardline.training.parallelize import data_parallel_mesh, parallelize
 
 
 def write_checkpoint(path: Path, *, hidden: int = 2048, intermediate: int = 5632, layers: int = 18, heads: int = 16,

@@ -14,7 +14,7 @@ from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET, NAME
 from shardline.model.flops import count_params
 from shardline.spec.resolve import load_spec
-from shardline.train.evaluate import token_loss_sum
+from shardline.training.evaluate import token_loss_sum
 
 VOCAB, SEQ = 256, 64
 

@@ -19,7 +19,7 @@ from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.spec import ModelSpec, ParallelSpec
-from shardline.train.parallelize import data_parallel_mesh, parallelize
+from shardline.training.parallelize import data_parallel_mesh, parallelize
 from tests.conftest import REPO, small_spec
 from tests.model.sharded_load_worker import fixed_input, write_checkpoint
 

@@ -8,7 +8,7 @@ import pytest
 from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.hardware import PROVISIONING
-from shardline.plan.cost import (
+from shardline.planning.cost import (
     CostMeter,
     Price,
     device_key,

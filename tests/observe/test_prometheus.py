@@ -26,7 +26,7 @@ from shardline.observe.prometheus import (
 )
 from shardline.observe.session import observing
 from shardline.rundir import read_manifest, write_manifest
-from shardline.train.metrics import MetricsWriter
+from shardline.training.metrics import MetricsWriter
 from tests.conftest import small_spec
 
 DESIGN_TRAIN_FIELDS = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_total", "step_time_s", "data_wait_s",
@@ -199,7 +199,7 @@ def test_a_local_run_serves_metrics_on_loopback_and_cluster_specs_on_all_interfa
         port = int(read_manifest(run_dir)["metrics_url"].rsplit(":", 1)[1].split("/")[0])
         with socket.socket() as s:  # the port is free on another address: bound to 127.0.0.1, not to all
             s.bind(("127.0.0.2", port))
-    from shardline.launch.registry import get_backend
+    from shardline.engines.registry import get_backend
 
     cluster = spec.model_copy(deep=True)
     cluster.launch.image = "registry.example/shardline:1"

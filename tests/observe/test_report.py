@@ -70,7 +70,7 @@ def test_report_cli_and_failures_that_never_raise(tmp_path, capsys):
 
 
 def _train_with_fake_workers(monkeypatch, session_dir, name: str, worker, *extra: str) -> tuple[int, Path]:
-    import shardline.launch.local as local
+    import shardline.engines.local as local
     from tests.conftest import small_overrides
 
     monkeypatch.setattr(local, "run_local", lambda spec, spec_path, task, run_dir=None: worker(spec_path.parent))

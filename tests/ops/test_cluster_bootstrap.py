@@ -87,7 +87,7 @@ def quota(objs: list[dict]) -> dict:
 
 
 def test_quota_defaults_to_the_specs_whole_nodes_sized_by_the_profile():
-    # 2 A4 nodes: 16 GPUs, 2 × 224 vCPUs, 2 × 3968 GiB (launch/profiles.py)
+    # 2 A4 nodes: 16 GPUs, 2 × 224 vCPUs, 2 × 3968 GiB (profiles.py)
     assert quota(bootstrap_objects(spec_with(*A4), BootstrapOptions())) == {
         "cpu": 448, "memory": "7936Gi", "nvidia.com/gpu": 16}
 
@@ -219,8 +219,8 @@ def test_managed_prometheus_adds_one_pod_monitoring_for_rank_0_of_every_job_in_t
 def _rbac_requests(tmp_path: Path) -> set[tuple[str, str, str]]:
     """(API group, resource, verb) of every request `launch`, `status`, `logs` and `cancel` make, for every target,
     against the stand-in API server (which serves the pinned CRDs)."""
-    from shardline.launch.kubernetes.api import ClusterApi
-    from shardline.launch.registry import get_backend
+    from shardline.engines.kubernetes.api import ClusterApi
+    from shardline.engines.registry import get_backend
     from tests.launch.k8s_apiserver import ApiServerStub, kubeconfig
 
     crds = [yaml.safe_load((CRDS / f).read_text()) for f in ("trainer.kubeflow.org_trainjobs.yaml",)]
@@ -267,7 +267,7 @@ def test_namespaces_of_host_path_profiles_are_labelled_privileged_and_say_why():
     restricted forbid hostPath volumes, which GKE GPU profiles' pods mount; Pod Security Admission reads the
     namespace label pod-security.kubernetes.io/enforce (https://kubernetes.io/docs/concepts/security/
     pod-security-admission/)."""
-    from shardline.launch.kubernetes.objects import render_objects
+    from shardline.engines.kubernetes.objects import render_objects
 
     for profile in ("a3-high", "a3-mega", "a3-ultra", "a4"):
         spec = spec_with(f"launch.profile={profile}", "parallel.nproc_per_node=8", "train.global_batch_size=64",
@@ -282,7 +282,7 @@ def test_namespaces_of_host_path_profiles_are_labelled_privileged_and_say_why():
 
 
 def test_the_crd_the_launcher_checks_is_the_one_the_cluster_role_lets_it_read():
-    from shardline.launch.kubernetes.trainer_api import TRAINJOB_CRD
+    from shardline.engines.kubernetes.trainer_api import TRAINJOB_CRD
     from shardline.ops.cluster_bootstrap import TRAINJOB_CRD as READABLE
 
     assert READABLE == TRAINJOB_CRD

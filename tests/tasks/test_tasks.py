@@ -115,8 +115,8 @@ import shardline.worker  # everything a training process imports
 from shardline.data.prepare import prepare
 from shardline.spec.resolve import load_spec
 from shardline.tasks import get_task
-from shardline.train.distributed import distributed
-from shardline.train.trainer import Trainer
+from shardline.training.distributed import distributed
+from shardline.training.trainer import Trainer
 
 spec = load_spec(sys.argv[1], [])
 assert spec.data.task == "none"

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from rich.console import Console
 
 from shardline.errors import ShardlineError
-from shardline.train.checkpoint import CheckpointStore, step_name
-from shardline.train.state import rng_state, set_rng_state
-from shardline.train.trainer import Trainer
+from shardline.training.checkpoint import CheckpointStore, step_name
+from shardline.training.state import rng_state, set_rng_state
+from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 
 
@@ -99,7 +99,7 @@ def test_a_planted_pickle_in_a_checkpoint_value_is_refused_and_never_runs(ctx, t
     dcp.save({"train": {"step": _Planted(str(marker))}}, storage_writer=store.writer(1))
     assert not marker.exists()
     from shardline.spec import CheckpointSpec
-    from shardline.train.checkpoint import Checkpointer
+    from shardline.training.checkpoint import Checkpointer
 
     checkpointer = Checkpointer(CheckpointSpec(async_save=False), str(tmp_path / "ckpt"), on_gpu=False)
     with pytest.raises(ShardlineError, match="non-data object"):

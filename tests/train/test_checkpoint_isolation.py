@@ -7,8 +7,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
 from shardline.spec.resolve import spec_to_yaml
-from shardline.train.checkpoint import CheckpointStore, step_name
-from shardline.train.trainer import Trainer
+from shardline.training.checkpoint import CheckpointStore, step_name
+from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 
 

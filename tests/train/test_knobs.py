@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from shardline.data.loader import StepSampler
 from shardline.spec import JobSpec
-from shardline.train.optim import lr_factor
-from shardline.train.trainer import Trainer
+from shardline.training.optim import lr_factor
+from shardline.training.trainer import Trainer
 from tests.conftest import free_port, small_spec
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "shardline"
@@ -135,7 +135,7 @@ def test_tied_embeddings_share_one_matrix(ctx, session_dir, prepared):
 
 
 def test_launch_settings_reach_torchrun():
-    from shardline.launch.local import torchrun_command
+    from shardline.engines.local import torchrun_command
 
     spec = small_spec(Path("/tmp"), "launch.max_restarts=3", "parallel.nproc_per_node=2",
                       "train.global_batch_size=8")

@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 
 from shardline.errors import SpecError
 from shardline.spec.resolve import load_spec
-from shardline.train.trainer import Trainer
+from shardline.training.trainer import Trainer
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides, small_spec
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.failures import REPORTER_ENV
-from shardline.plan.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
+from shardline.planning.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
 from shardline.rundir import read_manifest, update_manifest
 from shardline.spec.resolve import spec_hash
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from shardline.spec import JobSpec
-    from shardline.train.trainer import Trainer
+    from shardline.training.trainer import Trainer
 
 log = logging.getLogger("shardline")
 
@@ -139,7 +139,7 @@ def observing(spec: JobSpec, run_dir: Path, trainer: Trainer, console: Console) 
     if not trainer.ctx.is_main:
         yield
         return
-    from shardline.train.signals import Preempted
+    from shardline.training.signals import Preempted
 
     try:
         session = ObserveSession(spec, run_dir, trainer, console)

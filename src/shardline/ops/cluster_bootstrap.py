@@ -54,7 +54,7 @@ DEFAULT_LOCAL_QUEUE = "shardline"
 LAUNCHER_ROLE = "shardline-launcher"
 CRD_READER_ROLE = "shardline-launcher-crd-reader"
 TRAINJOB_CRD = "trainjobs.trainer.kubeflow.org"
-"""The CRD `launch --target trainjob` reads (launch/kubernetes/trainer_api.py; ops/ may not import launch/)."""
+"""The CRD `launch --target trainjob` reads (engines/kubernetes/trainer_api.py; ops/ may not import launch/)."""
 POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
 ADMISSION_CHECK = "shardline-dws"
 PRIORITY_CLASSES = {"shardline-low": 100, "shardline-medium": 1000, "shardline-high": 10000}

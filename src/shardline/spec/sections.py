@@ -220,7 +220,7 @@ class StorageSpec(Section):
 class KubernetesSpec(Section):
     namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     context: str | None = None
-    """kubeconfig context for launch/status/logs/wait/cancel (None: the current context)."""
+    """kubeconfig context for engines/status/logs/wait/cancel (None: the current context)."""
     service_account: str = Field("shardline-trainer", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     """Pods run as this ServiceAccount (`shardline cluster bootstrap` creates it with no API permissions)."""
     queue: str | None = None
@@ -286,7 +286,7 @@ class GpucheckSpec(Section):
 
 
 class SlurmSpec(Section):
-    """sbatch settings for `--target slurm` (launch/slurm.py)."""
+    """sbatch settings for `--target slurm` (engines/slurm.py)."""
 
     partition: str | None = None
     account: str | None = None
@@ -338,7 +338,7 @@ SecretManagerName = Annotated[str, Field(
 
 
 class VertexSpec(Section):
-    """Vertex AI custom training settings for `--target vertex` (launch/vertex.py). The machine comes from
+    """Vertex AI custom training settings for `--target vertex` (engines/vertex.py). The machine comes from
     launch.profile, the scheduling strategy from cost.provisioning (spot, dws-flex-start, reservation)."""
 
     project: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
@@ -386,7 +386,7 @@ class LaunchSpec(Section):
     image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
     """Pins launch.image by digest: pods run `<image without tag>@<digest>`."""
     profile: Literal["generic", "a3-high", "a3-mega", "a3-ultra", "a4"] = "generic"
-    """Machine and network profile (launch/profiles.py): NCCL environment, GPU NICs, host libraries."""
+    """Machine and network profile (profiles.py): NCCL environment, GPU NICs, host libraries."""
     kubernetes: KubernetesSpec = KubernetesSpec()
     slurm: SlurmSpec = SlurmSpec()
     ray: RaySpec = RaySpec()
@@ -425,7 +425,7 @@ class ObserveSpec(Section):
 
 
 class CostSpec(Section):
-    """Prices for the cost shown by `shardline plan`, step records and the summary (plan/cost.py)."""
+    """Prices for the cost shown by `shardline plan`, step records and the summary (planning/cost.py)."""
 
     gpu: str | None = None
     """Price-table row (h100, h200, b200, a100, l4, or a row of `prices`); null: the device the run uses."""

@@ -10,7 +10,7 @@ from shardline.tasks.text_to_sql.execution import execution_match, run_sql
 from shardline.tasks.text_to_sql.generate import generate_databases, generate_splits
 from shardline.tasks.text_to_sql.score import SUITE_SIZE, score_predictions
 from shardline.tasks.text_to_sql.suite import exact_match, suite_databases, suite_match
-from shardline.train.evaluate import unique_questions
+from shardline.training.evaluate import unique_questions
 
 SHOP = """CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT, age INTEGER);
 CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id), product VARCHAR(30),

@@ -1,6 +1,6 @@
 """Ray backends: `--target ray` submits a Ray job to a running cluster; `--target rayjob` renders a KubeRay RayJob.
 
-Both run the same entrypoint, `python -m shardline.launch.ray_train`, which trains under Ray Train's
+Both run the same entrypoint, `python -m shardline.engines.ray_train`, which trains under Ray Train's
 TorchTrainer with one worker per rank (launch.nnodes × parallel.nproc_per_node). The NCCL environment
 of the profile reaches every worker through the job's runtime_env.
 
@@ -24,17 +24,17 @@ from pathlib import Path
 
 import yaml
 
+from shardline.engines.backend import JobState, LaunchRecord, save_record
+from shardline.engines.command import cluster_spec
+from shardline.engines.kubernetes.api import create_all
+from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
-from shardline.launch.backend import JobState, LaunchRecord, save_record
-from shardline.launch.command import cluster_spec
-from shardline.launch.kubernetes.api import create_all
-from shardline.launch.secret_env import from_environment
 from shardline.profiles import get_profile, nccl_environment
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 
-ENTRYPOINT_MODULE = "shardline.launch.ray_train"
+ENTRYPOINT_MODULE = "shardline.engines.ray_train"
 PHASES = {"PENDING": "queued", "RUNNING": "running", "SUCCEEDED": "succeeded", "FAILED": "failed",
           "STOPPED": "failed"}
 
@@ -182,7 +182,7 @@ def head_network_policy(spec: JobSpec, name: str) -> dict:
     """Only this run's Ray pods and its submitter Job (pods labelled with the Job's name) reach the head: the
     dashboard and Jobs API on 0.0.0.0 are for them, not for every pod in the cluster. `kubectl port-forward`
     still works (it enters the pod's network namespace)."""
-    from shardline.launch.kubernetes import pod as k8s_pod
+    from shardline.engines.kubernetes import pod as k8s_pod
 
     run = {"shardline.dev/run-id": name}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
@@ -201,8 +201,8 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
     with the spec, /dev/shm and shared storage): one source of truth for what a training pod needs. Only GPU
     workers get the GPU NICs, the fabric's host paths, its RxDM sidecar, the GPU node selector and toleration;
     the head runs on the CPU pool (a head with GPU NICs could only fit a GPU node it does not tolerate)."""
-    from shardline.launch.kubernetes import pod as k8s_pod
-    from shardline.launch.kubernetes.objects import config_map, job_annotations, queue_labels
+    from shardline.engines.kubernetes import pod as k8s_pod
+    from shardline.engines.kubernetes.objects import config_map, job_annotations, queue_labels
 
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
@@ -287,7 +287,7 @@ class RayJobBackend:
 
     def __init__(self, api_factory=None, poll_s: float = 3.0) -> None:
         if api_factory is None:
-            from shardline.launch.kubernetes.api import ClusterApi as api_factory
+            from shardline.engines.kubernetes.api import ClusterApi as api_factory
         self._api_factory, self.poll_s = api_factory, poll_s
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:

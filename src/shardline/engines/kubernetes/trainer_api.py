@@ -4,7 +4,7 @@ A TrainJob carries the pod settings in `spec.runtimePatches` (Trainer 2.2; 2.0 h
 `podTemplateOverrides`) and the grace period in a patch's pod spec (Trainer 2.3). An older API server does not
 know those fields: without strict field validation it drops them and the pods lose the spec ConfigMap, node
 selectors and NICs. So the launcher reads the CRD's schema first and refuses a Trainer that cannot carry what
-it renders; every create then asks for `fieldValidation=Strict` (launch/kubernetes/api.py), so nothing it
+it renders; every create then asks for `fieldValidation=Strict` (engines/kubernetes/api.py), so nothing it
 missed is dropped silently either.
 """
 

@@ -1,5 +1,5 @@
 """Kubernetes objects for one run: the resolved spec as a ConfigMap plus an Indexed Job (with its headless
-Service), a JobSet, or a Kubeflow TrainJob. All three run the same pod (launch/kubernetes/pod.py).
+Service), a JobSet, or a Kubeflow TrainJob. All three run the same pod (engines/kubernetes/pod.py).
 
 Failure handling follows docs/architecture.md §7 on every target:
 - exit 2 (bad input) fails the job at once, never retried;
@@ -12,10 +12,10 @@ Failure handling follows docs/architecture.md §7 on every target:
 
 from __future__ import annotations
 
+from shardline.engines.command import cluster_spec
+from shardline.engines.kubernetes import pod as k8s_pod
+from shardline.engines.kubernetes.trainjob import check_trainjob, split_pod
 from shardline.errors import SpecError
-from shardline.launch.command import cluster_spec
-from shardline.launch.kubernetes import pod as k8s_pod
-from shardline.launch.kubernetes.trainjob import check_trainjob, split_pod
 from shardline.ops.preemption import preemption_notes
 from shardline.profiles import RENDEZVOUS_PORT
 from shardline.spec import JobSpec
@@ -138,7 +138,7 @@ def jobset(spec: JobSpec, task: str) -> list[dict]:
 
 def trainjob(spec: JobSpec, task: str) -> list[dict]:
     """TrainJob: the trainer's command/env/resources go in `trainer`; everything else in the pod spec is a
-    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2); launch/kubernetes/trainjob.py decides."""
+    runtime patch on the runtime's `node` replicated job (Trainer ≥ 2.2); engines/kubernetes/trainjob.py decides."""
     check_trainjob(spec)
     name = k8s_pod.object_name(spec)
     trainer, patched_pod = split_pod(spec, task, k8s_pod.pod_spec(spec, task, f"{name}-spec", [], subdomain=None))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardline.engines.backend import Backend
 from shardline.errors import SpecError
-from shardline.launch.backend import Backend
 
 
 def _kubernetes(target: str) -> Callable:
     def make():
-        from shardline.launch.kubernetes.backend import KubernetesBackend
+        from shardline.engines.kubernetes.backend import KubernetesBackend
 
         return KubernetesBackend(target)
 
@@ -18,14 +18,14 @@ def _kubernetes(target: str) -> Callable:
 
 
 def _slurm():
-    from shardline.launch.slurm import SlurmBackend
+    from shardline.engines.slurm import SlurmBackend
 
     return SlurmBackend()
 
 
 def _ray(target: str) -> Callable:
     def make():
-        from shardline.launch.ray import RayBackend, RayJobBackend
+        from shardline.engines.ray import RayBackend, RayJobBackend
 
         return RayBackend() if target == "ray" else RayJobBackend()
 
@@ -33,13 +33,13 @@ def _ray(target: str) -> Callable:
 
 
 def _vertex():
-    from shardline.launch.vertex import VertexBackend
+    from shardline.engines.vertex import VertexBackend
 
     return VertexBackend()
 
 
 def _local():
-    from shardline.launch.local import LocalBackend
+    from shardline.engines.local import LocalBackend
 
     return LocalBackend()
 

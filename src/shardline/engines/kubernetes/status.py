@@ -7,7 +7,7 @@ ProvisioningRequests, eviction), and each rank's pod (scheduling, image pulls, e
 
 from __future__ import annotations
 
-from shardline.launch.backend import JobState, Phase, RankState
+from shardline.engines.backend import JobState, Phase, RankState
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 EXIT_MEANING = {0: "finished", 1: "failed", 2: "bad input (see the log)", 75: "preempted, checkpoint committed",

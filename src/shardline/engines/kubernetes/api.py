@@ -1,7 +1,7 @@
 """The few Kubernetes API calls the launcher makes, behind one small interface.
 
 `ClusterApi` talks to a real API server through the `kubernetes` client and the user's kubeconfig, and turns
-every failed request into a ClusterError (launch/kubernetes/api_errors.py). Every create asks the API server for
+every failed request into a ClusterError (engines/kubernetes/api_errors.py). Every create asks the API server for
 strict field validation (`fieldValidation=Strict`): a field the server does not know is an error, never silently
 dropped (https://kubernetes.io/docs/reference/using-api/api-concepts/#field-validation). Tests drive the launcher's
 logic through the same interface with recorded objects, and `ClusterApi` itself against a local server that answers
@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterator
 from typing import Protocol
 
+from shardline.engines.kubernetes.api_errors import Request, api_error
 from shardline.errors import ClusterError, ShardlineError
-from shardline.launch.kubernetes.api_errors import Request, api_error
 
 KINDS = {  # apiVersion/kind → (group, version, plural) for custom objects
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): ("jobset.x-k8s.io", "v1alpha2", "jobsets"),

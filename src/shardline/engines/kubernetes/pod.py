@@ -1,7 +1,7 @@
 """The training pod, built as typed data from the spec: one container named `node` running the node's torchrun.
 
-Shared by the Indexed Job, the JobSet and the TrainJob renders (launch/kubernetes/objects.py) and the RayJob's GPU
-workers (launch/ray.py); only how rank and rendezvous host reach the pod differs, and that is passed in as `rank_env`.
+Shared by the Indexed Job, the JobSet and the TrainJob renders (engines/kubernetes/objects.py) and the RayJob's GPU
+workers (engines/ray.py); only how rank and rendezvous host reach the pod differs, and that is passed in as `rank_env`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import re
 
 import yaml
 
+from shardline.engines.command import node_torchrun_command
 from shardline.errors import SpecError
-from shardline.launch.command import node_torchrun_command
 from shardline.ops.preemption import termination_grace_seconds
 from shardline.profiles import HostMount, NetworkProfile, get_profile, gpu_network_names, nccl_environment
 from shardline.spec import JobSpec
@@ -77,7 +77,7 @@ def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
     an environment script (gIB), bash sources it first; the script path and the command reach bash as arguments
     ("$0", "$@"), never inside the shell text."""
     chdir = ["--chdir", workdir] if workdir else []
-    command = ["python", "-m", "shardline.launch.wait_rendezvous", *chdir, "--",
+    command = ["python", "-m", "shardline.engines.wait_rendezvous", *chdir, "--",
                *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]
     script = get_profile(spec.launch.profile).nccl_env_script
     return ["bash", "-c", 'source "$0" && exec "$@"', script, *command] if script else command

@@ -10,13 +10,13 @@ from datetime import UTC, datetime
 
 import yaml
 
+from shardline.engines.backend import TERMINAL, JobState, LaunchRecord
+from shardline.engines.kubernetes import pod as k8s_pod
+from shardline.engines.kubernetes.api import Api, ClusterApi, create_all
+from shardline.engines.kubernetes.objects import render_objects
+from shardline.engines.kubernetes.status import INDEX_ANNOTATION, explain
+from shardline.engines.kubernetes.trainer_api import TRAINJOB_CRD, check_trainer
 from shardline.errors import ClusterError
-from shardline.launch.backend import TERMINAL, JobState, LaunchRecord
-from shardline.launch.kubernetes import pod as k8s_pod
-from shardline.launch.kubernetes.api import Api, ClusterApi, create_all
-from shardline.launch.kubernetes.objects import render_objects
-from shardline.launch.kubernetes.status import INDEX_ANNOTATION, explain
-from shardline.launch.kubernetes.trainer_api import TRAINJOB_CRD, check_trainer
 from shardline.ops.preemption import preemption_notes
 from shardline.spec import JobSpec
 

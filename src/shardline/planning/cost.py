@@ -94,7 +94,7 @@ def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     """Seconds per optimizer step at `cost.assumed_mfu` of `peak_tflops` per device, with full rows
     (global batch × seq len tokens; packing fills ~95-99 %, so this is slightly pessimistic)."""
     from shardline.model.flops import ParamCounts, flops_per_token
-    from shardline.plan.memory import model_shape, param_budget
+    from shardline.planning.memory import model_shape, param_budget
 
     shape = model_shape(spec.model)
     pb = param_budget(shape, spec.model.lora)

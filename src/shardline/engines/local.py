@@ -1,7 +1,7 @@
 """Local launcher: the one worker command under `torchrun --standalone` on this machine.
 
 `shardline train` runs it in the foreground (`train_run`); `shardline launch --target local` (and the Python
-API) start the same launcher detached (`python -m shardline.launch.local RUN_DIR`), and `LocalBackend` gives
+API) start the same launcher detached (`python -m shardline.engines.local RUN_DIR`), and `LocalBackend` gives
 local runs the verbs every engine has: status, logs, wait, cancel.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
+from shardline.engines.command import torchrun_policy_flags, worker_command
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
-from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
-from shardline.launch.command import torchrun_policy_flags, worker_command
 from shardline.ops.tasks import document_exit_code, run_gpucheck
 from shardline.run_status import (
     LIVE,
@@ -49,7 +49,7 @@ def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> lis
     if spec.launch.nnodes != 1:
         raise SpecError("launch.nnodes", f"{spec.launch.nnodes} nodes cannot run on this machine alone",
                         "use 1 for local runs, or a cluster launcher for multi-node jobs")
-    return [sys.executable, "-m", "shardline.launch.torchrun", "--standalone",
+    return [sys.executable, "-m", "shardline.engines.torchrun", "--standalone",
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]
 
@@ -165,7 +165,7 @@ class LocalBackend:
         spec, run_dir = create_run(spec)
         env = dict(os.environ, TOKENIZERS_PARALLELISM=os.environ.get("TOKENIZERS_PARALLELISM", "false"))
         with (run_dir / "logs" / LAUNCHER_LOG).open("ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "shardline.launch.local", str(run_dir)], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "shardline.engines.local", str(run_dir)], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         record_process(run_dir, proc.pid, "launcher")
@@ -265,8 +265,8 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The detached launcher: `python -m shardline.launch.local RUN_DIR` (started by `LocalBackend.submit`)."""
-    parser = argparse.ArgumentParser(prog="shardline.launch.local")
+    """The detached launcher: `python -m shardline.engines.local RUN_DIR` (started by `LocalBackend.submit`)."""
+    parser = argparse.ArgumentParser(prog="shardline.engines.local")
     parser.add_argument("run_dir", type=Path)
     run_dir = parser.parse_args(argv).run_dir
     console = Console(soft_wrap=True)

@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
+from shardline.engines.command import cluster_spec, node_torchrun_command
+from shardline.engines.secret_env import check_no_literal_secrets, from_environment
 from shardline.errors import ShardlineError, SpecError
-from shardline.launch.backend import JobState, LaunchRecord, RankState, save_record
-from shardline.launch.command import cluster_spec, node_torchrun_command
-from shardline.launch.secret_env import check_no_literal_secrets, from_environment
 from shardline.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.rundir import new_run_id, read_manifest
 from shardline.spec import JobSpec

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardline.launch.elastic import torchrun_node_flags
+from shardline.engines.elastic import torchrun_node_flags
 from shardline.spec import JobSpec
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -42,6 +42,6 @@ def node_torchrun_command(spec: JobSpec, spec_path: Path | str, task: str = "tra
                           python: str = "python", rdzv_endpoint: str | None = None) -> list[str]:
     """One node's torchrun for a multi-node job; rank and rendezvous address come from the PET_* environment,
     an elastic job's c10d endpoint from `rdzv_endpoint` where the engine knows it at render time."""
-    return [python, "-m", "shardline.launch.torchrun", *torchrun_node_flags(spec, rdzv_endpoint),
+    return [python, "-m", "shardline.engines.torchrun", *torchrun_node_flags(spec, rdzv_endpoint),
             f"--nproc-per-node={spec.parallel.nproc_per_node}", *torchrun_policy_flags(spec),
             *worker_command(spec_path, task)]

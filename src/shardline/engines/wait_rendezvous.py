@@ -4,7 +4,7 @@ On Kubernetes a pod can start before the DNS record of rank 0's pod exists (head
 JobSet hostnames appear only once that pod has an IP), and torchrun treats a failed lookup as fatal
 (pytorch#73682, torchx#541). Every pod's command is therefore
 
-    python -m shardline.launch.wait_rendezvous [--timeout S] [--chdir DIR] -- python -m shardline.launch.torchrun ...
+    python -m shardline.engines.wait_rendezvous [--timeout S] [--chdir DIR] -- python -m shardline.engines.torchrun ...
 
 which resolves `PET_MASTER_ADDR` (set by the manifest, or injected by Kubeflow Trainer) with backoff and
 then replaces itself with the given command, so signals and the exit code are torchrun's own. `--chdir`
@@ -44,11 +44,11 @@ def wait_for_host(host: str, timeout_s: float, log=print) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m shardline.launch.wait_rendezvous [--timeout S] [--chdir DIR] -- COMMAND...",
+        print("usage: python -m shardline.engines.wait_rendezvous [--timeout S] [--chdir DIR] -- COMMAND...",
               file=sys.stderr)
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="shardline.launch.wait_rendezvous")
+    parser = argparse.ArgumentParser(prog="shardline.engines.wait_rendezvous")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the host to resolve")
     parser.add_argument("--chdir", help="directory to run the command in")
     args = parser.parse_args(argv[:split])

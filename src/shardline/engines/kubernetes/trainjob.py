@@ -3,7 +3,7 @@
 A TrainJob (trainer.kubeflow.org/v1alpha1) names a (Cluster)TrainingRuntime, which owns the JobSet, its pod
 template and failure policy. The TrainJob sets the trainer container's image, command, env and resources
 (`spec.trainer`) and may patch the runtime's `node` pod only in the fields `runtimePatches` lists (Trainer ≥ 2.2).
-Every field of the pod the other targets run (launch/kubernetes/pod.py) is carried one of those ways, carried another
+Every field of the pod the other targets run (engines/kubernetes/pod.py) is carried one of those ways, carried another
 way, or refused with the spec field that asks for it — never dropped:
 - `automountServiceAccountToken: false` has no patch field: an empty read-only volume is mounted over the token
   path instead, and the API server adds no token to a container that already mounts that path;
@@ -18,8 +18,8 @@ way, or refused with the spec field that asks for it — never dropped:
 
 from __future__ import annotations
 
+from shardline.engines.kubernetes import pod as k8s_pod
 from shardline.errors import SpecError
-from shardline.launch.kubernetes import pod as k8s_pod
 from shardline.profiles import get_profile
 from shardline.spec import JobSpec
 

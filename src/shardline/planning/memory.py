@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from shardline.errors import SpecError
-from shardline.plan.devices import (
+from shardline.planning.devices import (
     CPU_RETAINED_BLOCKS_PLAIN,
     CPU_RETAINED_BLOCKS_RECOMPUTE,
     CPU_RETAINED_TRANSIENT,

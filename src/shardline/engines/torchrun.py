@@ -1,4 +1,4 @@
-"""`python -m shardline.launch.torchrun <torchrun arguments>`: torchrun, with failures told once.
+"""`python -m shardline.engines.torchrun <torchrun arguments>`: torchrun, with failures told once.
 
 The same agent (`torch.distributed.run`): rendezvous, restarts, signal forwarding and exit are unchanged. What
 differs when workers fail: instead of torchrun's `ChildFailedError` traceback and per-rank dump, it prints one

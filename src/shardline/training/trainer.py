@@ -39,22 +39,22 @@ from shardline.model.flops import (
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
-from shardline.plan.memory import planned_peak_bytes
+from shardline.planning.memory import planned_peak_bytes
 from shardline.rundir import checkpoint_location
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
-from shardline.train.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
-from shardline.train.distributed import DistContext
-from shardline.train.evaluate import generation_eval, token_loss_sum, validation_loss
-from shardline.train.faults import maybe_fail
-from shardline.train.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
-from shardline.train.optim import build_optimizer, build_scheduler
-from shardline.train.parallelize import data_parallel_mesh, parallelize
-from shardline.train.profiling import StepProfiler
-from shardline.train.signals import Preempted, StopRequest
-from shardline.train.state import apply_training_state, training_state
+from shardline.training.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
+from shardline.training.distributed import DistContext
+from shardline.training.evaluate import generation_eval, token_loss_sum, validation_loss
+from shardline.training.faults import maybe_fail
+from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
+from shardline.training.optim import build_optimizer, build_scheduler
+from shardline.training.parallelize import data_parallel_mesh, parallelize
+from shardline.training.profiling import StepProfiler
+from shardline.training.signals import Preempted, StopRequest
+from shardline.training.state import apply_training_state, training_state
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput

@@ -35,7 +35,7 @@ from shardline.rundir import checkpoint_location, read_spec
 from shardline.spec import CheckpointSpec, JobSpec
 from shardline.spec.resolve import read_spec_file
 from shardline.storage import filesystem_for
-from shardline.train.checkpoint_storage import (
+from shardline.training.checkpoint_storage import (
     CHECKSUM_SUFFIX,
     ChecksummedFileSystemWriter,
     ChecksummedFsspecWriter,
@@ -46,7 +46,7 @@ from shardline.train.checkpoint_storage import (
     parse_checksums,
     sha256_stream,
 )
-from shardline.train.faults import maybe_fail
+from shardline.training.faults import maybe_fail
 
 log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"
