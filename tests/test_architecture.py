@@ -111,3 +111,14 @@ def test_imports_point_down_except_the_documented_few():
     assert upward <= ALLOWED_UPWARD, "imports from a lower layer up:\n" + "\n".join(
         f"{m} (layer {layer(m)}) -> {t} (layer {layer(t)})" for m, t in sorted(upward - ALLOWED_UPWARD))
     assert len(ALLOWED_UPWARD) <= 3
+
+
+def test_readme_layout_names_every_module():
+    """README's Layout is the newcomer's map: every source file is named in it (by file name, under its folder)."""
+    readme = (SRC.parents[0] / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    missing = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+               if p.name != "__init__.py" and p.name not in layout]
+    folders = {p.parent.name for p in SRC.rglob("*.py")} - {"shardline"}
+    missing += [f"{d}/" for d in folders if f"{d}/" not in layout]
+    assert missing == [], f"README Layout misses: {missing}"

@@ -45,3 +45,17 @@ def test_each_attempt_keeps_its_own_spec_and_the_fields_it_changed(tmp_path):
     ports = [rundir.read_spec(run_dir / a["spec_file"]).observe.metrics_port for a in manifest["attempts"]]
     assert ports == [9100, 9200]  # before: the resume overwrote the first attempt's spec
     assert rundir.read_spec(run_dir / "spec.yaml").observe.metrics_port == 9200
+
+
+def test_a_relative_checkpoint_dir_is_resolved_where_the_run_was_created(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec, run_dir = rundir.create_run(small_spec(tmp_path, "checkpoint.dir=ckpt", "checkpoint.keep_last=2"))
+    assert spec.checkpoint.dir == str(tmp_path / "ckpt")
+    assert rundir.read_spec(run_dir / "spec.yaml").checkpoint.dir == str(tmp_path / "ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the run's spec, read from anywhere, still names the same checkpoints
+    again, _ = rundir.create_run(rundir.read_spec(run_dir / "spec.yaml"))
+    assert rundir.checkpoint_location(again, run_dir) == f"{tmp_path / 'ckpt'}/{run_dir.name}"
+    remote, _ = rundir.create_run(small_spec(tmp_path, "checkpoint.dir=gs://bucket/ckpt"))
+    assert remote.checkpoint.dir == "gs://bucket/ckpt"

@@ -141,9 +141,12 @@ class Rendered:
 
 
 def _with_run_id(spec: JobSpec) -> JobSpec:
+    """A fresh id for a new run, never one whose directory exists here (an explicit run.id resumes that run)."""
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
         spec.run.id = new_run_id(spec.run.name)
+        while (Path(spec.run.dir) / spec.run.id).exists():
+            spec.run.id = new_run_id(spec.run.name)
     return spec
 
 

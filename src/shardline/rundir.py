@@ -52,6 +52,10 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
 
     A new run's directory is created atomically (`mkdir` without `exist_ok`), so it never shares a directory
     with another launch, even one that drew the same id."""
+    ckpt = spec.checkpoint.dir
+    if ckpt and "://" not in ckpt and not Path(ckpt).is_absolute():  # resolved here, where it was meant: a later
+        spec = spec.model_copy(deep=True)                             # `train RUN_DIR` from elsewhere finds it
+        spec.checkpoint.dir = str(Path(ckpt).resolve())
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
         Path(spec.run.dir).mkdir(parents=True, exist_ok=True)

@@ -89,3 +89,14 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
     assert {r["step"] for r in read_metrics(run, "train")} == set(range(1, 31))
     assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
     assert Path(run / "spec.yaml").is_file()
+
+
+@pytest.mark.parametrize("target", ["ray", "rayjob"])
+def test_the_ray_targets_refuse_an_elastic_spec_by_name(target):
+    from shardline.engines.registry import get_backend
+
+    spec = load_spec("tiny", ["run.id=el", "launch.nnodes=4", "launch.min_nnodes=2", "parallel.nproc_per_node=8",
+                              "train.global_batch_size=384", "train.micro_batch_size=2", "launch.image=img:1"])
+    with pytest.raises(SpecError) as refused:
+        get_backend(target).render(spec)
+    assert refused.value.field == "launch.min_nnodes" and "fixed number of workers" in refused.value.problem

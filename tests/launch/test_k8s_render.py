@@ -227,3 +227,14 @@ def test_submit_wait_logs_and_cancel_through_the_api_interface():
     assert api.deleted == [("JobSet", record.objects[1]["name"]), ("ConfigMap", record.objects[0]["name"])]
     running = KubernetesBackend("jobset", api_factory=lambda ctx: RecordedApi([{"status": {}}]), poll_s=0)
     assert wait_for(running, LaunchRecord.model_validate(record.model_dump()), timeout_s=0.05, poll_s=0.01) == 124
+
+
+@pytest.mark.parametrize("target", ["k8s-job", "jobset", "trainjob"])
+@pytest.mark.parametrize("override", ["run.id=My_Run", "run.id=run_1"])
+def test_a_run_id_that_cannot_name_kubernetes_objects_is_refused_by_name(target, override):
+    from shardline.engines.registry import get_backend
+
+    spec = load_spec("tiny", [override, "launch.image=img:1"])
+    with pytest.raises(SpecError) as refused:
+        get_backend(target).render(spec)
+    assert refused.value.field == override.split("=")[0] and "cannot name Kubernetes objects" in refused.value.problem

@@ -237,3 +237,13 @@ def test_ray_secret_env_reaches_the_jobs_tasks_and_no_file_in_the_run_holds_it(r
     assert code == 0 and f"driver {token} task {token}" in logs, logs[-3000:]
     written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
     assert written and all(token.encode() not in p.read_bytes() for p in written)
+
+
+def test_the_ray_entrypoint_names_a_bad_spec_field_instead_of_a_traceback(capsys):
+    from shardline.engines.ray_train import main as ray_train_main
+
+    spec = load_spec("tiny", ["run.id=tiny-1"]).model_dump(mode="json")
+    spec["train"]["no_such_knob"] = 1
+    assert ray_train_main(["--spec-json", json.dumps(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "train.no_such_knob" in err and "--spec-json" in err and "Traceback" not in err

@@ -130,3 +130,19 @@ def test_checkpoint_holds_no_pickled_objects_for_rng(ctx, tmp_path, prepared):
     rng = {k: v for k, v in meta.items() if k.startswith("rng_rank0.")}
     assert rng and all(isinstance(v, TensorStorageMetadata) for v in rng.values())
     shutil.rmtree(tmp_path / "run")
+
+
+def test_a_checkpoint_without_its_spec_or_with_a_bad_one_is_a_named_error(ctx, tmp_path, prepared):
+    t = _trainer(ctx, tmp_path, prepared)
+    t.train_step()
+    t.save_checkpoint()
+    spec_file = tmp_path / "run" / "checkpoints" / step_name(1) / "spec.yaml"
+    text = spec_file.read_text()
+    spec_file.write_text(text.replace("train:", "train:\n  no_such_knob: 1", 1))
+    with pytest.raises(ShardlineError) as bad:
+        t.load_checkpoint(1)
+    assert bad.value.field == "train.no_such_knob" and str(spec_file) in bad.value.problem
+    spec_file.unlink()
+    with pytest.raises(ShardlineError) as missing:
+        t.load_checkpoint(1)
+    assert missing.value.field == str(spec_file) and "cannot be checked" in missing.value.problem

@@ -62,7 +62,16 @@ def runtime_env(spec: JobSpec, secrets: dict[str, str] | None = None) -> dict:
     return {"env_vars": env}
 
 
+def refuse_elastic(spec: JobSpec) -> None:
+    """Ray Train here runs a fixed `num_workers`: an elastic spec is refused by name, never shrunk silently."""
+    if spec.is_elastic:
+        raise SpecError("launch.min_nnodes", f"is {spec.launch.min_nnodes} of launch.nnodes={spec.launch.nnodes}, "
+                        "but the Ray targets run a fixed number of workers",
+                        "unset launch.min_nnodes for Ray, or launch the elastic job with --target k8s-job/jobset/slurm")
+
+
 def entrypoint(spec: JobSpec, task: str) -> str:
+    refuse_elastic(spec)
     return shlex.join(["python", "-m", ENTRYPOINT_MODULE, "--spec-json",
                        json.dumps(spec.model_dump(mode="json"), separators=(",", ":")), "--task", task])
 
@@ -204,6 +213,7 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
     from shardline.engines.kubernetes import pod as k8s_pod
     from shardline.engines.kubernetes.objects import config_map, job_annotations, queue_labels
 
+    refuse_elastic(spec)
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
         spec.run.id = new_run_id(spec.run.name)

@@ -14,12 +14,12 @@ which must be shared storage on a multi-node cluster.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, ShardlineError
 from shardline.spec import JobSpec
+from shardline.spec.resolve import read_spec_file
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
             spec = read_spec(args.spec)
         else:
-            spec = JobSpec.model_validate(json.loads(args.spec_json))
+            spec = read_spec_file("--spec-json", args.spec_json)  # JSON is YAML: one reader, named errors
         if spec.run.id is None:
             raise ShardlineError("run.id", "is not set", "launch through `shardline launch --target ray`")
     except ShardlineError as e:

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
-from shardline.errors import SpecError
+from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET
 from shardline.model.flops import (
@@ -195,7 +195,12 @@ class Trainer:
 
     def load_checkpoint(self, step: int, with_optimizer: bool = True, store: CheckpointStore | None = None) -> None:
         store = store or self.checkpointer.store
-        check_resume(checkpoint_spec(store, step), self.spec)
+        saved = checkpoint_spec(store, step)
+        if saved is None:
+            raise ShardlineError(f"{store.path(step)}/spec.yaml", "is missing, so the checkpoint's model and data "
+                                 "cannot be checked against this run", "resume from a checkpoint shardline "
+                                 "committed (it writes spec.yaml before COMMITTED), or start a new run")
+        check_resume(saved, self.spec)
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
         state = self.checkpointer.load(step, state, store)

@@ -45,6 +45,10 @@ _UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10,
 def object_name(spec: JobSpec) -> str:
     """Objects are named after the run id (unique per launch), shortened with a hash when too long."""
     run_id = spec.run.id or spec.run.name
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", run_id):
+        raise SpecError("run.id", f"{run_id!r} cannot name Kubernetes objects (lowercase letters, digits and '-', "
+                        "starting and ending with a letter or digit)",
+                        "use a run.id in that form (ids shardline assigns always are)")
     if len(run_id) <= NAME_LIMIT:
         return run_id
     digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
