@@ -80,10 +80,11 @@ def test_no_module_imports_itself_back_through_others():
 # docs/architecture.md §1: the layers, bottom (1) to top (9), by module-name prefix (the longest prefix wins).
 LAYERS = {
     "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1,
-    "shardline.storage": 1, "shardline.failures": 1,
+    "shardline.storage": 1, "shardline.failures": 1, "shardline.jsonl": 1, "shardline.procfs": 1,
+    "shardline.clock": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.planning": 3, "shardline.rundir": 3,
-    "shardline.run_status": 3,
+    "shardline.run_status": 3, "shardline.goodput": 3,
     "shardline.training": 4,
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
     "shardline.ops": 5,

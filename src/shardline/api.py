@@ -34,6 +34,7 @@ from shardline.engines.backend import (
 )
 from shardline.engines.registry import BACKENDS, get_backend
 from shardline.errors import ClusterError, DataError, ShardlineError, SpecError
+from shardline.jsonl import read_jsonl
 from shardline.planning import memory
 from shardline.planning.devices import Device, current_device, get_device
 from shardline.planning.memory import MemoryPlan, Suggestion
@@ -123,6 +124,10 @@ def planning_device(spec: JobSpec, device: str | None = None, memory_gb: float |
 
 def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = None) -> Plan:
     """`shardline plan`: memory per component at the peak, capacity, and a fix when it does not fit."""
+    if spec.train.engine == "maxtext":  # the TPU chips of launch.tpu, whatever this host has
+        from shardline.planning.tpu import plan_tpu_memory
+
+        return Plan(plan_tpu_memory(spec), None)
     target = planning_device(spec, device, memory_gb)
     planned = memory.plan_memory(spec, target)
     return Plan(planned, None if planned.fits else memory.suggest(spec, target))
@@ -274,15 +279,7 @@ class Run:
         if not path.is_file():
             raise ShardlineError(str(path), "does not exist (yet)",
                                  "wait until the run logs its first step; cluster runs write it under run.dir")
-        rows = []
-        with path.open() as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line from a killed attempt
-                if record.get("kind") == kind:
-                    rows.append(record)
+        rows = [record for record in read_jsonl(path) if record.get("kind") == kind]
         if not frame:
             return rows
         try:

@@ -12,10 +12,10 @@ from rich.table import Table
 
 from shardline.api import Run, RunState, launch, render
 from shardline.api import runs as list_runs
+from shardline.clock import format_duration
 from shardline.engines.backend import EXIT_BY_PHASE, EXIT_TIMEOUT, record_path
 from shardline.engines.registry import BACKENDS
 from shardline.errors import EXIT_OK
-from shardline.run_status import format_duration
 
 TASKS = ("train", "eval", "netcheck", "gpucheck")
 
@@ -53,6 +53,8 @@ def print_state(state: RunState, console: Console, title: str) -> None:
                                                          else ""), highlight=False)
     for reason in state.reasons:
         console.print(f"  · {reason}", highlight=False, markup=False)
+    if state.run is not None and state.run.goodput is not None:
+        console.print(f"  · {state.run.goodput.line()}", highlight=False, markup=False)
     if state.ranks:
         table = Table(title_justify="left")
         for col in ("rank", "pod / host", "state", "restarts", "detail"):

@@ -9,6 +9,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
+EXIT_HANG = 76
+"""A rank stopped making progress (training/watchdog.py): restart from the last checkpoint, like 1."""
 
 
 class ShardlineError(Exception):

@@ -28,6 +28,9 @@ PHASES = {
     "evaluation": "evaluating the checkpoint",
 }
 
+HANG_ERROR = "HangDetected"
+"""`error_type` of the record the hang watchdog (training/watchdog.py) writes for a rank that stopped arriving."""
+
 # How a collective reports that another rank is gone (gloo, NCCL): a consequence, not a cause.
 PEER_LOST = re.compile(r"closed by peer|reset by peer|remote process exited|communicator was aborted|"
                        r"Broken pipe|Connection refused", re.IGNORECASE)

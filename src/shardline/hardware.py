@@ -125,9 +125,92 @@ GPUS: tuple[Accelerator, ...] = (
     Accelerator("t4", "T4 16GB", (("t4",),), 15_360, None, 8.1, None, 320.0, "PCIe Gen3 x16, 32 GB/s"),
 )
 
-# TPU generations join here (kind="tpu"): chips' HBM, bf16 peak and prices, matched by the same tokens
-# (e.g. "tpu-v5p-slice" → ("v5p",)). The planner and the launchers only handle GPUs so far (issue 13).
-TPUS: tuple[Accelerator, ...] = ()
+# TPUs (kind="tpu"): one device is one chip. Figures from Google Cloud's public TPU pages (cloud.google.com/tpu/docs/
+# v5e, /v5p, /v6e: "Peak compute per chip (bf16)", "HBM2 capacity/bandwidth per chip"); memory_mib is the HBM per
+# chip in GiB × 1024 as the pages give it (v5p's "95 GB" taken as 95 GiB; not measured: no TPU here). fp32 matmuls
+# run as bf16 passes on the MXU: no separate fp32 peak is published, the bf16 figure stands in.
+# $/chip-hour: cloud.google.com/tpu/pricing (us-central1, approximate, 2025-06, not re-checked): on-demand v5e 1.20,
+# v5p 4.20, v6e 2.70; spot (cloud.google.com/spot-vms/pricing, TPU rows; moves daily) v5e 0.60, v5p 2.10, v6e 1.35;
+# DWS flex-start is priced like spot for TPUs there; reservation: the 1-year committed-use price (v5e 0.84,
+# v5p 2.94, v6e 1.89).
+# Patterns: the catalogue key, JAX's device_kind ("TPU v5 lite", "TPU v5", "TPU v6 lite") and GKE's
+# cloud.google.com/gke-tpu-accelerator value (tpu-v5-lite-podslice, tpu-v5p-slice, tpu-v6e-slice). v5e comes first:
+# "TPU v5 lite" also holds v5p's ("tpu", "v5"), and the first of equally long matches wins.
+TPUS: tuple[Accelerator, ...] = (
+    Accelerator("v5e", "TPU v5e 16GB", (("v5e",), ("v5", "lite")), 16_384, 197.0, 197.0, None, 819.0,
+                "ICI 1,600 Gbps per chip, 2D torus", Prices(1.20, 0.60, 0.60, 0.84), kind="tpu"),
+    Accelerator("v5p", "TPU v5p 95GB", (("v5p",), ("tpu", "v5")), 97_280, 459.0, 459.0, None, 2765.0,
+                "ICI 4,800 Gbps per chip, 3D torus", Prices(4.20, 2.10, 2.10, 2.94), kind="tpu"),
+    Accelerator("v6e", "TPU v6e 32GB", (("v6e",), ("v6", "lite"), ("trillium",)), 32_768, 918.0, 918.0, None, 1640.0,
+                "ICI 3,584 Gbps per chip, 2D torus", Prices(2.70, 1.35, 1.35, 1.89), kind="tpu"),
+)
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    """What GKE and the TPU VM need to know of a generation: its node label, machine types and topology rank."""
+
+    key: str
+    gke_accelerator: str
+    """cloud.google.com/gke-tpu-accelerator (GKE "Plan TPUs in GKE": tpu-v5-lite-podslice, tpu-v5p-slice,
+    tpu-v6e-slice)."""
+    machine_prefix: str
+    """Multi-host node machine type without the chip count: ct5lp-hightpu-, ct5p-hightpu-, ct6e-standard-."""
+    dims: int
+    """Topology rank: 2 (v5e, v6e: AxB) or 3 (v5p: AxBxC)."""
+    max_chips: int
+    """Largest slice (v5e 256, v5p 8,960, v6e 256)."""
+    ray_pod_type: str
+    """Cloud TPU's (and Ray's) accelerator type of a slice: v5e counts chips as `v5litepod-N`, v5p TensorCores (2 per
+    chip), v6e chips; Ray names host 0 of a slice `TPU-<this>-head`."""
+
+
+TPU_GENERATIONS = {g.key: g for g in (
+    TpuGeneration("v5e", "tpu-v5-lite-podslice", "ct5lp-hightpu-", 2, 256, "v5litepod-{chips}"),
+    TpuGeneration("v5p", "tpu-v5p-slice", "ct5p-hightpu-", 3, 8960, "v5p-{cores}"),
+    TpuGeneration("v6e", "tpu-v6e-slice", "ct6e-standard-", 2, 256, "v6e-{chips}"),
+)}
+CHIPS_PER_HOST = 4
+"""Multi-host slices have 4 chips per TPU VM (ct5lp-hightpu-4t, ct5p-hightpu-4t, ct6e-standard-4t); a v5e/v6e slice
+of at most 8 chips is one VM with all of them (…-1t, -4t, -8t), and v5p's smallest slice, 2x2x1, one 4-chip VM."""
+
+
+@dataclass(frozen=True)
+class TpuSlice:
+    accelerator: Accelerator
+    generation: TpuGeneration
+    topology: str
+    chips: int
+    hosts: int
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips // self.hosts
+
+    @property
+    def machine_type(self) -> str:
+        return f"{self.generation.machine_prefix}{self.chips_per_host}t"
+
+
+def tpu_slice(key: str, topology: str) -> TpuSlice:
+    """Chips and hosts of one slice of `key` (v5e, v5p, v6e) in `topology` ("4x4", "2x2x4"); ValueError names what
+    is wrong (the spec layer turns it into a SpecError with the field)."""
+    gen = TPU_GENERATIONS.get(key)
+    if gen is None:
+        raise ValueError(f"unknown TPU type {key!r}; known: {', '.join(TPU_GENERATIONS)}")
+    parts = topology.lower().split("x")
+    if len(parts) != gen.dims or not all(p.isdigit() and int(p) > 0 for p in parts):
+        example = "4x4" if gen.dims == 2 else "2x2x4"
+        raise ValueError(f"{topology!r} is not a {gen.dims}-D {key} topology (e.g. {example})")
+    chips = 1
+    for p in parts:
+        chips *= int(p)
+    if chips > gen.max_chips:
+        raise ValueError(f"{topology} has {chips} chips, more than a {key} slice holds ({gen.max_chips})")
+    single_host = chips <= (8 if gen.dims == 2 else CHIPS_PER_HOST)
+    hosts = 1 if single_host else chips // CHIPS_PER_HOST
+    acc = next(a for a in TPUS if a.key == key)
+    return TpuSlice(acc, gen, topology.lower(), chips, hosts)
 
 ACCELERATORS: tuple[Accelerator, ...] = GPUS + TPUS
 

@@ -22,7 +22,11 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from shardline.clock import epoch, format_duration
 from shardline.failures import failure_message, read_failures
+from shardline.goodput import Goodput, compute_goodput
+from shardline.jsonl import read_jsonl
+from shardline.procfs import proc_stat
 from shardline.rundir import manifest_lock, read_manifest, update_manifest, write_manifest
 
 Status = Literal["starting", "running", "finished", "preempted", "failed", "unknown"]
@@ -59,6 +63,8 @@ class RunStatus(BaseModel):
     """Wall time since the run was created, up to its end when it ended."""
     eta_s: float | None = None
     """Time left at the recent step time (live runs only)."""
+    goodput: Goodput | None = None
+    """Productive step time over wall time, and the badput buckets, across every attempt (`shardline.goodput`)."""
 
     def progress_line(self) -> str:
         parts = [self.status]
@@ -74,14 +80,9 @@ class RunStatus(BaseModel):
             parts.append(f"cost ${self.cost_usd:.4g}")
         if self.projected_cost_usd is not None and self.status in LIVE:
             parts.append(f"projected ${self.projected_cost_usd:.4g} at step {self.max_steps}")
+        if self.goodput is not None and self.goodput.wall_s > 0:
+            parts.append(f"goodput {100 * self.goodput.ratio:.0f}%")
         return " · ".join(parts)
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
@@ -92,18 +93,8 @@ def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
 
 
 # ---- processes -------------------------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a Linux process; None when there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return fields[0], int(fields[19])
-
-
 def process_entry(pid: int, role: str) -> dict:
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     return {"pid": pid, "role": role, "host": socket.gethostname(), "start_ticks": stat[1] if stat else None}
 
 
@@ -121,7 +112,7 @@ def is_alive(entry: dict) -> bool | None:
         except PermissionError:
             return True
         return True
-    stat = _proc_stat(pid)
+    stat = proc_stat(pid)
     if stat is None or stat[0] == "Z":
         return False
     return entry.get("start_ticks") is None or stat[1] == entry["start_ticks"]
@@ -155,9 +146,9 @@ def settle(run_dir: Path, exit_code: int | None = None) -> dict:
         alive = [is_alive(p) for p in processes]
         if not processes or any(a is not False for a in alive):
             return manifest  # nothing recorded here, or something may still run
-    records = _records(run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
     committed = _committed_step(records)
-    attempt_start = _epoch((manifest.get("attempts") or [{}])[-1].get("start_time")) or 0.0
+    attempt_start = epoch((manifest.get("attempts") or [{}])[-1].get("start_time")) or 0.0
     failures = read_failures(run_dir, since=attempt_start)
     if failures:
         message = failure_message(failures, {})
@@ -182,24 +173,10 @@ def settle(run_dir: Path, exit_code: int | None = None) -> dict:
 def mark_failed(run_dir: Path, message: str, exit_code: int, error_type: str | None = None,
                 phase: str | None = None) -> None:
     """Record a failure the launcher itself saw (bad input found after the run was created, an interrupt)."""
-    committed = _committed_step(_records(run_dir))
+    committed = _committed_step(read_jsonl(run_dir / "metrics.jsonl"))
     update_manifest(run_dir, status="failed", exit_code=exit_code, end_time=time.time(),
                     failure={"message": message, "rank": None, "phase": phase, "error_type": error_type,
                              "committed_step": committed})
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    with path.open() as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn last line from a killed attempt
-    return out
 
 
 def _committed_step(records: list[dict]) -> int | None:
@@ -207,37 +184,26 @@ def _committed_step(records: list[dict]) -> int | None:
     return max(steps) if steps else None
 
 
-def _epoch(value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, int | float):
-        return float(value)
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        return None
-
-
 # ---- reading ---------------------------------------------------------------------------------------------
 def read_status(run_dir: Path, target: str = "local") -> RunStatus:
     """The run's status (settled first), progress, ETA and cost from manifest.json and metrics.jsonl."""
     run_dir = Path(run_dir)
     manifest = settle(run_dir) if (run_dir / "manifest.json").is_file() else {}
-    records = _records(run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval" and r.get("val_loss") is not None]
     last = train[-1] if train else {}
     spec = manifest.get("spec") or {}
     max_steps = (spec.get("train") or {}).get("max_steps")
     status = manifest.get("status", "unknown")
-    started = _epoch(manifest.get("start_time"))
-    ended = _epoch(manifest.get("end_time")) if status not in LIVE else None
+    started = epoch(manifest.get("start_time"))
+    ended = epoch(manifest.get("end_time")) if status not in LIVE else None
     now = time.time()
     elapsed = ((ended or now) - started) if started else None
     step = last.get("step")
     eta = projected = None
     if status in LIVE and step is not None and max_steps:
-        since = _epoch((manifest.get("attempts") or [{}])[-1].get("start_time")) or 0.0
+        since = epoch((manifest.get("attempts") or [{}])[-1].get("start_time")) or 0.0
         recent = [r["step_time_s"] for r in train if r.get("time", 0.0) >= since] or [last["step_time_s"]]
         eta = eta_seconds(recent, max_steps - step)
         if last.get("cost_usd") is not None and step:
@@ -250,7 +216,7 @@ def read_status(run_dir: Path, target: str = "local") -> RunStatus:
         tokens_per_s_per_device=last.get("tokens_per_s_per_device"), mfu=last.get("mfu"),
         cost_usd=last.get("cost_usd"), projected_cost_usd=projected, committed_step=_committed_step(records),
         started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds") if started else None,
-        elapsed_s=elapsed, eta_s=eta)
+        elapsed_s=elapsed, eta_s=eta, goodput=compute_goodput(records, manifest, now if status in LIVE else None))
 
 
 def list_runs(directory: Path) -> list[RunStatus]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ from shardline.storage import check_locations
 from shardline.training.distributed import DistContext, distributed
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.trainer import Trainer
+from shardline.training.watchdog import enable_flight_recorder, hang_watchdog
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
@@ -53,6 +55,8 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
     run_dir = run_path(spec)
     check_locations(spec)  # before the process group and data preparation: a bad location fails in seconds
     stop = StopRequest().install()  # before the process group: a signal during setup is not lost
+    if spec.launch.hang_timeout_seconds and task == "train":
+        enable_flight_recorder(run_dir)  # read when the process group is created
     with distributed() as ctx:
         trainer: Trainer | None = None
         try:
@@ -66,8 +70,9 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
                 record_process(run_dir, os.getpid(), f"rank {ctx.rank}")
             _setup_logging(run_dir, ctx.rank)
             check_environment(spec, task)  # packages the spec asks for must be on this node (flash-attn, trackers)
+            started = time.perf_counter()
             data = prepare_once_per_node(spec, ctx)
-            trainer = Trainer(spec, ctx, data, run_dir, console, stop)
+            trainer = Trainer(spec, ctx, data, run_dir, console, stop, prepare_s=time.perf_counter() - started)
             if task == "eval":
                 return _evaluate(trainer)
             return _train(trainer, spec, data, run_dir, console)
@@ -95,7 +100,8 @@ def _train(trainer: Trainer, spec: JobSpec, data: PreparedData, run_dir: Path, c
                         checkpoint_location=trainer.checkpointer.store.location)
     with observing(spec, run_dir, trainer, console):  # rank 0: cost, /metrics, trackers; the report at the end
         try:
-            trainer.fit()
+            with hang_watchdog(trainer, run_dir):  # launch.hang_timeout_seconds: name a hung rank, exit 76
+                trainer.fit()
         except Preempted:
             if ctx.is_main:
                 update_manifest(run_dir, status="preempted", exit_code=EXIT_PREEMPTED, end_time=time.time())
@@ -119,6 +125,8 @@ def _record_failure(error: Exception, spec: JobSpec, task: str, ctx: DistContext
             location = trainer.checkpointer.store.path(committed) if committed is not None else None
         except Exception:  # noqa: BLE001 - an unreachable store must not hide the original error
             pass
+        with contextlib.suppress(Exception):  # the goodput up to the failure; never in the way of the record
+            trainer.record_goodput()
     message = f"{error.problem} — {error.fix}" if isinstance(error, ShardlineError) else str(error)
     where = f"{error.where}: " if isinstance(error, ShardlineError) else ""
     phase = trainer.phase if trainer is not None else ("evaluation" if task == "eval" else "setup")
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     try:
         spec = load_spec(str(args.spec))  # a bad field is a SpecError naming it, not a pydantic traceback
+        if spec.train.engine != "torch":  # MaxText specs run MaxText's trainer on TPU slices, never this worker
+            raise SpecError("train.engine", f"is {spec.train.engine}: shardline's PyTorch worker cannot run it",
+                            "launch it with --target jobset or rayjob")
         if args.task in OPS_TASKS:
             return run_task(spec, args.task, console, args.out)
         return run(spec, args.task, console)

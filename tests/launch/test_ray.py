@@ -17,6 +17,7 @@ import yaml
 from shardline.engines.backend import wait_for
 from shardline.engines.registry import get_backend
 from shardline.errors import ShardlineError, SpecError
+from shardline.run_status import read_status
 from shardline.spec.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
 
@@ -197,6 +198,11 @@ def test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes(ray_
     state = backend.status(record)
     assert state.phase == "succeeded" and state.restarts == len(resumes) >= 1
     assert "finished under Ray Train" in logs
+    goodput = read_status(run).goodput  # each Ray Train restart is an attempt with its recovery time
+    assert len(goodput.attempts) == 1 + len(resumes) and goodput.attempts[-1].ended_by == "finished"
+    assert all(a.recovery_s > 0 for a in goodput.attempts[1:])
+    assert sum(goodput.buckets.values()) == pytest.approx(goodput.wall_s, rel=0.01)
+    print(f"ray worker lost: recovery {goodput.attempts[1].recovery_s:.1f} s; {goodput.line()}")
     assert any(line.startswith("[rank 1]") for line in backend.logs(record, 1, False))
 
 

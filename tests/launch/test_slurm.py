@@ -14,6 +14,7 @@ from shardline.engines.backend import load_record, wait_for
 from shardline.engines.registry import get_backend
 from shardline.engines.slurm import parse_job
 from shardline.errors import ShardlineError, SpecError
+from shardline.run_status import read_status
 from shardline.rundir import create_run, read_spec
 from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, read_metrics, small_overrides
@@ -149,6 +150,10 @@ def test_two_node_job_is_signalled_checkpoints_requeues_resumes_and_finishes(slu
     logs = "\n".join(backend.logs(record, None, follow=False))
     assert "[node 0]" in logs and "[node 1]" in logs and "requeueing job" in logs
     assert backend.status(record).phase == "succeeded"
+    goodput = read_status(run).goodput  # the requeue is an attempt: its gap and recovery are measured
+    assert [a.ended_by for a in goodput.attempts] == ["preempted", "finished"] and goodput.buckets["wasted"] == 0
+    assert goodput.buckets["restart_gap"] > 0 and goodput.attempts[1].recovery_s > goodput.buckets["restart_gap"]
+    print(f"slurm requeue: recovery {goodput.attempts[1].recovery_s:.1f} s; {goodput.line()}")
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def rendered(tmp_path_factory) -> Path:
 @needs_promtool
 def test_rendered_rules_and_config_pass_promtool(rendered):
     out = _promtool("check", "rules", str(rendered / ALERTS))
-    assert out.returncode == 0 and "SUCCESS: 6 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 7 rules found" in out.stdout, out.stdout + out.stderr
     out = _promtool("check", "config", str(rendered / PROMETHEUS_CONFIG))
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -65,6 +65,9 @@ tests:
         values: '20x10 95x10'
       - series: 'shardline_worker_start_time_seconds{{run_id="a"}}'
         values: '100 100 400 400 700 700 1000 1000'
+      # run a: the watchdog reported a hang at t=6m (exported from then on by the restarted worker)
+      - series: 'shardline_last_hang_timestamp_seconds{{run_id="a"}}'
+        values: '_x5 360x40'
       - series: 'kube_pod_status_phase{{namespace="ml", pod="llama-worker-0-0", phase="Pending"}}'
         values: '1x20'
       - series: 'kube_pod_status_phase{{namespace="ml", pod="other-job-0", phase="Pending"}}'
@@ -99,6 +102,17 @@ tests:
             exp_annotations:
               summary: Training restarts in a loop
               description: "{restart}"
+      - eval_time: 3m
+        alertname: ShardlineRankHung
+      - eval_time: 20m
+        alertname: ShardlineRankHung
+        exp_alerts:
+          - exp_labels: {{severity: critical, run_id: a}}
+            exp_annotations:
+              summary: A rank of a hung
+              description: "{hang}"
+      - eval_time: 37m
+        alertname: ShardlineRankHung
       - eval_time: 9m
         alertname: ShardlinePodPending
       - eval_time: 11m
@@ -129,7 +143,8 @@ def test_alerts_fire_on_synthetic_series_and_only_then(rendered, tmp_path):
              for r in yaml.safe_load((rendered / ALERTS).read_text())["groups"][0]["rules"]}
     text = UNIT_TESTS.format(rules=json.dumps(str(rendered / ALERTS)), no_progress=rules["ShardlineNoProgress"],
                              grace=rules["ShardlineCheckpointExceedsGrace"], restart=rules["ShardlineRestartLoop"],
-                             pending=rules["ShardlinePodPending"], gpu=rules["ShardlineGPUUtilizationLow"])
+                             pending=rules["ShardlinePodPending"], gpu=rules["ShardlineGPUUtilizationLow"],
+                             hang=rules["ShardlineRankHung"])
     tests = tmp_path / "alerts.test.yaml"
     tests.write_text(text)
     out = _promtool("test", "rules", str(tests))
@@ -182,6 +197,7 @@ def _exported_names() -> set[str]:
     sink("eval", {"step": 1, "val_loss": 1.0, "sql_execution_accuracy": 0.5, "sql_exact_match": 0.5})
     sink("event", {"event": "checkpoint", "step": 1, "stall_s": 1.0})
     sink("event", {"event": "checkpoint_committed", "step": 1, "save_s": 1.0})
+    sink("event", {"event": "hang", "ranks": [1]})
     sink.set_price(1.0)
     text = generate_latest(sink.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}

@@ -110,11 +110,14 @@ def test_prometheus_scraped_the_training_metrics(prometheus, observed_run):
     assert last("shardline_cost_usd") == pytest.approx(train[-1]["cost_usd"], rel=1e-9)
     assert last("shardline_usd_per_device_hour") == USD_PER_DEVICE_HOUR and last("shardline_world_size") == 2
     assert last('shardline_run_status{shardline_run_status="finished"}') == 1  # scraped while lingering
+    goodput = [e for e in read_metrics(run_dir, "event") if e["event"] == "goodput"][-1]  # the final one
+    assert 0 < last("shardline_goodput_ratio") == pytest.approx(goodput["ratio"], rel=1e-9)
+    assert last('shardline_badput_seconds{bucket="startup"}') == pytest.approx(goodput["buckets"]["startup"])
     assert _query(url, 'max_over_time(up{job="shardline"}[10m])') == {"": 1.0}
     # the rendered rules load and evaluate against real series without errors
     groups = _get(f"{url}/api/v1/rules")["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+    assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
 
 
 def test_step_records_summary_and_console_carry_the_cost(observed_run):

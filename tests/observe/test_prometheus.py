@@ -81,6 +81,11 @@ def test_records_become_gauges_and_counters():
     assert s["shardline_peak_tflops"] == 989.0 and s["shardline_world_size"] == 16
     assert s["shardline_run_status{shardline_run_status=running}"] == 1
     assert s["shardline_run_info{run_name=run}"] == 1
+    sink("event", {"event": "goodput", "ratio": 0.8, "buckets": {"productive": 8.0, "startup": 1.5, "wasted": 0.5}})
+    s = _samples(sink)
+    assert s["shardline_goodput_ratio"] == 0.8 and s["shardline_badput_seconds{bucket=startup}"] == 1.5
+    assert s["shardline_badput_seconds{bucket=wasted}"] == 0.5 and s["shardline_badput_seconds{bucket=eval}"] == 0
+    assert "shardline_badput_seconds{bucket=productive}" not in s  # productive time is not badput
     sink("train", _train(3))  # the last step: the final evaluation follows, not more steps
     assert _samples(sink)["shardline_run_status{shardline_run_status=evaluating}"] == 1
 

@@ -13,6 +13,8 @@ import pytest
 
 from shardline.data.loader import StepSampler
 from shardline.errors import EXIT_PREEMPTED
+from shardline.goodput import BADPUT, BUCKETS
+from shardline.run_status import read_status
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 
 pytestmark = pytest.mark.slow
@@ -56,22 +58,59 @@ def _workers(run: Path) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def _check_goodput(run: Path, attempts: int, elapsed: float) -> dict:
+    """The goodput `status` reports for a finished run adds up, and each bucket is what the records say: the
+    productive time is the step time (less data wait) of the steps that stood, the wasted time is the step time
+    of the earlier runs of redone steps, and the wall time is the run's (within the test's own clock)."""
+    goodput = read_status(run).goodput
+    assert goodput is not None and len(goodput.attempts) == attempts
+    assert sum(goodput.buckets[b] for b in BUCKETS) == pytest.approx(goodput.wall_s, rel=0.01)
+    # The test's clock also holds the CLI's start before the run exists and the report after its end.
+    assert elapsed - 10 <= goodput.wall_s <= elapsed
+    train = read_metrics(run, "train")
+    last_of = {r["step"]: i for i, r in enumerate(train)}
+    stood = [r for i, r in enumerate(train) if last_of[r["step"]] == i]
+    redone = [r for i, r in enumerate(train) if last_of[r["step"]] != i]
+    assert goodput.buckets["productive"] == pytest.approx(
+        sum(r["step_time_s"] - r["data_wait_s"] for r in stood), abs=0.01)
+    assert goodput.buckets["wasted"] == pytest.approx(sum(r["step_time_s"] for r in redone), abs=0.01)
+    assert goodput.ratio == pytest.approx(goodput.buckets["productive"] / goodput.wall_s, abs=1e-3)
+    assert goodput.buckets["startup"] > 0 and goodput.buckets["checkpoint_save"] > 0
+    assert goodput.buckets["other"] < 0.2 * goodput.wall_s, goodput.buckets  # the records explain the time
+    summary = json.loads((run / "summary.json").read_text())["goodput"]  # written as the last attempt ended
+    assert summary["attempts"] == attempts
+    assert sum(summary[b] for b in BUCKETS) == pytest.approx(summary["wall_s"], rel=0.01)
+    events = [e for e in read_metrics(run, "event") if e["event"] == "goodput"]
+    assert {e["attempt"] for e in events} == set(range(1, attempts + 1))  # every attempt reported its own
+    page = (run / "report" / "index.html").read_text()
+    assert "goodput.png" in page and all(b.replace("_", " ") in page for b in BADPUT)
+    return goodput.buckets
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     runs = tmp_path_factory.mktemp("reference")
+    started = time.time()
     out = run_cli("train", *_sets(runs), "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:]
+    buckets = _check_goodput(only_run(runs), 1, time.time() - started)
+    assert buckets["wasted"] == buckets["restart_gap"] == buckets["checkpoint_restore"] == 0  # undisturbed
+    assert "goodput " in out.stdout
     return _losses(only_run(runs))
 
 
 def test_kill_9_of_one_worker_restarts_and_matches_the_uninterrupted_run(tmp_path, reference):
     runs = tmp_path / "runs"
+    started = time.time()
     proc = _start(runs, "launch.max_restarts=1", "checkpoint.async_save=true")  # the GPU default path
-    run = _wait_for_step(runs, 9, proc, committed=8)
+    run = _wait_for_step(runs, 10, proc, committed=8)
     victim = _workers(run)[-1]
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-6000:]
+    buckets = _check_goodput(run, 2, time.time() - started)
+    assert buckets["wasted"] > 0 and buckets["restart_gap"] > 0 and buckets["checkpoint_restore"] > 0
+    print(f"local torchrun kill -9: recovery {read_status(run).goodput.attempts[1].recovery_s:.1f} s")
     resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
     assert resumes and resumes[0]["step"] >= 8 and resumes[0]["rng_restored"]
     losses = _losses(run)
@@ -82,6 +121,7 @@ def test_kill_9_of_one_worker_restarts_and_matches_the_uninterrupted_run(tmp_pat
 
 def test_sigterm_checkpoints_at_the_next_step_exits_75_and_the_rerun_matches(tmp_path, reference):
     runs = tmp_path / "runs"
+    started = time.time()
     proc = _start(runs, "checkpoint.every_steps=100", "launch.grace_seconds=60")
     run = _wait_for_step(runs, 6, proc)
     proc.send_signal(signal.SIGTERM)
@@ -94,6 +134,9 @@ def test_sigterm_checkpoints_at_the_next_step_exits_75_and_the_rerun_matches(tmp
     assert json.loads((run / "manifest.json").read_text())["status"] == "preempted"
     again = run_cli("train", str(run))
     assert again.returncode == 0, again.stdout[-3000:]
+    buckets = _check_goodput(run, 2, time.time() - started)
+    assert buckets["wasted"] == 0 and buckets["restart_gap"] > 0  # the preemption saved the step it stopped at
+    assert read_status(run).goodput.attempts[0].ended_by == "preempted"
     losses = _losses(run)
     for s, loss in reference.items():
         assert losses[s] == pytest.approx(loss, rel=1e-6, abs=1e-7), s

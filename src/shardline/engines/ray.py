@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from shardline.engines.backend import JobState, LaunchRecord, save_record
-from shardline.engines.command import cluster_spec
+from shardline.engines.command import cluster_spec, torch_engine_only
 from shardline.engines.kubernetes.api import create_all
 from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
@@ -71,6 +71,7 @@ def refuse_elastic(spec: JobSpec) -> None:
 
 
 def entrypoint(spec: JobSpec, task: str) -> str:
+    torch_engine_only(spec, "ray")
     refuse_elastic(spec)
     return shlex.join(["python", "-m", ENTRYPOINT_MODULE, "--spec-json",
                        json.dumps(spec.model_dump(mode="json"), separators=(",", ":")), "--task", task])
@@ -225,6 +226,12 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
                             "a RayJob is submitted inside the cluster", f"store it in a Secret and set "
                             f"launch.kubernetes.secret_env.{name}: {{secret: <name>, key: <key>}}")
     name = k8s_pod.object_name(spec)
+    if spec.train.engine == "maxtext":  # TPU slices running MaxText: engines/tpu_rayjob.py
+        from shardline.engines.tpu_rayjob import tpu_rayjob_manifests
+
+        cm, rayjob = tpu_rayjob_manifests(spec, r.ray_version)
+        rayjob["spec"]["rayClusterSpec"]["authOptions"] = {"mode": "token"}
+        return [cm, head_network_policy(spec, name), rayjob]
     cm = config_map(spec, name)
     env = k8s_pod.container_env(spec, [])
     gpu = r.gpus_per_worker > 0

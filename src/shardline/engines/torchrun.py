@@ -18,8 +18,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from shardline.errors import EXIT_FAILURE, EXIT_PREEMPTED
-from shardline.failures import PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
+from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_PREEMPTED
+from shardline.failures import HANG_ERROR, PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
 
 
 def _run_dir(worker_args: list[str]) -> Path | None:
@@ -39,6 +39,8 @@ def exit_code(error: ChildFailedError, failures: list[WorkerFailure] | None = No
     """The exit code of the worker whose failure caused the others' (the first recorded cause, not a rank that
     only lost its peer and may have aborted first), else of the first failed worker; a worker killed by a
     signal gives 128 + signal, as a shell does."""
+    if any(f.error_type == HANG_ERROR for f in failures or []):
+        return EXIT_HANG  # the named rank was frozen and killed; the hang is the cause, whoever reported it
     causes = [f.rank for f in failures or [] if not PEER_LOST.search(f.message) and f.rank in error.failures]
     first = error.failures[causes[0]] if causes else error.get_first_failure()[1]
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
@@ -49,7 +51,7 @@ def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str
     failures = read_failures(run_dir, since=started) if run_dir else []
     recorded = {f.rank for f in failures}
     unexplained = {rank: f.exitcode for rank, f in error.failures.items()
-                   if rank not in recorded and not (failures and f.exitcode == -signal.SIGTERM)}
+                   if rank not in recorded and not (failures and f.exitcode in (-signal.SIGTERM, EXIT_HANG))}
     message = failure_message(failures, unexplained)
     code = exit_code(error, failures)
     if run_dir is not None and (run_dir / "manifest.json").exists() and code != EXIT_PREEMPTED:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import posixpath
 
-from shardline.engines.command import cluster_spec, node_torchrun_command
+from shardline.engines.command import cluster_spec, node_torchrun_command, torch_engine_only
 from shardline.engines.kubernetes.pod import image_ref
 from shardline.engines.vertex_entry import SECRETS_ENV, SPEC_ENV, SPEC_PATH
 from shardline.errors import SpecError
@@ -195,6 +195,7 @@ def replica_command(spec: JobSpec, task: str) -> list[str]:
 
 def custom_job(spec: JobSpec, task: str = "train") -> dict:
     """The CustomJob (REST JSON, int64 as strings as the API writes them) for a spec whose run id is assigned."""
+    torch_engine_only(spec, "vertex")
     _check_spec(spec)
     v = spec.launch.vertex
     pool = {"machineSpec": machine_spec(spec), "replicaCount": "1",

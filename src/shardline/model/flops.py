@@ -127,9 +127,14 @@ def probe_cpu_peak_tflops(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 102
     step run in fp32, so a bf16-only probe is no ceiling: MFU above 100 % was the symptom. Returns the peak and
     which dtype set it."""
     cpu = torch.device("cpu")
-    best: dict[torch.dtype, float] = {}
-    for d in dict.fromkeys((dtype, torch.float32)):
-        best[d] = max(probe_matmul_tflops(d, cpu, n=n, seconds=seconds) for n in sizes)
+    best = {torch.float32: max(probe_matmul_tflops(torch.float32, cpu, n=n, seconds=seconds) for n in sizes)}
+    if dtype != torch.float32:
+        # Smallest size first: an emulated dtype (bf16 at ~2 GFLOP/s on AVX2) would take seconds per large matmul.
+        best[dtype] = 0.0
+        for n in sorted(sizes):
+            best[dtype] = max(best[dtype], probe_matmul_tflops(dtype, cpu, n=n, seconds=seconds))
+            if best[dtype] < best[torch.float32] / 4:
+                break
     winner = max(best, key=best.__getitem__)
     return best[winner], str(winner).removeprefix("torch.")
 
@@ -138,8 +143,10 @@ def probe_matmul_tflops(dtype: torch.dtype, device: torch.device, n: int = 1024,
     """Measured dense matmul TFLOP/s for this dtype, device and thread count (CPU peak stand-in)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(3):
+    for _ in range(2):  # warm-up: kernel selection, page faults, library handles
         a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     iters, start = 0, time.perf_counter()
     while True:
         a @ b

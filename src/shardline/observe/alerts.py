@@ -26,6 +26,7 @@ POD_PENDING_FOR = "10m"
 RESTART_LOOP_RESTARTS = 3  # restarts within RESTART_LOOP_WINDOW
 RESTART_LOOP_WINDOW = "30m"
 CHECKPOINT_SLOWER_THAN_USUAL = 2.0  # × the save time's median over the last day
+HANG_ALERT_WINDOW_S = 1800  # a hang report keeps the alert firing this long (the run restarts by itself)
 
 # Lines NCCL / torch's ProcessGroupNCCL write when a collective times out or the watchdog gives up
 # (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp), and gloo's timeout. RE2 syntax (Loki, Cloud Logging).
@@ -78,6 +79,14 @@ def prometheus_rules(spec: JobSpec) -> list[Rule]:
              f"No step, evaluation or checkpoint finished for more than {n:g} minutes while training (the final "
              "evaluation is exempt): "
              "a hung collective, a dead data source or a stuck filesystem (observe.no_progress_minutes)."),
+        Rule("ShardlineRankHung",
+             f"time() - shardline_last_hang_timestamp_seconds < {HANG_ALERT_WINDOW_S}", "0m", "critical",
+             "A rank of {{ $labels.run_id }} hung",
+             f"The hang watchdog (launch.hang_timeout_seconds = {spec.launch.hang_timeout_seconds or 'off'}) saw no "
+             f"progress, named the rank(s) whose heartbeat stopped (step, phase, stack top, host), dumped every "
+             "live rank's Python stack to logs/stack-rank-*.txt and restarted the workers from the last checkpoint "
+             "(exit 76). Who and where: the `hang` event in metrics.jsonl, the manifest's `hangs`. The same host "
+             f"again points at that host. Fires for {HANG_ALERT_WINDOW_S // 60} minutes after each hang."),
         Rule("ShardlineCheckpointExceedsGrace",
              f"shardline_checkpoint_save_seconds > {grace}", "0m", "critical",
              "Checkpoint of {{ $labels.run_id }} took {{ $value | humanizeDuration }}",

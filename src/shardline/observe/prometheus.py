@@ -12,6 +12,8 @@ spelled `_seconds` (Prometheus base units), for the value of the latest step. Ru
 named `shardline_train_<field>_total` (tokens, steps, step and data-wait time, checkpoint stall), so that
 `rate()` gives exact averages between scrapes however many steps fall between two of them; checkpoints,
 resumes and preemptions count as `shardline_<event>s_total`. Every series carries the label `run_id`.
+Goodput (`shardline.goodput`) is `shardline_goodput_ratio` plus `shardline_badput_seconds{bucket=...}`, updated at
+each checkpoint and at the end of each attempt.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Info, start_http_server
+
+from shardline.goodput import BADPUT
 
 log = logging.getLogger("shardline")
 
@@ -115,6 +119,9 @@ class PrometheusSink:
         self.ckpt_time = gauge("shardline_checkpoint_last_timestamp_seconds", "Unix time of the latest commit.")
         self.resumes = counter("shardline_resumes", "Resumes from a checkpoint over the run's lifetime.")
         self.preemptions = counter("shardline_preemptions", "Stops on a signal with a checkpoint (exit 75).")
+        self.hangs = counter("shardline_hangs", "Hangs the watchdog reported over the run's lifetime (exit 76).")
+        self.last_hang = gauge("shardline_last_hang_timestamp_seconds", "Unix time of the latest hang report; the "
+                               "named ranks are in metrics.jsonl (event hang) and the manifest's hangs.")
         self.restarts = gauge("shardline_restarts", "Worker-group restarts by torchrun in this launch "
                               "(TORCHELASTIC_RESTART_COUNT).")
         self.started = gauge("shardline_worker_start_time_seconds", "Unix time this rank-0 worker started; "
@@ -122,6 +129,11 @@ class PrometheusSink:
         self.peak = gauge("shardline_peak_tflops", "Per-device peak TFLOP/s used as the MFU denominator.")
         self.world = gauge("shardline_world_size", "Ranks (devices) in the job.")
         self.price = gauge("shardline_usd_per_device_hour", "Price of one device-hour used for cost.")
+        self.goodput = gauge("shardline_goodput_ratio", "Productive step time over wall time, every attempt of the "
+                             "run (shardline.goodput), at the latest checkpoint or end.")
+        self.badput = Gauge("shardline_badput_seconds", "Wall time of the run not spent in productive steps, by "
+                            "bucket (startup, data_wait, checkpoint_save, wasted, restart_gap, ...).",
+                            ["run_id", "bucket"], registry=self.registry)
         self.status = Enum("shardline_run_status", "Run state.", labels, states=list(STATUSES),
                            registry=self.registry)
         self.info = Info("shardline_run", "Run identity.", labels, registry=self.registry)
@@ -137,6 +149,12 @@ class PrometheusSink:
     def set_price(self, usd_per_device_hour: float | None) -> None:
         if usd_per_device_hour is not None:
             self.price.labels(self.run_id).set(usd_per_device_hour)
+
+    def hang(self, record: dict) -> None:
+        """A `hang` event, live or replayed from an earlier attempt's records (the reporting process exits at
+        once, so a restarted worker re-exports its predecessors' hangs)."""
+        self.hangs.labels(self.run_id).inc()
+        self.last_hang.labels(self.run_id).set(record.get("time") or time.time())
 
     def set_status(self, status: str) -> None:
         self.status.labels(self.run_id).state(status)
@@ -177,6 +195,12 @@ class PrometheusSink:
             self.resumes.labels(rid).inc()
         elif event == "preempted":
             self.preemptions.labels(rid).inc()
+        elif event == "hang":
+            self.hang(record)
+        elif event == "goodput":
+            self.goodput.labels(rid).set(record["ratio"])
+            for bucket in BADPUT:
+                self.badput.labels(rid, bucket).set(record["buckets"].get(bucket, 0.0))
         elif event == "setup":
             self.peak.labels(rid).set(record["peak_tflops"])
             self.world.labels(rid).set(record["world"])

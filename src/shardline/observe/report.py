@@ -11,11 +11,16 @@ import base64
 import html
 import json
 import logging
+import statistics
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardline.errors import ShardlineError
+from shardline.goodput import BUCKETS, Goodput, compute_goodput
+from shardline.jsonl import read_jsonl
 
 log = logging.getLogger("shardline")
 GiB = 2**30
@@ -40,32 +45,27 @@ class RunRecords:
 def read_records(metrics_file: Path) -> RunRecords:
     out = RunRecords()
     saves: dict[int, float] = {}
-    with metrics_file.open() as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue  # a torn last line from a killed attempt
-            kind, event = r.get("kind"), r.get("event")
-            if kind == "train":
-                seg = out.segments[-1]
-                if seg and r["step"] <= seg[-1]["step"]:
-                    out.segments.append([])  # a restart that resumed from an earlier step
-                out.segments[-1].append(r)
-            elif kind == "eval":
-                out.evals.append(r)
-            elif event == "checkpoint" or (kind == "checkpoint" and "stall_s" in r):
-                out.checkpoints.append(dict(r))
-            elif event == "checkpoint_committed":
-                saves[r["step"]] = r["save_s"]
-            elif event == "resume":
-                out.resumes.append(r)
-                if out.segments[-1]:
-                    out.segments.append([])
-            elif event == "setup":
-                out.setup = r
-            if kind == "event" and event not in ("checkpoint", "checkpoint_committed", "setup"):
-                out.events.append(r)
+    for r in read_jsonl(metrics_file):
+        kind, event = r.get("kind"), r.get("event")
+        if kind == "train":
+            seg = out.segments[-1]
+            if seg and r["step"] <= seg[-1]["step"]:
+                out.segments.append([])  # a restart that resumed from an earlier step
+            out.segments[-1].append(r)
+        elif kind == "eval":
+            out.evals.append(r)
+        elif event == "checkpoint" or (kind == "checkpoint" and "stall_s" in r):
+            out.checkpoints.append(dict(r))
+        elif event == "checkpoint_committed":
+            saves[r["step"]] = r["save_s"]
+        elif event == "resume":
+            out.resumes.append(r)
+            if out.segments[-1]:
+                out.segments.append([])
+        elif event == "setup":
+            out.setup = r
+        if kind == "event" and event not in ("checkpoint", "checkpoint_committed", "setup", "goodput"):
+            out.events.append(r)
     for c in out.checkpoints:
         c["save_s"] = saves.get(c["step"])
     out.segments = [s for s in out.segments if s] or [[]]
@@ -148,6 +148,37 @@ def plot_step_time(recs: RunRecords):
     return fig
 
 
+def plot_stragglers(recs: RunRecords):
+    """Per-rank step time (training/stragglers.py): the slowest and the median rank per step, and which rank
+    was the slowest (right axis); the title names the rank slowest most often and its mean excess."""
+    fig, ax = _figure("per-rank step time")
+    _lines(ax, recs, "step_time_max_s", "slowest rank", "tab:red")
+    _lines(ax, recs, "step_time_median_s", "median rank", "tab:blue")
+    ax.set_ylabel("seconds")
+    ax.set_ylim(bottom=0)
+    right = ax.twinx()
+    timed = [r for r in recs.train if r.get("slowest_rank") is not None]
+    right.scatter([r["step"] for r in timed], [r["slowest_rank"] for r in timed], s=6, color="tab:gray",
+                  label="slowest rank (right axis)")
+    from matplotlib.ticker import MaxNLocator
+
+    right.set_ylabel("rank")
+    right.yaxis.set_major_locator(MaxNLocator(integer=True))
+    world = recs.setup.get("world") or 1 + max((r["slowest_rank"] for r in timed), default=0)
+    right.set_ylim(-0.5, world - 0.5)
+    if timed:
+        counts = Counter(r["slowest_rank"] for r in timed)
+        rank, n = counts.most_common(1)[0]
+        excess = statistics.fmean(r["step_time_max_s"] - r["step_time_median_s"] for r in timed
+                                  if r["slowest_rank"] == rank)
+        ax.set_title(f"per-rank step time · slowest most often: rank {rank} ({100 * n / len(timed):.0f}% of steps, "
+                     f"+{excess:.3g}s over the median)", fontsize=11, loc="left")
+    _mark_resumes(ax, recs)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper right")
+    return fig
+
+
 def plot_memory(recs: RunRecords):
     fig, ax = _figure("peak memory (rank 0)")
     _lines(ax, recs, "mem_peak_bytes", "measured peak", "tab:blue", scale=1 / GiB)
@@ -191,6 +222,52 @@ def plot_cost(recs: RunRecords):
     _mark_resumes(ax, recs)
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper left")
+    return fig
+
+
+BUCKET_COLORS = {"productive": "tab:green", "startup": "tab:orange", "data_preparation": "gold",
+                 "data_wait": "tab:olive", "checkpoint_save": "tab:red", "checkpoint_restore": "tab:pink",
+                 "eval": "tab:blue", "wasted": "black", "restart_gap": "tab:gray", "other": "lightgray"}
+
+
+def plot_goodput(goodput: Goodput):
+    """Top: each attempt's wall time by bucket (the gap before it included); bottom: the run's timeline."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.2), dpi=110)
+    fig.subplots_adjust(left=0.11, right=0.97, top=0.9, bottom=0.12, hspace=0.75)
+    bars, line = fig.subplots(2, 1, height_ratios=[max(1, len(goodput.attempts)), 1])
+    bars.set_title(f"goodput {100 * goodput.ratio:.1f}% of {goodput.wall_s:.0f} s", fontsize=11, loc="left")
+    run_start = goodput.attempts[0].start
+    previous_end = None
+    labelled: set[str] = set()
+    for i, attempt in enumerate(goodput.attempts):
+        widths = dict(attempt.buckets)
+        widths["restart_gap"] = attempt.start - previous_end if previous_end is not None else 0.0
+        left = 0.0
+        for bucket in ("restart_gap", *(b for b in BUCKETS if b != "restart_gap")):  # the gap came first
+            if widths.get(bucket, 0.0) > 0:
+                bars.barh(i, widths[bucket], left=left, color=BUCKET_COLORS[bucket],
+                          label=bucket.replace("_", " ") if bucket not in labelled else None)
+                labelled.add(bucket)
+                left += widths[bucket]
+        if previous_end is not None:
+            line.axvspan(previous_end - run_start, attempt.start - run_start, color=BUCKET_COLORS["restart_gap"])
+        setup_end = attempt.start + attempt.buckets["startup"] + attempt.buckets["data_preparation"]
+        line.axvspan(attempt.start - run_start, setup_end - run_start, color=BUCKET_COLORS["startup"])
+        line.axvspan(setup_end - run_start, attempt.end - run_start, color=BUCKET_COLORS["productive"], alpha=0.8)
+        line.text((attempt.start + attempt.end) / 2 - run_start, 0.5, f"{attempt.attempt}: {attempt.ended_by}",
+                  ha="center", va="center", fontsize=8)
+        previous_end = attempt.end
+    bars.set_yticks(range(len(goodput.attempts)),
+                    [f"attempt {a.attempt}\nsteps {a.first_step}–{a.last_step}" for a in goodput.attempts],
+                    fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("seconds")
+    bars.legend(loc="upper left", bbox_to_anchor=(0, -0.35), ncols=5, fontsize=7, frameon=False)
+    line.set_yticks([])
+    line.set_xlim(0, goodput.wall_s)
+    line.set_xlabel("seconds since the run started (orange: startup, green: training, gray: between attempts)")
     return fig
 
 
@@ -254,11 +331,18 @@ def write_report(run_dir: Path) -> Path:
     if not metrics_file.is_file():
         raise ShardlineError(str(run_dir), "has no metrics.jsonl", "pass a run directory that has trained")
     recs = read_records(metrics_file)
+    goodput = compute_goodput(read_jsonl(metrics_file), _read_json(run_dir / "manifest.json"), now=time.time())
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     figures = []
+    plots = dict(PLOTS)
+    if goodput is not None:
+        plots["goodput.png"] = ("Goodput: wall time by bucket, per attempt and over time",
+                                lambda _: plot_goodput(goodput))
+    if any(r.get("slowest_rank") is not None for r in recs.train):  # a world of more than one rank
+        plots["stragglers.png"] = ("Per-rank step time: slowest vs median rank, and which rank", plot_stragglers)
     priced = any(r.get("cost_usd") is not None for r in recs.train)
-    for name, (caption, plot) in PLOTS.items():
+    for name, (caption, plot) in plots.items():
         if name == "cost.png" and not priced:  # no price, no panel (the summary says how to set one)
             (out / name).unlink(missing_ok=True)
             continue
@@ -270,12 +354,12 @@ def write_report(run_dir: Path) -> Path:
                        f"<figcaption>{html.escape(caption)} ({name})</figcaption></figure>")
     page = out / "index.html"
     tmp = out / "index.html.tmp"
-    tmp.write_text(_page(run_dir, recs, figures))
+    tmp.write_text(_page(run_dir, recs, figures, goodput))
     tmp.replace(page)
     return page
 
 
-def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
+def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput | None) -> str:
     manifest = _read_json(run_dir / "manifest.json")
     summary = _read_json(run_dir / "summary.json")
     evaluation = _read_json(run_dir / "eval.json")
@@ -301,6 +385,7 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
         ("wall time (training loop)", f"{summary['wall_time_s']:.1f} s" if "wall_time_s" in summary else None),
         ("checkpoint stall total", summary.get("checkpoint_stall_s_total")),
         ("resumes", len(recs.resumes)),
+        ("goodput", goodput.line() if goodput is not None else None),
         ("cost", _cost_text(summary, last)),
     ])
     versions = manifest.get("versions") or {}
@@ -326,6 +411,7 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
         "<h2>Final evaluation</h2>",
         _grid(["", "question", "gold", "prediction"], sample_rows) if sample_rows
         else f"<p>{html.escape(_evaluation_absent(manifest, status))}</p>",
+        "<h2>Goodput</h2>", _goodput_table(goodput),
         "<h2>Checkpoints</h2>",
         _grid(["step", "stall s", "save s", "blocking", "location"], ckpt_rows) if ckpt_rows else "<p>none</p>",
         "<h2>Resumes</h2>",
@@ -335,6 +421,21 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str]) -> str:
         "</body></html>",
     ]
     return "\n".join(parts)
+
+
+def _goodput_table(goodput: Goodput | None) -> str:
+    """Each bucket's seconds and share of the wall time, per attempt and for the run (shardline.goodput)."""
+    if goodput is None or goodput.wall_s <= 0:
+        return "<p>no attempt recorded its setup yet</p>"
+    header = ["bucket", "run s", "% of wall"] + [f"attempt {a.attempt} s" for a in goodput.attempts]
+    rows = [[b.replace("_", " "), goodput.buckets[b], f"{100 * goodput.buckets[b] / goodput.wall_s:.1f}%"]
+            + [round(a.buckets.get(b, 0.0), 2) if b != "restart_gap" else "–" for a in goodput.attempts]
+            for b in BUCKETS]
+    rows.append(["wall", goodput.wall_s, "100%"] + [round(a.wall_s, 2) for a in goodput.attempts])
+    rows.append(["ended by", "", ""] + [a.ended_by for a in goodput.attempts])
+    rows.append(["recovery s (previous end → first step)", "", ""]
+                + [a.recovery_s if a.recovery_s is not None else "–" for a in goodput.attempts])
+    return _grid(header, rows)
 
 
 def _failure_box(run_dir: Path, manifest: dict) -> str:

@@ -6,6 +6,7 @@ cannot be drawn is logged and printed, and training goes on.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -43,6 +44,21 @@ def count_resumes(metrics_file: Path) -> int:
         return sum(1 for line in f if '"event": "resume"' in line)
 
 
+def past_hangs(metrics_file: Path) -> list[dict]:
+    """Earlier attempts' `hang` events (training/watchdog.py): their reporting process exited at once."""
+    if not metrics_file.is_file():
+        return []
+    found = []
+    with metrics_file.open() as f:
+        for line in f:
+            if '"event": "hang"' in line:
+                try:
+                    found.append(json.loads(line))
+                except ValueError:  # a line torn by the exit that followed it
+                    continue
+    return found
+
+
 class ObserveSession:
     def __init__(self, spec: JobSpec, run_dir: Path, trainer: Trainer, console: Console) -> None:
         self.spec, self.run_dir, self.console = spec, run_dir, console
@@ -77,6 +93,8 @@ class ObserveSession:
         sink = PrometheusSink(spec.run.id or spec.run.name, info, previous_resumes=resumes,
                               max_steps=spec.train.max_steps)
         sink.set_price(usd_per_hour)
+        for hang in past_hangs(self.run_dir / "metrics.jsonl"):
+            sink.hang(hang)
         try:
             endpoint, stop = serve(sink, o.metrics_host or LOCAL_METRICS_HOST, o.metrics_port)
         except OSError as e:

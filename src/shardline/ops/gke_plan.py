@@ -48,6 +48,7 @@ from shardline.ops.gke_steps import (
     node_pool,
     pins_step,
 )
+from shardline.ops.gke_tpu import tpu_plan_steps, tpu_setup_lines, tpu_variables
 from shardline.profiles import get_profile
 from shardline.spec import JobSpec
 
@@ -92,6 +93,8 @@ class GkePlanOptions:
 
 
 def plan_steps(spec: JobSpec, opts: GkePlanOptions) -> list[Step]:
+    if spec.train.engine == "maxtext":  # TPU slices: ops/gke_tpu.py
+        return tpu_plan_steps(spec, dws=opts.dws, spot=opts.spot)
     profile = get_profile(spec.launch.profile)
     apis = ["container.googleapis.com", "compute.googleapis.com", "monitoring.googleapis.com"]
     if opts.build:
@@ -140,14 +143,19 @@ def _variables(spec: JobSpec, opts: GkePlanOptions) -> dict[str, str]:
     out |= {f"{env}_FILE": f'"${{{env}_FILE:-}}"' for env in sorted(spec.launch.kubernetes.secret_env)}
     if opts.build:
         out |= {"REPOSITORY": f'"{opts.repository}"', "SOURCE_DIR": shlex.quote(opts.source)}
+    if spec.train.engine == "maxtext":
+        out |= tpu_variables(spec)
     return out
 
 
 def render_setup(spec: JobSpec, opts: GkePlanOptions) -> str:
     body = setup_body(plan_steps(spec, opts))
     risks = plan_risks(spec, spot=opts.spot, dws=opts.dws)
-    head = header("Create a GKE cluster for shardline training jobs.",
-                  setup_lines(get_profile(spec.launch.profile), risks), used(body, _variables(spec, opts)))
+    lines = (tpu_setup_lines(spec, risks) if spec.train.engine == "maxtext"
+             else setup_lines(get_profile(spec.launch.profile), risks))
+    head = header("Create a GKE cluster for shardline training jobs.", lines, used(body, _variables(spec, opts)))
+    if spec.train.engine == "maxtext":
+        return f"{head}\n{body}\necho \"cluster ${{CLUSTER}} is ready for TPU slices\"\n" + risk_echo(risks)
     here = 'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
     return (f"{head}\n{here}\n{body}\necho \"cluster ${{CLUSTER}} is ready; queue: see {BOOTSTRAP_FILE}\"\n"
             + risk_echo(risks))
@@ -178,6 +186,11 @@ def _check(opts: GkePlanOptions, spec: JobSpec) -> None:
         raise SpecError("--max-nodes", f"{opts.max_nodes}", "give at least 1")
     if not (opts.dws or opts.spot):
         raise SpecError("--no-dws/--no-spot", "no GPU node pool left", "keep --dws, --spot or both")
+    if spec.train.engine == "maxtext":  # TPU node pools come from launch.tpu, not a GPU profile
+        for bucket, field in buckets(spec).values():
+            if not _BUCKET.match(bucket):
+                raise SpecError(field, f"{bucket!r} is not a GCS bucket name", "write gs://BUCKET/path")
+        return
     profile = get_profile(spec.launch.profile)
     if profile.machine_type is None or not profile.gcloud_network_flags:
         raise SpecError("--profile", f"profile {profile.name!r} has no GKE machine type",
@@ -204,6 +217,15 @@ def _check(opts: GkePlanOptions, spec: JobSpec) -> None:
 def write_plan(spec: JobSpec, opts: GkePlanOptions, out: Path) -> list[Path]:
     """Write setup.sh, teardown.sh and the bootstrap objects setup.sh applies; returns the paths."""
     _check(opts, spec)
+    if spec.train.engine == "maxtext":  # no image build, no GPU bootstrap: setup.sh and teardown.sh
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for name, text in (("setup.sh", render_setup(spec, opts)), ("teardown.sh", render_teardown(spec, opts))):
+            path = out / name
+            path.write_text(text)
+            path.chmod(0o755)
+            paths.append(path)
+        return paths
     profile = get_profile(spec.launch.profile)
     max_nodes = opts.max_nodes if opts.max_nodes is not None else spec.launch.nnodes
     setup, teardown = render_setup(spec, opts), render_teardown(spec, opts)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from shardline.errors import SpecError
 from shardline.hardware import PRICES_AS_OF, match_device
 from shardline.hardware import price_table as catalogue_price_table
+from shardline.jsonl import read_jsonl
 
 if TYPE_CHECKING:
     from shardline.spec import JobSpec
@@ -199,16 +200,9 @@ def process_started_monotonic() -> float:
 
 def previous_cost_usd(metrics_file: Path) -> float:
     """The cumulative `cost_usd` the run's earlier attempts recorded last (0 for a new run)."""
-    if not metrics_file.is_file():
-        return 0.0
     last = 0.0
-    with metrics_file.open() as f:
-        for line in f:
-            if '"cost_usd"' in line:
-                try:
-                    last = float(json.loads(line).get("cost_usd") or last)
-                except ValueError:
-                    continue  # a torn last line from a killed attempt
+    for record in read_jsonl(metrics_file):
+        last = float(record.get("cost_usd") or last)
     return last
 
 
@@ -224,7 +218,7 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
         dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
         if spec.train.peak_tflops is not None:
             peak, where = spec.train.peak_tflops, "train.peak_tflops"
-        elif device_kind == "cuda" and (table := table_peak_tflops(device_name, dtype)) is not None:
+        elif device_kind in ("cuda", "tpu") and (table := table_peak_tflops(device_name, dtype)) is not None:
             peak, where = table, f"{device_name} dense {spec.train.precision}"
         else:  # this host's CPU, shared by the node's processes as in training
             peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
@@ -232,7 +226,7 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
             where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
         step_s = estimated_step_time(spec, peak)
         source = f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s ({where})"
-    key = device_name if device_kind == "cuda" else "cpu"
+    key = device_name if device_kind in ("cuda", "tpu") else "cpu"
     p = project_cost(spec, key, step_s, source)
     lines = [f"time: {p.steps} steps × {p.step_time_s:.3g} s/step = {p.hours:.3g} h on {p.devices} devices "
              f"({source}); startup, evaluation and checkpoint time not included"]

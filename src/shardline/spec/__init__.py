@@ -29,6 +29,7 @@ from shardline.spec.sections import (
     StorageSpec,
     TaskName,
     Toleration,
+    TpuSpec,
     TrainSpec,
 )
 
@@ -36,5 +37,5 @@ __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
     "CostSpec", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec", "LoraSpec",
     "ModelSpec", "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning",
-    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TrainSpec",
+    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TpuSpec", "TrainSpec",
 ]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from shardline.errors import SpecError
-from shardline.hardware import price_table
+from shardline.hardware import price_table, tpu_slice
 from shardline.spec.sections import JobSections
 
 
 def check_combinations(spec: JobSections) -> None:
+    check_tpu(spec)  # first: with MaxText the world size is the slices' chips, which the batch rules below divide
     t, a = spec.train, spec.model.arch
     world = spec.world_size
     per_step = world * t.micro_batch_size
@@ -66,6 +67,20 @@ def check_combinations(spec: JobSections) -> None:
         raise SpecError("observe.wandb_project", "is empty", "name a W&B project, or use null to turn W&B off")
     check_cost(spec)
     check_elastic(spec)
+    check_hang_timeout(spec)
+
+
+MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a hang
+MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
+
+
+def check_hang_timeout(spec: JobSections) -> None:
+    t = spec.launch.hang_timeout_seconds
+    if t and not MIN_HANG_TIMEOUT_S <= t < MAX_HANG_TIMEOUT_S:
+        raise SpecError("launch.hang_timeout_seconds", f"{t:g} is outside [{MIN_HANG_TIMEOUT_S:g}, "
+                        f"{MAX_HANG_TIMEOUT_S:g}) seconds",
+                        "use more than the slowest step, validation or checkpoint save (e.g. 600), "
+                        "less than the 1800 s collective timeout, or 0/null to turn hang detection off")
 
 
 def check_elastic(spec: JobSections) -> None:
@@ -105,3 +120,34 @@ def check_cost(spec: JobSections) -> None:
         if c.provisioning not in table[gpu]:
             raise SpecError("cost.provisioning", f"no {c.provisioning} price for {gpu}",
                             f"add cost.prices.{gpu}.{c.provisioning} or choose one of {', '.join(table[gpu])}")
+
+
+def check_tpu(spec: JobSections) -> None:
+    """train.engine maxtext: launch.tpu names real slices, and nodes × processes are exactly their hosts × chips, so
+    that the world size every other rule (and `plan`, and cost) uses is the number of chips."""
+    if spec.train.engine != "maxtext":
+        return
+    tp, launch = spec.launch.tpu, spec.launch
+    try:
+        sl = tpu_slice(tp.type, tp.topology)
+    except ValueError as e:
+        field = "launch.tpu.type" if "unknown TPU type" in str(e) else "launch.tpu.topology"
+        raise SpecError(field, str(e), "use a topology GKE offers for the type, e.g. v6e 4x4, "
+                        "v5e 2x4, v5p 2x2x4") from None
+    if spec.parallel.nproc_per_node != sl.chips_per_host:
+        raise SpecError("parallel.nproc_per_node", f"is {spec.parallel.nproc_per_node}, but a {tp.type} {tp.topology} "
+                        f"host has {sl.chips_per_host} chips (one JAX process per host drives them all)",
+                        f"set parallel.nproc_per_node={sl.chips_per_host}")
+    if launch.nnodes != tp.slices * sl.hosts:
+        raise SpecError("launch.nnodes", f"is {launch.nnodes}, but {tp.slices} slice(s) of {tp.type} {tp.topology} "
+                        f"have {tp.slices * sl.hosts} hosts ({sl.hosts} per slice)",
+                        f"set launch.nnodes={tp.slices * sl.hosts}, or change launch.tpu.slices")
+    if sl.chips % tp.tensor_parallelism:
+        raise SpecError("launch.tpu.tensor_parallelism", f"{tp.tensor_parallelism} does not divide the {sl.chips} "
+                        f"chips of a {tp.topology} slice", "use a divisor of the slice's chip count (1, 2, 4, …)")
+    if tp.min_slices is not None and tp.min_slices > tp.slices:
+        raise SpecError("launch.tpu.min_slices", f"{tp.min_slices} is more than launch.tpu.slices={tp.slices}",
+                        f"use a value from 1 to {tp.slices}")
+    if launch.min_nnodes is not None:
+        raise SpecError("launch.min_nnodes", "is torchrun's elastic node range; a TPU job grows and shrinks by "
+                        "whole slices", "unset launch.min_nnodes and use launch.tpu.min_slices (--target rayjob)")

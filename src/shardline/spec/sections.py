@@ -136,6 +136,9 @@ class TrainSpec(Section):
     """Test examples generated for at the end and scored by the task's metric (text_to_sql: execution
     accuracy); 0 skips it. A task without a generation metric (`data.task: none`) skips it always."""
     eval_max_new_tokens: int = Field(96, ge=1)
+    engine: Literal["torch", "maxtext"] = "torch"
+    """What trains: `torch` (shardline's FSDP2 worker under torchrun, on GPUs or CPU) or `maxtext` (MaxText, JAX, on
+    the TPU slices of launch.tpu; shardline maps the spec to MaxText's config, engines/maxtext.py, docs/tpu.md)."""
 
     @model_validator(mode="after")
     def _scale_warmup(self) -> TrainSpec:
@@ -370,6 +373,27 @@ class VertexSpec(Section):
     secret in launch.vertex.project, latest version) or projects/P/secrets/S/versions/V; never values."""
 
 
+class TpuSpec(Section):
+    """TPU slices for train.engine maxtext (engines/maxtext.py; the chips are in hardware.py's catalogue). A slice is
+    `topology` chips of `type` on its hosts; `slices` of them talk over the data-center network (multislice)."""
+
+    type: str = "v6e"
+    """TPU generation, a key of hardware.TPU_GENERATIONS (v5e, v5p, v6e: GKE cloud.google.com/gke-tpu-accelerator,
+    machine types ct5lp/ct5p/ct6e); checked with train.engine maxtext."""
+    topology: str = Field("4x4", pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$")
+    """Chips of one slice: AxB (v5e, v6e) or AxBxC (v5p); GKE cloud.google.com/gke-tpu-topology."""
+    slices: int = Field(1, ge=1)
+    """Slices in the job (JobSet replicas; MaxText dcn_*_parallelism); launch.nnodes = slices × hosts per slice."""
+    min_slices: int | None = Field(None, ge=1)
+    """--target rayjob: elastic on spot, the TPU worker group may shrink to this many slices (KubeRay minReplicas);
+    None: exactly `slices`."""
+    tensor_parallelism: int = Field(1, ge=1)
+    """MaxText ici_tensor_parallelism: chips of a slice each layer is split across; the rest of the slice is FSDP."""
+    load_parameters_path: str | None = Field(None, pattern=r"^gs://[a-z0-9][a-z0-9._-]*[a-z0-9](/[^\s]*)?$")
+    """MaxText (Orbax) checkpoint of model.path's weights, converted once with maxtext.checkpoint_conversion.to_maxtext;
+    required with model.path (MaxText does not read Hugging Face safetensors in training)."""
+
+
 class LaunchSpec(Section):
     nnodes: int = Field(1, ge=1)
     """Nodes in the job; world size = nnodes × parallel.nproc_per_node. Local runs need 1."""
@@ -381,6 +405,12 @@ class LaunchSpec(Section):
     grace_seconds: int = Field(60, ge=1)
     """After a stop signal, how long workers may take to checkpoint before SIGKILL
     (torchrun --shutdown-timeout; Kubernetes terminationGracePeriodSeconds; Slurm --signal lead time)."""
+    hang_timeout_seconds: float | None = Field(None, ge=0)
+    """Hang detection (training/watchdog.py): when a rank's step or phase makes no progress for this long,
+    every rank dumps its Python stacks to logs/stack-rank-<k>.txt, the run names the rank(s) whose heartbeat
+    stopped (step, phase, stack top, host), and the workers exit 76 so that torchrun (launch.max_restarts) or
+    the engine restarts them from the last checkpoint. Must exceed the slowest step, validation and checkpoint
+    save; None or 0: off."""
     image: str | None = None
     """Container image for cluster launches (built from the project's Dockerfile)."""
     image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
@@ -391,6 +421,7 @@ class LaunchSpec(Section):
     slurm: SlurmSpec = SlurmSpec()
     ray: RaySpec = RaySpec()
     vertex: VertexSpec = VertexSpec()
+    tpu: TpuSpec = TpuSpec()
     netcheck: NetcheckSpec = NetcheckSpec()
     gpucheck: GpucheckSpec = GpucheckSpec()
 

@@ -3,16 +3,19 @@
 At the named point (`train_step`, `validation`, `checkpoint`, `sql_evaluation`, `checkpoint_write` — inside a
 save, after this rank's shard files are on disk and before it reports them) the matching rank raises
 `InjectedFault`, exactly as a real error would surface there; with `action=stop` it stops itself (SIGSTOP)
-instead, so a drill can kill it at exactly that point. Unset (always, outside drills), it does nothing.
+instead, so a drill can kill it at exactly that point; with `action=slow:seconds=X` it sleeps X seconds (a slow
+rank, as a throttled GPU or a slow data read makes one; without `step` at every step). Unset (always, outside
+drills), it does nothing.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 POINTS = ("train_step", "validation", "checkpoint", "sql_evaluation", "checkpoint_write")
-ACTIONS = ("raise", "stop")
+ACTIONS = ("raise", "stop", "slow")
 
 
 class InjectedFault(RuntimeError):
@@ -33,5 +36,8 @@ def maybe_fail(point: str, rank: int, step: int) -> None:
     if name == point and int(wanted.get("rank", rank)) == rank and int(wanted.get("step", step)) == step:
         if action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if action == "slow":
+            time.sleep(float(wanted.get("seconds", "1")))
             return
         raise InjectedFault(f"injected fault at {point} (rank {rank}, step {step})")

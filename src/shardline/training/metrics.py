@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from shardline.run_status import eta_seconds, format_duration
+from shardline.clock import format_duration
+from shardline.run_status import eta_seconds
 
 
 @dataclass
@@ -34,6 +35,10 @@ class TrainRecord:
     hfu: float  # executed FLOPs (padding, attention as computed, recompute) / the peak
     mem_peak_bytes: int
     epoch: float
+    # Per-rank step time (training/stragglers.py): the slowest rank's, the median rank's, and which rank.
+    step_time_max_s: float | None = None
+    step_time_median_s: float | None = None
+    slowest_rank: int | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
+from shardline.goodput import Goodput, compute_goodput
+from shardline.jsonl import read_jsonl
 from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET
 from shardline.model.flops import (
@@ -40,7 +43,8 @@ from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.planning.memory import planned_peak_bytes
-from shardline.rundir import checkpoint_location
+from shardline.procfs import process_start_epoch
+from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
@@ -55,6 +59,7 @@ from shardline.training.parallelize import data_parallel_mesh, parallelize
 from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
+from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
@@ -62,8 +67,10 @@ WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of th
 
 class Trainer:
     def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
-                 console: Console, stop: StopRequest | None = None) -> None:
+                 console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
+        self.prepare_s = prepare_s
+        """Seconds this worker group spent preparing or finding the prepared data (a goodput bucket)."""
         self.console = console
         self.phase = "setup"
         """What the run is doing now (`shardline.failures.PHASES`): a failure record names it."""
@@ -157,7 +164,9 @@ class Trainer:
         self._event(event="setup", flops_per_token=self.flops_per_token, formula=FORMULA,
                     planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
-                    world=self.ctx.world, dataset_version=self.data.version)
+                    world=self.ctx.world, dataset_version=self.data.version,
+                    process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3),
+                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _counters(self) -> dict:
@@ -186,7 +195,22 @@ class Trainer:
         self._say(f"checkpoint step {self.step}: training stalled {stall:.2f}s "
                   f"({'written' if blocking or not self.checkpointer.use_async else 'writing in background'})")
         self._flush_checkpoint_events()
+        self.record_goodput()
         self.phase = phase
+
+    def record_goodput(self) -> Goodput | None:
+        """Rank 0: the run's goodput so far (every attempt, from metrics.jsonl and the manifest) as a `goodput`
+        event, which the Prometheus endpoint and trackers see; None on other ranks."""
+        if not self.metrics:
+            return None
+        records = read_jsonl(self.metrics.path)
+        found = compute_goodput(records, read_manifest(self.run_dir), now=time.time())
+        if found is not None:
+            current = found.attempts[-1]
+            self._event(event="goodput", step=self.step, attempt=current.attempt, ratio=found.ratio,
+                        wall_s=found.wall_s, buckets=found.buckets,
+                        attempt_buckets={b: round(v, 3) for b, v in current.buckets.items()})
+        return found
 
     def _flush_checkpoint_events(self) -> None:
         for event in self.checkpointer.events:
@@ -201,6 +225,7 @@ class Trainer:
                                  "cannot be checked against this run", "resume from a checkpoint shardline "
                                  "committed (it writes spec.yaml before COMMITTED), or start a new run")
         check_resume(saved, self.spec)
+        started = time.perf_counter()
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
         state = self.checkpointer.load(step, state, store)
@@ -211,7 +236,8 @@ class Trainer:
             self.step, self.consumed_tokens = int(counters["step"]), int(counters["consumed_tokens"])
         else:
             self.step = step
-        self._event(event="resume", step=step, location=store.path(step), rng_restored=rng, world=self.ctx.world)
+        self._event(event="resume", step=step, location=store.path(step), rng_restored=rng, world=self.ctx.world,
+                    restore_s=round(time.perf_counter() - started, 3))
         self._say(f"resumed from {store.path(step)} at step {step}"
                   + ("" if rng or not with_optimizer else " (new world size: fresh RNG streams)"))
 
@@ -260,7 +286,9 @@ class Trainer:
                                    sum(b.spans.causal_pairs for b in batches),
                                    sum(self._executed_pairs(b) for b in batches)], dtype=torch.float64,
                                   device=ctx.device)
+            arrived = time.perf_counter()
             dist.all_reduce(counts)
+            waited = time.perf_counter() - arrived  # for slower peers: not this rank's own step time
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in batches:
@@ -281,8 +309,11 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         with record_function("shardline.sync"):
-            dist.all_reduce(loss_sum)
-            loss = float(loss_sum / loss_tokens)  # synchronises: the step is complete
+            own = own_step_seconds(start, waited, ctx.device)
+            reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
+            dist.all_reduce(reduced)
+            loss = float(reduced[0] / loss_tokens)  # synchronises: the step is complete
+            stragglers = straggler_fields(reduced[1:].tolist())
         if table := self.profiler.after_step(self.step + 1):
             self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
         step_time = time.perf_counter() - start
@@ -300,7 +331,7 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
-            epoch=self.sampler.epoch_of(self.step),
+            epoch=self.sampler.epoch_of(self.step), **stragglers,
         )
 
     def _executed_pairs(self, batch) -> int:
@@ -340,11 +371,13 @@ class Trainer:
     def validate(self) -> float:
         phase, self.phase = self.phase, "validation"
         maybe_fail("validation", self.ctx.rank, self.step)
+        started = time.perf_counter()
         rows = self.data.rows("validation")
         batches = eval_batches(rows, self.spec.train.micro_batch_size, self.ctx.rank, self.ctx.world)
         loss = validation_loss(self.model, batches, self.ctx.device)
         if self.metrics:
-            self.metrics.write("eval", {"step": self.step, "val_loss": loss})
+            self.metrics.write("eval", {"step": self.step, "val_loss": loss,
+                                        "seconds": round(time.perf_counter() - started, 3)})
         self._say(f"step {self.step}: validation loss {loss:.4f}")
         self.phase = phase
         return loss
@@ -379,12 +412,18 @@ class Trainer:
         wall = time.perf_counter() - wall
         val_loss = self.validate()
         if self.checkpointer.store.latest() != self.step or self.checkpointer.pending:
+            waited = time.perf_counter()
             self.checkpointer.wait()
+            self._event(event="checkpoint_wait", step=self.step, stall_s=round(time.perf_counter() - waited, 4))
             if self.checkpointer.store.latest() != self.step:
                 self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
         summary = self.summarize(records, wall, val_loss)
         summary |= self.evaluate_generation()
+        if goodput := self.record_goodput():
+            summary["goodput"] = {"ratio": goodput.ratio, "wall_s": goodput.wall_s, **goodput.buckets,
+                                  "attempts": len(goodput.attempts)}
+            self._say(goodput.line())
         if self.metrics and self.metrics.cost is not None:  # after the generation eval: its device time counts
             summary |= self.metrics.cost.summary()
             if line := self.metrics.cost.summary_line():
@@ -446,7 +485,7 @@ class Trainer:
         (self.run_dir / "eval.json").write_text(json.dumps(
             {"task": self.task.name, **result.scores, "n": result.n, "metric": result.metric,
              "samples": result.samples}, indent=2))
-        self.metrics.write("eval", {"step": self.step, **result.scores, "n": result.n})
+        self.metrics.write("eval", {"step": self.step, **result.scores, "n": result.n, "seconds": round(seconds, 3)})
         for s in result.samples[:3]:
             mark = {True: "[green]✓[/] ", False: "[red]✗[/] "}.get(s.get("match"), "")
             self.console.print(f"{mark}{s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")

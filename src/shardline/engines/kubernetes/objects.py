@@ -124,7 +124,7 @@ def jobset(spec: JobSpec, task: str) -> list[dict]:
     name = k8s_pod.object_name(spec)
     job_template = {"metadata": {"labels": k8s_pod.labels(spec)},
                     "spec": _job_spec(spec, "jobset", task, f"{name}-spec", subdomain=None)}
-    bad_input = "exit code 2 matching FailJob rule"
+    bad_input = k8s_pod.BAD_INPUT_FAILURE
     js = {"apiVersion": JOBSET_API, "kind": "JobSet",
           "metadata": _meta(spec, name, queue_labels(spec), job_annotations(spec)),
           "spec": {"network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
@@ -162,5 +162,19 @@ def render_objects(spec: JobSpec, target: str, task: str = "train") -> list[dict
         raise SpecError("run.id", "is not assigned", "render through `shardline render`/`launch`, which assign it")
     check_cluster_spec(spec)
     preemption_notes(spec)  # refuses spot capacity that nothing would save from a preemption
+    if spec.train.engine == "maxtext":
+        return _maxtext_objects(spec, target)
     builders = {"k8s-job": indexed_job, "jobset": jobset, "trainjob": trainjob}
     return [config_map(spec, k8s_pod.object_name(spec)), *builders[target](spec, task)]
+
+
+def _maxtext_objects(spec: JobSpec, target: str) -> list[dict]:
+    """MaxText on TPU slices: only a JobSet expresses slices (one replicated Job each); engines/kubernetes/tpu.py."""
+    from shardline.engines.kubernetes.tpu import tpu_jobset
+
+    if target != "jobset":
+        raise SpecError("--target", f"{target} cannot run train.engine=maxtext on TPU slices",
+                        "use --target jobset (multislice JobSet) or --target rayjob (KubeRay)")
+    name = k8s_pod.object_name(spec)
+    cm = config_map(spec, name)
+    return [cm, tpu_jobset(spec, _meta(spec, name, queue_labels(spec), job_annotations(spec)), cm["metadata"]["name"])]

@@ -19,6 +19,9 @@ from shardline.profiles import HostMount, NetworkProfile, get_profile, gpu_netwo
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_hash
 
+BAD_INPUT_FAILURE = "exit code 2 matching FailJob rule"
+"""The message of a Job failed by the podFailurePolicy rule for exit code 2 (bad input): JobSet rules match it."""
+
 SPEC_MOUNT = "/etc/shardline"
 SPEC_PATH = f"{SPEC_MOUNT}/spec.yaml"
 CONTAINER = "node"

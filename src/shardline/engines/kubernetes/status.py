@@ -50,7 +50,9 @@ def kueue_reasons(workload: dict | None) -> list[str]:
         if quota and quota.get("status") == "False":
             msg = quota.get("message", "")
             lowered = msg.lower()
-            if "insufficient" in lowered or "quota" in lowered:
+            if "google.com/tpu" in lowered:
+                out.append(f"queued: TPU quota exhausted in the ClusterQueue (google.com/tpu) — {msg}")
+            elif "insufficient" in lowered or "quota" in lowered:
                 out.append(f"queued: quota exhausted in the ClusterQueue — {msg}")
             elif "inactive" in lowered or "doesn't exist" in lowered or "does not exist" in lowered:
                 out.append(f"queued: the queue is not usable — {msg}")
@@ -89,6 +91,10 @@ def _pod_detail(pod: dict) -> tuple[str, str]:
             msg = sched.get("message", "")
             if "untolerated taint" in msg:
                 return "unschedulable", f"unschedulable: node taints not tolerated — {msg}"
+            if "google.com/tpu" in msg or "gke-tpu-topology" in msg:
+                return "unschedulable", ("unschedulable: no TPU node pool of this accelerator and topology has room "
+                                         "(no capacity for the slice, a pool still scaling up, or TPU quota in the "
+                                         f"region) — {msg}")
             if "Insufficient" in msg:
                 return "unschedulable", f"unschedulable: not enough resources (GPU count?) — {msg}"
             if "node affinity" in msg or "node selector" in msg:

@@ -1,0 +1,180 @@
+"""Hang detection names the rank: a SIGSTOPped worker is named (step, phase, stack top, host) within the timeout,
+the live ranks' stacks are on disk, and torchrun restarts the group from the last checkpoint to the end."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardline.errors import EXIT_HANG, SpecError
+from shardline.failures import read_failures
+from shardline.rundir import read_manifest
+from shardline.spec.resolve import load_spec
+from shardline.training.watchdog import Heartbeat, hang_message, heartbeat_interval, judge
+from tests.conftest import REPO, read_metrics, small_overrides
+
+TIMEOUT_S = 8
+MARGIN_S = 12  # heartbeat interval + the second read two intervals later + a loaded 2-core machine
+
+
+def _beat(rank: int, seq: int, step: int, phase: str = "training") -> Heartbeat:
+    return Heartbeat(rank, seq, step, phase, time.time(), "node-a", 100 + rank, "all_reduce (distributed_c10d.py:1)")
+
+
+def test_a_heartbeat_that_stops_names_its_rank_before_one_that_is_merely_behind():
+    first = {0: _beat(0, 5, 7), 1: _beat(1, 9, 6), 2: _beat(2, 3, 7)}
+    second = {0: _beat(0, 7, 7), 1: _beat(1, 11, 6), 2: _beat(2, 3, 7)}  # rank 2's seq stood still
+    verdict = judge(first, second, world=4)  # rank 3 never published
+    assert verdict.stopped == [2, 3] and verdict.behind == [1] and verdict.culprits == [2, 3]
+    message = hang_message(verdict, 30, time.time())
+    assert message.startswith("hang: rank(s) 2, 3 stopped arriving")
+    assert "rank 2 — last heartbeat" in message and "step 7, training, at all_reduce" in message
+    assert "rank 3 never sent a heartbeat" in message and "on node-a (pid 102)" in message
+
+
+def test_without_a_stopped_heartbeat_the_rank_behind_is_named_and_else_nobody():
+    first = {0: _beat(0, 1, 4), 1: _beat(1, 1, 3)}
+    second = {0: _beat(0, 2, 4), 1: _beat(1, 2, 3)}
+    assert judge(first, second, 2).culprits == [1]
+    assert "rank(s) 1 alive but behind" in hang_message(judge(first, second, 2), 30, time.time())
+    level = {0: _beat(0, 2, 4), 1: _beat(1, 2, 4)}  # both inside the collective
+    assert judge(first | {1: _beat(1, 1, 4)}, level, 2).culprits == []
+    assert "every rank waits at the same place" in hang_message(judge(level, {0: _beat(0, 3, 4),
+                                                                             1: _beat(1, 3, 4)}, 2), 30, 0)
+
+
+def test_at_the_same_step_the_rank_outside_the_collective_the_others_wait_in_is_named():
+    beats = {0: _beat(0, 1, 4), 1: Heartbeat(1, 1, 4, "training", 0.0, "node-b", 7, "maybe_fail (faults.py:60)")}
+    later = {r: Heartbeat(**{**vars(hb), "seq": 2}) for r, hb in beats.items()}
+    verdict = judge(beats, later, 2)
+    assert verdict.stopped == verdict.behind == [] and verdict.culprits == [1]
+    assert "rank(s) 1 alive but outside the collective" in hang_message(verdict, 30, 0)
+
+
+def test_hang_timeout_is_validated_and_sets_the_heartbeat_interval():
+    assert load_spec("tiny", ["launch.hang_timeout_seconds=0"]).launch.hang_timeout_seconds == 0
+    for bad in ("2", "-1", "5000"):
+        with pytest.raises(SpecError) as e:
+            load_spec("tiny", [f"launch.hang_timeout_seconds={bad}"])
+        assert e.value.field == "launch.hang_timeout_seconds"
+    assert heartbeat_interval(8) == 0.8 and heartbeat_interval(600) == 5.0 and heartbeat_interval(5) == 0.5
+
+
+def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen, log) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := predicate()) is not None:
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+    pytest.fail(f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def _events(run_dir, name: str) -> list[dict]:
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return [e for e in read_metrics(run_dir, "event") if e.get("event") == name]
+
+
+def _step_with_checkpoint(run_dir, step: int):
+    trains = read_metrics(run_dir, "train") if (run_dir / "metrics.jsonl").exists() else []
+    if trains and trains[-1]["step"] >= step and _events(run_dir, "checkpoint_committed"):
+        return trains[-1]["step"]
+    return None
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint(tmp_path):
+    runs = tmp_path / "runs"
+    sets = [*small_overrides(runs), "parallel.nproc_per_node=2", "train.precision=fp32", "train.max_steps=160",
+            "checkpoint.every_steps=20", f"launch.hang_timeout_seconds={TIMEOUT_S}", "launch.max_restarts=1",
+            "launch.grace_seconds=3", "observe.metrics_port=null", "observe.report=false"]
+    log = tmp_path / "console.txt"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", "train", "tiny",
+                                 *[a for kv in sets for a in ("--set", kv)]], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    stopped_pid = None
+    try:
+        run_dir = _wait(lambda: next((p.parent for p in runs.glob("*/spec.yaml")), None), "run directory", 120,
+                        proc, log)
+        _wait(lambda: _step_with_checkpoint(run_dir, 30), "step 30 with a committed checkpoint", 240, proc, log)
+        time.sleep(2 * heartbeat_interval(TIMEOUT_S))  # a heartbeat from the loop, not from before it
+        ranks = {p["role"]: p["pid"] for p in read_manifest(run_dir)["processes"]}
+        stopped_pid = ranks["rank 1"]
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        hang = _wait(lambda: next(iter(_events(run_dir, "hang")), None), "hang event", TIMEOUT_S + 60, proc, log)
+        detected_s = hang["time"] - stopped_at
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        if stopped_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped_pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    console = log.read_text()
+    # named within the timeout and a margin, by its heartbeat having stopped: where and on which host
+    assert TIMEOUT_S - 1 <= detected_s <= TIMEOUT_S + MARGIN_S, (detected_s, console[-3000:])
+    assert hang["ranks"] == [1] and hang["stopped"] == [1] and hang["reported_by"] == 0
+    where = hang["where"]["1"]
+    assert where["host"] == socket.gethostname() and where["pid"] == stopped_pid and where["step"] >= 30
+    assert where["phase"] in ("training", "checkpoint", "validation") and "(" in where["stack_top"]
+    assert "error: rank 0: hang: rank(s) 1 stopped arriving" in console
+    assert "hang: rank(s) 1 stopped arriving" in (run_dir / "logs" / "rank-0.log").read_text()
+    # the live rank's stacks, every thread, on disk
+    stack = (run_dir / "logs" / "stack-rank-0.txt").read_text()
+    assert "Thread" in stack and "shardline-watchdog" not in stack.splitlines()[0]
+    assert "trainer.py" in stack or "checkpoint.py" in stack
+    # the failure record and the manifest name it; the run's own exit code restarts it
+    [failure] = [f for f in read_failures(run_dir) if f.error_type == "HangDetected"]
+    assert failure.rank == 1 and failure.host == socket.gethostname() and failure.committed_step is not None
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "finished" and manifest["hangs"][0]["ranks"] == [1]
+    assert f"exited with code {EXIT_HANG}" not in console  # told once, as a hang
+    # resumed from the last committed checkpoint and finished
+    [resume] = [e for e in _events(run_dir, "resume") if e["time"] > hang["time"]]
+    assert resume["step"] == failure.committed_step
+    after = [r for r in read_metrics(run_dir, "train") if r["time"] > resume["time"]]
+    assert after[0]["step"] == resume["step"] + 1 and after[-1]["step"] == 160
+    first_step_s = after[0]["time"] - hang["time"]
+    print(f"\nSIGSTOP → hang event {detected_s:.1f}s (timeout {TIMEOUT_S}s); hang event → resume "
+          f"{resume['time'] - hang['time']:.1f}s → first step {first_step_s:.1f}s")
+    (tmp_path / "timings.json").write_text(json.dumps({"detected_s": detected_s, "first_step_s": first_step_s}))
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76(tmp_path):
+    """Rank 1 sleeps inside step 8 (alive, heartbeat still beating) while rank 0 waits in a collective: both dump
+    their stacks, rank 1 is named as outside the collective, and the run's failure record and exit code say hang."""
+    sets = [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=2", "train.precision=fp32",
+            "train.max_steps=12", "checkpoint.every_steps=4", f"launch.hang_timeout_seconds={TIMEOUT_S}",
+            "launch.grace_seconds=3", "observe.metrics_port=null", "observe.report=false"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               SHARDLINE_FAULT="train_step:rank=1:step=8:action=slow:seconds=300")
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "shardline.cli", "train", "tiny",
+                           *[a for kv in sets for a in ("--set", kv)]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
+    assert time.time() - started < 120  # nobody waited for the 300 s sleep or the 1800 s collective timeout
+    run_dir = next(p.parent for p in (tmp_path / "runs").glob("*/spec.yaml"))
+    [hang] = _events(run_dir, "hang")
+    assert hang["ranks"] == [1] and hang["stopped"] == [] and hang["where"]["1"]["step"] == 7
+    assert "maybe_fail (faults.py" in hang["where"]["1"]["stack_top"]
+    for rank, frame in ((0, "distributed_c10d.py"), (1, "faults.py")):  # every live rank's stack, on disk
+        assert frame in (run_dir / "logs" / f"stack-rank-{rank}.txt").read_text()
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["exit_code"] == EXIT_HANG
+    failure = manifest["failure"]
+    assert failure["rank"] == 1 and failure["error_type"] == "HangDetected" and failure["committed_step"] == 4
+    assert "rank 1 failed while training in step 8 of 12: HangDetected: hang: rank(s) 1 alive but outside the " \
+           "collective" in failure["message"]
+    assert proc.stderr.count("hang: rank(s) 1") >= 1 and "Traceback" not in proc.stderr
