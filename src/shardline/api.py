@@ -34,6 +34,7 @@ from shardline.engines.backend import (
 )
 from shardline.engines.registry import BACKENDS, get_backend
 from shardline.errors import ClusterError, DataError, ShardlineError, SpecError
+from shardline.hardware import match_device
 from shardline.jsonl import read_jsonl
 from shardline.planning import memory
 from shardline.planning.devices import Device, current_device, get_device
@@ -110,9 +111,17 @@ class Plan:
 
 
 def planning_device(spec: JobSpec, device: str | None = None, memory_gb: float | None = None) -> Device:
-    """The device named, else this machine's; on a CPU-only host a hub model is planned for its profile's GPU."""
+    """The device named, else the GPU the spec asks for (`launch.vertex.accelerator`), else this machine's; on a
+    CPU-only host a hub model is planned for its profile's GPU."""
     if device is not None:
         return get_device(device, memory_gb)
+    if spec.launch.vertex.accelerator:  # Vertex's AcceleratorType (NVIDIA_A100_80GB): the catalogue's GPU
+        gpu = match_device(spec.launch.vertex.accelerator.replace("_", " "))
+        if gpu is None:
+            raise SpecError("launch.vertex.accelerator", f"{spec.launch.vertex.accelerator} is not a GPU shardline's "
+                            "catalogue knows, so it cannot be planned or priced", "plan with --device and "
+                            "--memory-gb, and price it with cost.usd_per_device_hour")
+        return get_device(gpu.key, memory_gb)
     found = current_device()
     if found.kind == "cpu" and spec.model.path is not None:
         from shardline.profiles import get_profile

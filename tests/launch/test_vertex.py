@@ -343,3 +343,21 @@ def test_logs_of_a_bucket_without_gcsfs_say_what_to_install(api):
     backend, record = _launch(api)
     lines = list(backend.logs(record, rank=None, follow=False))
     assert "stream-logs" in lines[0] and "pip install gcsfs" in lines[1]
+
+
+def test_plan_and_cost_use_the_gpu_of_the_vertex_accelerator_type(tmp_path):
+    """A generic-profile Vertex job names its GPU only as Vertex's AcceleratorType: plan and price that GPU."""
+    import shardline
+    from shardline.planning.cost import plan_cost_lines
+
+    sets = {"run.dir": str(tmp_path), "launch.vertex.machine_type": "a2-ultragpu-1g",
+            "launch.vertex.accelerator": "NVIDIA_A100_80GB", "parallel.nproc_per_node": 1}
+    planned = shardline.plan(shardline.Spec.load("tiny", sets))
+    assert planned.device.name == "A100 80GB" and planned.device.kind == "cuda"
+    lines = plan_cost_lines(shardline.Spec.load("tiny", sets), planned.device.kind, planned.device.name)
+    assert any("a100 on-demand" in line for line in lines), lines
+    forty = shardline.plan(shardline.Spec.load("tiny", sets | {"launch.vertex.accelerator": "NVIDIA_TESLA_A100"}))
+    assert forty.device.name != planned.device.name and forty.device.memory_bytes < planned.device.memory_bytes
+    with pytest.raises(SpecError) as e:
+        shardline.plan(shardline.Spec.load("tiny", sets | {"launch.vertex.accelerator": "NVIDIA_TESLA_K80"}))
+    assert e.value.field == "launch.vertex.accelerator"

@@ -279,14 +279,20 @@ class Watchdog:
 
 def kill_frozen_local_peers(verdict: HangVerdict, host: str) -> list[int]:
     """SIGKILL the stopped ranks' processes on this host (a frozen process ignores torchrun's SIGTERM, and the
-    agent waits 30 s before its SIGKILL); only processes that are shardline workers."""
+    agent waits 30 s before its SIGKILL); only workers of this run (the same `--spec` on their command line)."""
     killed = []
+    try:
+        own = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+        run_spec = own[own.index(b"--spec") + 1]
+    except (OSError, ValueError, IndexError):
+        return killed  # not started as a worker: nothing here can tell which processes are this run's
     for r in verdict.stopped:
         hb = verdict.last.get(r)
         if hb is None or hb.host != host or hb.pid == os.getpid():
             continue
         try:
-            if b"shardline.worker" in Path(f"/proc/{hb.pid}/cmdline").read_bytes():
+            theirs = Path(f"/proc/{hb.pid}/cmdline").read_bytes().split(b"\0")
+            if b"shardline.worker" in theirs and run_spec in theirs:
                 os.kill(hb.pid, signal.SIGKILL)
                 killed.append(hb.pid)
         except OSError:  # gone already, or not ours to kill
