@@ -239,3 +239,20 @@ def test_status_names_tpu_capacity_and_quota():
     wl = {"status": {"conditions": [{"type": "QuotaReserved", "status": "False",
                                      "message": "couldn't assign flavors: insufficient quota for google.com/tpu"}]}}
     assert any(re.search("TPU quota", r) for r in kueue_reasons(wl))
+
+
+def test_status_tells_apart_the_hosts_of_every_slice():
+    """Each slice's Job numbers its pods from 0 (completion index), so the node rank also needs the Job's index:
+    the labels JobSet puts on every pod (kubernetes-sigs/jobset api: `jobset.sigs.k8s.io/job-index`,
+    `jobset.sigs.k8s.io/replicatedjob-replicas`)."""
+    s = spec()
+    hosts = s.launch.nnodes // s.launch.tpu.slices
+    pods = [{"metadata": {"name": f"mt-slice-{job}-{host}", "creationTimestamp": "2026-11-25T00:00:00Z",
+                          "annotations": {"batch.kubernetes.io/job-completion-index": str(host)},
+                          "labels": {"jobset.sigs.k8s.io/job-index": str(job),
+                                     "jobset.sigs.k8s.io/replicatedjob-replicas": str(s.launch.tpu.slices)}},
+             "status": {"phase": "Running"}}
+            for job in range(s.launch.tpu.slices) for host in range(hosts)]
+    state = explain({"status": {}}, pods, None, s.launch.nnodes)
+    assert [r.rank for r in state.ranks] == list(range(s.launch.nnodes)) and state.phase == "running"
+    assert state.ranks[hosts].name == "mt-slice-1-0"

@@ -42,6 +42,30 @@ def test_every_bootstrap_object_validates_against_its_api_schema(overrides, opts
         k8s_schemas.validate(obj)
 
 
+def test_tpu_slices_get_a_chip_quota_and_flavors_for_their_accelerator_and_topology():
+    """MaxText on TPU: Kueue admits whole slices by `google.com/tpu` (GKE's TPU device plugin) on flavors that select
+    the slice's node pools by `cloud.google.com/gke-tpu-accelerator` and `gke-tpu-topology` (GKE "Plan TPUs in
+    GKE"); DWS provisions TPU nodes the same way, so the provisioning request manages google.com/tpu."""
+    from tests.k8s_schemas import validate
+
+    spec = load_spec("maxtext-v6e-multislice", ["run.id=mt-1"])
+    objs = bootstrap_objects(spec, BootstrapOptions(dws=True, spot=True))
+    for obj in objs:
+        validate(obj)
+    dws, spot = by_kind(objs, "ResourceFlavor")
+    labels = {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice", "cloud.google.com/gke-tpu-topology": "4x4"}
+    assert dws["spec"]["nodeLabels"] == labels and spot["spec"]["nodeLabels"] == labels | {
+        "cloud.google.com/gke-spot": "true"}
+    assert {t["key"] for t in spot["spec"]["tolerations"]} == {"google.com/tpu"}
+    (group,) = one(objs, "ClusterQueue")["spec"]["resourceGroups"]
+    assert group["coveredResources"] == ["google.com/tpu"]
+    assert all(f["resources"] == [{"name": "google.com/tpu", "nominalQuota": 2 * 16}] for f in group["flavors"])
+    assert one(objs, "ProvisioningRequestConfig")["spec"]["managedResources"] == ["google.com/tpu"]
+    with pytest.raises(SpecError) as e:
+        bootstrap_objects(spec, BootstrapOptions(gpus=8))
+    assert e.value.field == "--gpus"
+
+
 def test_kueue_objects_use_a_version_the_pinned_crds_serve():
     served = {v["name"] for v in yaml.safe_load((CRDS / "kueue.x-k8s.io_clusterqueues.yaml").read_text())["spec"]
               ["versions"] if v["served"]}

@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from shardline.errors import SpecError
+from shardline.hardware import tpu_slice
 from shardline.observe.prometheus import pod_monitoring
 from shardline.profiles import NetworkProfile, get_profile
 from shardline.spec import JobSpec
@@ -49,6 +50,9 @@ DWS_PROVISIONING_CLASS = "queued-provisioning.gke.io"
 DWS_QUEUED_TAINT = "cloud.google.com/gke-queued"
 """Taint GKE puts on nodes created by queued provisioning (DWS flex-start)."""
 ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
+TPU_RESOURCE = "google.com/tpu"
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 SPOT_LABEL = "cloud.google.com/gke-spot"
 DEFAULT_LOCAL_QUEUE = "shardline"
 LAUNCHER_ROLE = "shardline-launcher"
@@ -107,8 +111,33 @@ def _check_quantity(where: str, value: str) -> str:
     return value
 
 
+def _is_tpu(spec: JobSpec) -> bool:
+    return spec.train.engine == "maxtext"
+
+
+def _tpu_quota(spec: JobSpec, opts: BootstrapOptions) -> dict[str, int | str]:
+    """MaxText on TPU slices: every chip of every slice (GKE's device plugin resource), plus cpu/memory where the
+    pods request them and a quantity is given (a TPU VM's size is not in the catalogue)."""
+    if opts.gpus is not None:
+        raise SpecError("--gpus", "the spec runs MaxText on TPU slices (train.engine maxtext)",
+                        "drop --gpus: the quota is the chips of launch.tpu's slices")
+    tp = spec.launch.tpu
+    quota: dict[str, int | str] = {}
+    for resource, option, request in (("cpu", opts.cpu, spec.launch.kubernetes.cpu),
+                                      ("memory", opts.memory, spec.launch.kubernetes.memory)):
+        if option is not None:
+            quota[resource] = _check_quantity(f"--{resource}", option)
+        elif request is not None:
+            raise SpecError(f"launch.kubernetes.{resource}", f"TPU pods request {resource} {request!r}, so Kueue "
+                            "needs a quota for it", f"pass --{resource} QUANTITY")
+    quota[TPU_RESOURCE] = tpu_slice(tp.type, tp.topology).chips * tp.slices
+    return quota
+
+
 def resource_quota(spec: JobSpec, opts: BootstrapOptions) -> dict[str, int | str]:
     """Nominal quota per flavor: {resource name: quantity}, in coveredResources order."""
+    if _is_tpu(spec):
+        return _tpu_quota(spec, opts)
     profile = get_profile(spec.launch.profile)
     gpu_resource = spec.launch.kubernetes.gpu_resource
     quota: dict[str, int | str] = {}
@@ -141,10 +170,14 @@ def resource_quota(spec: JobSpec, opts: BootstrapOptions) -> dict[str, int | str
 
 
 def dws_flavor_name(spec: JobSpec) -> str:
+    if _is_tpu(spec):
+        return f"shardline-tpu-{spec.launch.tpu.type}-{spec.launch.tpu.topology}-dws"
     return f"shardline-{spec.launch.profile}-dws"
 
 
 def _tolerations(spec: JobSpec) -> list[dict]:
+    if _is_tpu(spec):  # GKE taints every TPU node with google.com/tpu
+        return [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     if spec.launch.kubernetes.gpu_resource == "nvidia.com/gpu":  # GKE taints every GPU node with it
         return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     return []
@@ -155,6 +188,11 @@ def resource_flavors(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
     profile = get_profile(spec.launch.profile)
     labels = {ACCELERATOR_LABEL: profile.accelerator} if profile.accelerator else {}
     base = f"shardline-{profile.name}"
+    if _is_tpu(spec):  # the slice's accelerator and topology: one flavor per slice shape
+        tp = spec.launch.tpu
+        labels = {TPU_ACCELERATOR_LABEL: tpu_slice(tp.type, tp.topology).generation.gke_accelerator,
+                  TPU_TOPOLOGY_LABEL: tp.topology}
+        base = f"shardline-tpu-{tp.type}-{tp.topology}"
     flavors = []
     if opts.dws:
         tolerations = [*_tolerations(spec), {"key": DWS_QUEUED_TAINT, "operator": "Exists", "effect": "NoSchedule"}]
@@ -175,7 +213,7 @@ def resource_flavors(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
 
 
 def _dws_objects(spec: JobSpec) -> list[dict]:
-    gpu_resource = spec.launch.kubernetes.gpu_resource
+    gpu_resource = TPU_RESOURCE if _is_tpu(spec) else spec.launch.kubernetes.gpu_resource
     if gpu_resource is None:
         raise SpecError("--dws", "DWS provisions GPU nodes but launch.kubernetes.gpu_resource is null",
                         "set launch.kubernetes.gpu_resource: nvidia.com/gpu, or drop --dws")

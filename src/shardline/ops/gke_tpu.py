@@ -73,7 +73,8 @@ def tpu_plan_steps(spec: JobSpec, dws: bool, spot: bool) -> list[Step]:
 def tpu_setup_lines(spec: JobSpec, risks: list[str]) -> list[str]:
     tp = spec.launch.tpu
     return plan_header(f"TPU {tp.type} {tp.topology} x {tp.slices} slice(s) for MaxText (train.engine maxtext).",
-                       "Needs gcloud and kubectl. Kueue's ClusterQueue for google.com/tpu is not created here.", risks)
+                       "Needs gcloud and kubectl. Kueue's queue for the slices: `shardline cluster bootstrap` on this "
+                       "spec (google.com/tpu quota).", risks)
 
 
 def tpu_variables(spec: JobSpec) -> dict[str, str]:

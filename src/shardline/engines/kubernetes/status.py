@@ -10,6 +10,8 @@ from __future__ import annotations
 from shardline.engines.backend import JobState, Phase, RankState
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # which replicated Job (TPU slice) a JobSet pod belongs to
+REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
 EXIT_MEANING = {0: "finished", 1: "failed", 2: "bad input (see the log)", 75: "preempted, checkpoint committed",
                 137: "killed (SIGKILL: out of memory or grace period exceeded)", 143: "terminated (SIGTERM)"}
 
@@ -104,14 +106,22 @@ def _pod_detail(pod: dict) -> tuple[str, str]:
     return phase.lower(), ""
 
 
-def rank_states(pods: list[dict]) -> list[RankState]:
-    """Newest pod per rank (earlier attempts' pods only add to the restart count)."""
+def node_rank(meta: dict, nnodes: int) -> int:
+    """The pod's node rank: its completion index, offset by its Job's index when a JobSet replicates the Job
+    (multislice TPU: `replicatedjob-replicas` slices of nnodes / slices hosts each; completion indexes repeat)."""
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    index = int(annotations.get(INDEX_ANNOTATION) or labels.get(INDEX_ANNOTATION) or 0)
+    replicas = int(labels.get(REPLICAS_LABEL) or 1)
+    if replicas > 1 and nnodes % replicas == 0:
+        return int(labels.get(JOB_INDEX_LABEL) or 0) * (nnodes // replicas) + index
+    return index
+
+
+def rank_states(pods: list[dict], nnodes: int = 1) -> list[RankState]:
+    """Newest pod per node rank (earlier attempts' pods only add to the restart count)."""
     by_rank: dict[int, list[dict]] = {}
     for p in pods:
-        meta = p.get("metadata") or {}
-        index = (meta.get("annotations") or {}).get(INDEX_ANNOTATION) or (meta.get("labels") or {}).get(
-            INDEX_ANNOTATION)
-        by_rank.setdefault(int(index or 0), []).append(p)
+        by_rank.setdefault(node_rank(p.get("metadata") or {}, nnodes), []).append(p)
     out = []
     for rank, group in sorted(by_rank.items()):
         group.sort(key=lambda p: p["metadata"].get("creationTimestamp") or "")
@@ -129,7 +139,7 @@ def explain(work: dict | None, pods: list[dict], workload: dict | None, nnodes: 
         return JobState(phase="unknown", reasons=["the job object is gone (deleted, or cleaned up after finishing)"])
     phase, reasons = workload_phase(work)
     reasons += kueue_reasons(workload)
-    ranks = rank_states(pods)
+    ranks = rank_states(pods, nnodes)
     jobset_restarts = ((work.get("status") or {}).get("restarts")) or 0
     if phase is None:
         states = {r.state for r in ranks}
