@@ -82,7 +82,8 @@ def compute_goodput(records: list[dict], manifest: dict, now: float | None = Non
         return None
     end = _run_end(manifest, records, now)
     redone = _redone_occurrences(attempts)
-    launches = sorted(t for a in manifest.get("attempts") or [] if (t := _epoch(a.get("start_time"))) is not None)
+    launches = {t: float(a.get("prepare_s") or 0.0) for a in manifest.get("attempts") or []
+                if (t := _epoch(a.get("start_time"))) is not None}  # launch start → the launcher's data preparation
     run_start = _epoch(manifest.get("start_time"))
     results: list[AttemptGoodput] = []
     gaps = 0.0
@@ -97,7 +98,9 @@ def compute_goodput(records: list[dict], manifest: dict, now: float | None = Non
             lead_from.append(run_start)
         if lead_from:
             lead = result.start - min(lead_from)
-            result.buckets["startup"] += lead
+            prepared = min(lead, sum(launches.get(t, 0.0) for t in set(lead_from)))
+            result.buckets["data_preparation"] += prepared
+            result.buckets["startup"] += lead - prepared
             result.start -= lead
         if previous_end is not None and result.start < previous_end:  # a pooled process (Ray) started earlier
             result.buckets["startup"] = max(0.0, result.buckets["startup"] - (previous_end - result.start))

@@ -132,6 +132,15 @@ def update_manifest(run_dir: Path, **fields) -> None:
         write_manifest(run_dir, read_manifest(run_dir) | fields)
 
 
+def update_attempt(run_dir: Path, **fields) -> None:
+    """Add fields to the current (last) launch attempt of the manifest."""
+    with manifest_lock(run_dir):
+        manifest = read_manifest(run_dir)
+        attempts = manifest.get("attempts") or [{}]
+        attempts[-1] = attempts[-1] | fields
+        write_manifest(run_dir, manifest | {"attempts": attempts})
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 

@@ -76,6 +76,8 @@ def _check_goodput(run: Path, attempts: int, elapsed: float) -> dict:
     assert goodput.buckets["wasted"] == pytest.approx(sum(r["step_time_s"] for r in redone), abs=0.01)
     assert goodput.ratio == pytest.approx(goodput.buckets["productive"] / goodput.wall_s, abs=1e-3)
     assert goodput.buckets["startup"] > 0 and goodput.buckets["checkpoint_save"] > 0
+    launcher_prepare = sum(a.get("prepare_s", 0) for a in json.loads((run / "manifest.json").read_text())["attempts"])
+    assert goodput.buckets["data_preparation"] >= launcher_prepare > 0  # the launcher's, then each worker group's
     assert goodput.buckets["other"] < 0.2 * goodput.wall_s, goodput.buckets  # the records explain the time
     summary = json.loads((run / "summary.json").read_text())["goodput"]  # written as the last attempt ended
     assert summary["attempts"] == attempts

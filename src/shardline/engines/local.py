@@ -37,7 +37,7 @@ from shardline.run_status import (
     record_process,
     settle,
 )
-from shardline.rundir import create_run, read_manifest, read_spec
+from shardline.rundir import create_run, read_manifest, read_spec, update_attempt
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 
@@ -100,7 +100,9 @@ def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object]
 
     previous = signal.signal(signal.SIGTERM, cancelled)  # run_local forwards it to the workers once they run
     try:
+        started = time.perf_counter()
         prepare(spec)
+        update_attempt(run_dir, prepare_s=round(time.perf_counter() - started, 3))  # a goodput bucket
         code = run_local(spec, run_dir / "spec.yaml", "train", run_dir=run_dir)
     except ShardlineError as e:
         mark_failed(run_dir, str(e), EXIT_BAD_INPUT, type(e).__name__, "setup")
