@@ -30,6 +30,13 @@ from shardline.clock import format_duration
 BUCKETS = ("productive", "startup", "data_preparation", "data_wait", "checkpoint_save", "checkpoint_restore",
            "eval", "wasted", "restart_gap", "other")
 BADPUT = BUCKETS[1:]
+FIELDS = ("kind", "event", "time", "step", "step_time_s", "data_wait_s", "stall_s", "restore_s", "seconds",
+          "process_start", "prepare_s")
+"""The record fields goodput reads: a reader that keeps records for it may drop the rest."""
+
+
+def goodput_fields(record: dict) -> dict:
+    return {k: record[k] for k in FIELDS if k in record}
 
 
 class AttemptGoodput(BaseModel):

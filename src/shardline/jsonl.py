@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -22,3 +23,32 @@ def read_jsonl(path: Path) -> list[dict]:
             if isinstance(record, dict):
                 out.append(record)
     return out
+
+
+class JsonlTail:
+    """The records of a JSON-lines file, read incrementally: each `read()` parses only the whole lines appended
+    since the last one (a long run's metrics.jsonl is not re-read at every checkpoint). `keep` may shrink each
+    record to the fields its reader needs."""
+
+    def __init__(self, path: Path, keep: Callable[[dict], dict] = lambda r: r) -> None:
+        self.path, self.keep = Path(path), keep
+        self.offset = 0
+        self.records: list[dict] = []
+
+    def read(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return self.records
+        whole = data.rfind(b"\n") + 1  # a line still being written is read next time
+        for line in data[:whole].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                self.records.append(self.keep(record))
+        self.offset += whole
+        return self.records

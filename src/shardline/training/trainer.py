@@ -25,8 +25,8 @@ from shardline.data.loader import StepSampler, eval_batches, make_batch
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
-from shardline.goodput import Goodput, compute_goodput
-from shardline.jsonl import read_jsonl
+from shardline.goodput import Goodput, compute_goodput, goodput_fields
+from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET
 from shardline.model.flops import (
@@ -70,6 +70,7 @@ class Trainer:
                  console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
         self.prepare_s = prepare_s
+        self._goodput_records: JsonlTail | None = None
         """Seconds this worker group spent preparing or finding the prepared data (a goodput bucket)."""
         self.console = console
         self.phase = "setup"
@@ -203,8 +204,9 @@ class Trainer:
         event, which the Prometheus endpoint and trackers see; None on other ranks."""
         if not self.metrics:
             return None
-        records = read_jsonl(self.metrics.path)
-        found = compute_goodput(records, read_manifest(self.run_dir), now=time.time())
+        if self._goodput_records is None:  # read once, then only what was appended (long runs' files are big)
+            self._goodput_records = JsonlTail(self.metrics.path, goodput_fields)
+        found = compute_goodput(self._goodput_records.read(), read_manifest(self.run_dir), now=time.time())
         if found is not None:
             current = found.attempts[-1]
             self._event(event="goodput", step=self.step, attempt=current.attempt, ratio=found.ratio,

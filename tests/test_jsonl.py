@@ -1,0 +1,19 @@
+"""metrics.jsonl readers: a torn last line (a killed writer) is skipped, and the tail reader parses each line once."""
+
+import json
+
+from shardline.goodput import goodput_fields
+from shardline.jsonl import JsonlTail, read_jsonl
+
+
+def test_a_torn_last_line_is_skipped_and_read_once_it_is_whole(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0, "time": 1.0}) + "\n" + '{"kind": "tr')
+    assert read_jsonl(path) == [{"kind": "train", "step": 1, "loss": 2.0, "time": 1.0}]
+    tail = JsonlTail(path, goodput_fields)
+    assert tail.read() == [{"kind": "train", "step": 1, "time": 1.0}]  # loss is not a goodput field
+    with path.open("a") as f:
+        f.write('ain", "step": 2, "time": 2.0}\n')
+    assert [r["step"] for r in tail.read()] == [1, 2] and tail.offset == path.stat().st_size
+    assert tail.read() == tail.records and len(tail.records) == 2  # nothing new: nothing parsed again
+    assert read_jsonl(tmp_path / "missing.jsonl") == [] and JsonlTail(tmp_path / "missing.jsonl").read() == []
