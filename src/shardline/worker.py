@@ -27,6 +27,7 @@ from shardline.run_status import RECORD_PROCESSES_ENV, record_process
 from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
+from shardline.spec.rules import require_torch_engine
 from shardline.storage import check_locations
 from shardline.training.distributed import DistContext, distributed
 from shardline.training.signals import Preempted, StopRequest
@@ -149,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     try:
         spec = load_spec(str(args.spec))  # a bad field is a SpecError naming it, not a pydantic traceback
-        if spec.train.engine != "torch":  # MaxText specs run MaxText's trainer on TPU slices, never this worker
-            raise SpecError("train.engine", f"is {spec.train.engine}: shardline's PyTorch worker cannot run it",
-                            "launch it with --target jobset or rayjob")
+        require_torch_engine(spec, "shardline.worker")
         if args.task in OPS_TASKS:
             return run_task(spec, args.task, console, args.out)
         return run(spec, args.task, console)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardline.engines.elastic import torchrun_node_flags
-from shardline.errors import SpecError
 from shardline.spec import JobSpec
 
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -26,14 +25,6 @@ def cluster_spec(spec: JobSpec) -> JobSpec:
     spec = spec.model_copy(deep=True)
     spec.observe.metrics_host = CLUSTER_METRICS_HOST
     return spec
-
-
-def torch_engine_only(spec: JobSpec, target: str) -> None:
-    """The torch targets run shardline's own worker; a MaxText (TPU) spec is refused by name there."""
-    if spec.train.engine != "torch":
-        raise SpecError("train.engine", f"is {spec.train.engine}, which --target {target} cannot run (it starts "
-                        "shardline's PyTorch worker)", "use --target jobset or rayjob for MaxText on TPU slices, "
-                        "or train.engine=torch")
 
 
 def worker_command(spec_path: Path | str, task: str = "train") -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 
 from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
-from shardline.engines.command import torch_engine_only, torchrun_policy_flags, worker_command
+from shardline.engines.command import torchrun_policy_flags, worker_command
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.ops.tasks import document_exit_code, run_gpucheck
 from shardline.run_status import (
@@ -40,13 +40,14 @@ from shardline.run_status import (
 from shardline.rundir import create_run, read_manifest, read_spec, update_attempt
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
+from shardline.spec.rules import require_torch_engine
 
 LAUNCHER_LOG = "launcher.log"
 """A detached launcher's console (step lines, the failure message), in the run's logs/."""
 
 
 def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> list[str]:
-    torch_engine_only(spec, "local")
+    require_torch_engine(spec, "--target local")
     if spec.launch.nnodes != 1:
         raise SpecError("launch.nnodes", f"{spec.launch.nnodes} nodes cannot run on this machine alone",
                         "use 1 for local runs, or a cluster launcher for multi-node jobs")

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from shardline.engines.backend import JobState, LaunchRecord, save_record
-from shardline.engines.command import cluster_spec, torch_engine_only
+from shardline.engines.command import cluster_spec
 from shardline.engines.kubernetes.api import create_all
 from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
@@ -33,6 +33,7 @@ from shardline.profiles import get_profile, nccl_environment
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
+from shardline.spec.rules import require_torch_engine
 
 ENTRYPOINT_MODULE = "shardline.engines.ray_train"
 PHASES = {"PENDING": "queued", "RUNNING": "running", "SUCCEEDED": "succeeded", "FAILED": "failed",
@@ -71,7 +72,7 @@ def refuse_elastic(spec: JobSpec) -> None:
 
 
 def entrypoint(spec: JobSpec, task: str) -> str:
-    torch_engine_only(spec, "ray")
+    require_torch_engine(spec, "--target ray")
     refuse_elastic(spec)
     return shlex.join(["python", "-m", ENTRYPOINT_MODULE, "--spec-json",
                        json.dumps(spec.model_dump(mode="json"), separators=(",", ":")), "--task", task])

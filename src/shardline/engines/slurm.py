@@ -30,13 +30,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
-from shardline.engines.command import cluster_spec, node_torchrun_command, torch_engine_only
+from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.secret_env import check_no_literal_secrets, from_environment
 from shardline.errors import ShardlineError, SpecError
 from shardline.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.rundir import new_run_id, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
+from shardline.spec.rules import require_torch_engine
 
 SCRIPT = "job.sbatch"
 SPEC = "spec.yaml"
@@ -119,7 +120,7 @@ def _secret_lines(names: list[str]) -> list[str]:
 
 def batch_script(spec: JobSpec, task: str, run_dir: Path, workdir: Path) -> str:
     """The sbatch script for a spec whose run id is assigned."""
-    torch_engine_only(spec, "slurm")
+    require_torch_engine(spec, "--target slurm")
     _check_directive_values(spec, run_dir, workdir)
     s, logs = spec.launch.slurm, run_dir / "logs"
     gpus = spec.parallel.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node

@@ -28,13 +28,14 @@ from __future__ import annotations
 import json
 import posixpath
 
-from shardline.engines.command import cluster_spec, node_torchrun_command, torch_engine_only
+from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.kubernetes.pod import image_ref
 from shardline.engines.vertex_entry import SECRETS_ENV, SPEC_ENV, SPEC_PATH
 from shardline.errors import SpecError
 from shardline.profiles import get_profile
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_hash, spec_to_yaml
+from shardline.spec.rules import require_torch_engine
 
 FUSE_ROOT = "/gcs"
 """Where Vertex AI mounts Cloud Storage in a training container (gs://b/p is /gcs/b/p)."""
@@ -195,7 +196,7 @@ def replica_command(spec: JobSpec, task: str) -> list[str]:
 
 def custom_job(spec: JobSpec, task: str = "train") -> dict:
     """The CustomJob (REST JSON, int64 as strings as the API writes them) for a spec whose run id is assigned."""
-    torch_engine_only(spec, "vertex")
+    require_torch_engine(spec, "--target vertex")
     _check_spec(spec)
     v = spec.launch.vertex
     pool = {"machineSpec": machine_spec(spec), "replicaCount": "1",

@@ -6,7 +6,6 @@ cannot be drawn is logged and printed, and training goes on.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.failures import REPORTER_ENV
+from shardline.jsonl import read_jsonl
 from shardline.planning.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
 from shardline.rundir import read_manifest, update_manifest
 from shardline.spec.resolve import spec_hash
@@ -46,17 +46,7 @@ def count_resumes(metrics_file: Path) -> int:
 
 def past_hangs(metrics_file: Path) -> list[dict]:
     """Earlier attempts' `hang` events (training/watchdog.py): their reporting process exited at once."""
-    if not metrics_file.is_file():
-        return []
-    found = []
-    with metrics_file.open() as f:
-        for line in f:
-            if '"event": "hang"' in line:
-                try:
-                    found.append(json.loads(line))
-                except ValueError:  # a line torn by the exit that followed it
-                    continue
-    return found
+    return [r for r in read_jsonl(metrics_file) if r.get("event") == "hang"]
 
 
 class ObserveSession:

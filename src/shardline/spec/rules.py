@@ -74,6 +74,14 @@ MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a ha
 MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
 
 
+def require_torch_engine(spec: JobSections, runner: str) -> None:
+    """`runner` (a torch target, the worker) starts shardline's PyTorch worker: a MaxText (TPU) spec is refused."""
+    if spec.train.engine != "torch":
+        raise SpecError("train.engine", f"is {spec.train.engine}, which {runner} cannot run (it starts shardline's "
+                        "PyTorch worker)", "use --target jobset or rayjob for MaxText on TPU slices, or "
+                        "train.engine=torch")
+
+
 def check_hang_timeout(spec: JobSections) -> None:
     t = spec.launch.hang_timeout_seconds
     if t and not MIN_HANG_TIMEOUT_S <= t < MAX_HANG_TIMEOUT_S:

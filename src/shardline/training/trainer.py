@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
@@ -70,8 +69,8 @@ class Trainer:
                  console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
         self.prepare_s = prepare_s
-        self._goodput_records: JsonlTail | None = None
         """Seconds this worker group spent preparing or finding the prepared data (a goodput bucket)."""
+        self._goodput_records: JsonlTail | None = None
         self.console = console
         self.phase = "setup"
         """What the run is doing now (`shardline.failures.PHASES`): a failure record names it."""
@@ -166,8 +165,7 @@ class Trainer:
                     planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, dataset_version=self.data.version,
-                    process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3),
-                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                    process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _counters(self) -> dict:

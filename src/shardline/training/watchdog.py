@@ -124,23 +124,16 @@ def hang_message(verdict: HangVerdict, timeout_s: float, now: float) -> str:
             return f"rank {r} never sent a heartbeat"
         return f"rank {r} — last heartbeat {now - hb.time:.1f}s ago: {hb.where()}"
 
-    if verdict.stopped:
-        head = (f"hang: rank(s) {', '.join(map(str, verdict.stopped))} stopped arriving (no heartbeat; the process "
-                f"is frozen, stopped or its host is gone) — no progress for {timeout_s:g}s "
+    kinds = [(verdict.stopped, "stopped arriving (no heartbeat; the process is frozen, stopped or its host is gone)"),
+             (verdict.behind, "alive but behind the others' step"),
+             (verdict.elsewhere, "alive but outside the collective the others wait in")]
+    named, why = next(((ranks, why) for ranks, why in kinds if ranks), ([], ""))
+    if named:
+        head = (f"hang: rank(s) {', '.join(map(str, named))} {why} — no progress for {timeout_s:g}s "
                 "(launch.hang_timeout_seconds)")
-        named = verdict.stopped
-    elif verdict.behind:
-        head = (f"hang: rank(s) {', '.join(map(str, verdict.behind))} alive but behind the others' step — no progress "
-                f"for {timeout_s:g}s (launch.hang_timeout_seconds)")
-        named = verdict.behind
-    elif verdict.elsewhere:
-        head = (f"hang: rank(s) {', '.join(map(str, verdict.elsewhere))} alive but outside the collective the others "
-                f"wait in — no progress for {timeout_s:g}s (launch.hang_timeout_seconds)")
-        named = verdict.elsewhere
     else:
         head = (f"hang: every rank waits at the same place for {timeout_s:g}s (launch.hang_timeout_seconds); no "
                 "rank is missing — a collective or the storage is stuck")
-        named = []
     others = [r for r in sorted(verdict.last) if r not in named]
     lines = [head, *(f"  {line(r)}" for r in named)]
     if others:
@@ -242,9 +235,10 @@ class Watchdog:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         stack_file = logs / f"stack-rank-{self.rank}.txt"
+        step, phase = self.where()
         with stack_file.open("w") as f:
             f.write(f"rank {self.rank} on {self.host} (pid {self.pid}): no progress for {stalled_s:.1f}s at "
-                    f"step {self.where()[0]}, {self.where()[1]}; all Python threads, most recent call first:\n")
+                    f"step {step}, {phase}; all Python threads, most recent call first:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         recorder = dump_flight_recorder(logs / f"flight-recorder-rank-{self.rank}.json")
