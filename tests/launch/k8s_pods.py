@@ -78,8 +78,10 @@ def pods_from(objects: list[dict]) -> list[Pod]:
             rj = work["spec"]["replicatedJobs"][0]["name"]
             hostname, subdomain = f"{name}-{rj}-0-{i}", work["spec"]["network"]["subdomain"]
         ann = dict(meta.get("annotations", {}), **{"batch.kubernetes.io/job-completion-index": str(i)})
-        pods.append(Pod(hostname, subdomain, ns, i, ann, meta.get("labels", {}), spec["containers"][0],
-                        spec.get("volumes", [])))
+        labels = dict(meta.get("labels", {}))
+        if work["kind"] == "JobSet":  # the JobSet controller labels every pod of its Jobs with its name
+            labels["jobset.sigs.k8s.io/jobset-name"] = name
+        pods.append(Pod(hostname, subdomain, ns, i, ann, labels, spec["containers"][0], spec.get("volumes", [])))
     return pods
 
 

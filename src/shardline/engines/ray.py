@@ -216,6 +216,7 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
     from shardline.engines.kubernetes.objects import config_map, job_annotations, queue_labels
 
     refuse_elastic(spec)
+    k8s_pod.check_restart_strategy(spec, "rayjob")
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
         spec.run.id = new_run_id(spec.run.name)

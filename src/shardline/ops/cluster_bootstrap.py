@@ -13,7 +13,9 @@ Built from the job spec as plain dicts (typed data, never text templates):
   annotation saying why.
 - Identity: the trainer ServiceAccount `launch.kubernetes.service_account` with no API token at all (training
   pods never call the Kubernetes API; GCS FUSE and the GKE metadata server authenticate the pod without a
-  mounted token), and a `shardline-launcher` Role holding exactly what a *user* of `shardline
+  mounted token) — except with `launch.kubernetes.restart_strategy: InPlaceRestart`, whose agent may watch its
+  JobSet and annotate its own pod (the `shardline-inplace-agent` Role, bound to that ServiceAccount) —
+  and a `shardline-launcher` Role holding exactly what a *user* of `shardline
   launch|status|logs|wait|cancel` needs in that namespace (every target: Job, JobSet, TrainJob, RayJob with its
   NetworkPolicy), plus a ClusterRole that reads the one CRD `--target trainjob` checks the Trainer version in.
   Bind them with `--bind-launcher`, or `kubectl create rolebinding shardline-launcher --role shardline-launcher
@@ -57,6 +59,7 @@ SPOT_LABEL = "cloud.google.com/gke-spot"
 DEFAULT_LOCAL_QUEUE = "shardline"
 LAUNCHER_ROLE = "shardline-launcher"
 CRD_READER_ROLE = "shardline-launcher-crd-reader"
+IN_PLACE_ROLE = "shardline-inplace-agent"
 TRAINJOB_CRD = "trainjobs.trainer.kubeflow.org"
 """The CRD `launch --target trainjob` reads (engines/kubernetes/trainer_api.py; ops/ may not import launch/)."""
 POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
@@ -303,15 +306,31 @@ def crd_reader_role() -> dict:
                        "resourceNames": [TRAINJOB_CRD], "verbs": ["get"]}]}
 
 
+def in_place_agent_role(namespace: str) -> dict:
+    """What the in-place restart agent in each JobSet pod does (engines/kubernetes/inplace_agent.py): watch its
+    JobSet's status, and write the restart-attempt annotation on its own pod. Nothing else."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(IN_PLACE_ROLE, namespace),
+            "rules": [{"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": _READ},
+                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]}
+
+
 def identity_objects(spec: JobSpec, opts: BootstrapOptions) -> list[dict]:
     k8s = spec.launch.kubernetes
     objs: list[dict] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(k8s.service_account, k8s.namespace),
-         # The trainer never calls the Kubernetes API: no token in its pods at all.
+         # The trainer never calls the Kubernetes API: no token in its pods, unless the in-place restart agent
+         # runs there (the pod then asks for one itself).
          "automountServiceAccountToken": False},
         launcher_role(k8s.namespace),
         crd_reader_role(),
     ]
+    if k8s.restart_strategy == "InPlaceRestart":
+        objs += [in_place_agent_role(k8s.namespace),
+                 {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                  "metadata": _meta(IN_PLACE_ROLE, k8s.namespace),
+                  "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": IN_PLACE_ROLE},
+                  "subjects": [{"kind": "ServiceAccount", "name": k8s.service_account,
+                                "namespace": k8s.namespace}]}]
     if opts.bind_launcher:
         subjects = [_subject(s, k8s.namespace) for s in opts.bind_launcher]
         for kind, binding, meta in (("Role", "RoleBinding", _meta(LAUNCHER_ROLE, k8s.namespace)),

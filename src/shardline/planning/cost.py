@@ -17,6 +17,7 @@ from shardline.errors import SpecError
 from shardline.hardware import PRICES_AS_OF, match_device
 from shardline.hardware import price_table as catalogue_price_table
 from shardline.jsonl import read_jsonl
+from shardline.procfs import process_age
 
 if TYPE_CHECKING:
     from shardline.spec import JobSpec
@@ -187,15 +188,7 @@ class CostMeter:
 def process_started_monotonic() -> float:
     """`time.monotonic()` at this process's start (Linux /proc), so that the devices are billed from the
     worker's start — imports, model loading — not from its first step; now where /proc is unavailable."""
-    import os
-
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        age = max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        age = 0.0
-    return time.monotonic() - age
+    return time.monotonic() - (process_age() or 0.0)
 
 
 def previous_cost_usd(metrics_file: Path) -> float:

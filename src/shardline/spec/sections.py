@@ -252,6 +252,10 @@ class KubernetesSpec(Section):
     secret_env: dict[str, SecretRef] = {}
     """Environment variables from Secrets, e.g. HF_TOKEN: {secret: hf-token, key: token}; never values."""
     storage: StorageSpec = StorageSpec()
+    restart_strategy: Literal["Recreate", "BlockingRecreate", "InPlaceRestart"] = "Recreate"
+    """How `--target jobset` restarts the gang after a failure (JobSet failurePolicy.restartStrategy):
+    InPlaceRestart keeps the healthy pods on their nodes and restarts their containers (needs Kubernetes
+    ContainerRestartRules and JobSet's InPlaceRestart feature; docs/architecture.md §7.1)."""
     trainjob_runtime: str = "torch-distributed"
     """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references."""
 

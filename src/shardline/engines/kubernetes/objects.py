@@ -100,12 +100,19 @@ def pod_failure_policy() -> dict:
     ]}
 
 
+MAX_BACKOFF = 2**31 - 1
+"""JobSet InPlaceRestart: a Job must never fail for its pods' failures (the controller counts restarts)."""
+
+
 def _job_spec(spec: JobSpec, target: str, task: str, cm: str, subdomain: str) -> dict:
     n = spec.launch.nnodes
-    return {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
-            "podFailurePolicy": pod_failure_policy(),
-            "template": k8s_pod.pod_template(spec, task, cm, _rank_env(spec, target), subdomain,
-                                             rdzv_endpoint(spec, target))}
+    out = {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
+           "podFailurePolicy": pod_failure_policy(),
+           "template": k8s_pod.pod_template(spec, task, cm, _rank_env(spec, target), subdomain,
+                                            rdzv_endpoint(spec, target))}
+    if k8s_pod.in_place_restart(spec):  # a failed pod is replaced alone, once it is gone; the others stay
+        out |= {"backoffLimit": MAX_BACKOFF, "podReplacementPolicy": "Failed"}
+    return out
 
 
 def indexed_job(spec: JobSpec, task: str) -> list[dict]:
@@ -128,7 +135,8 @@ def jobset(spec: JobSpec, task: str) -> list[dict]:
     js = {"apiVersion": JOBSET_API, "kind": "JobSet",
           "metadata": _meta(spec, name, queue_labels(spec), job_annotations(spec)),
           "spec": {"network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
-                   "failurePolicy": {"maxRestarts": spec.launch.max_restarts, "rules": [
+                   "failurePolicy": {"maxRestarts": spec.launch.max_restarts,
+                                     "restartStrategy": spec.launch.kubernetes.restart_strategy, "rules": [
                        {"name": "bad-input", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
                         "onJobFailureMessagePatterns": [bad_input]}]},
                    "successPolicy": {"operator": "All"},
@@ -161,6 +169,7 @@ def render_objects(spec: JobSpec, target: str, task: str = "train") -> list[dict
     if spec.run.id is None:
         raise SpecError("run.id", "is not assigned", "render through `shardline render`/`launch`, which assign it")
     check_cluster_spec(spec)
+    k8s_pod.check_restart_strategy(spec, target)
     preemption_notes(spec)  # refuses spot capacity that nothing would save from a preemption
     if spec.train.engine == "maxtext":
         return _maxtext_objects(spec, target)

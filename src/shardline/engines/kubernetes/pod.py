@@ -13,7 +13,7 @@ import re
 import yaml
 
 from shardline.engines.command import node_torchrun_command
-from shardline.errors import SpecError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, SpecError
 from shardline.ops.preemption import termination_grace_seconds
 from shardline.profiles import HostMount, NetworkProfile, get_profile, gpu_network_names, nccl_environment
 from shardline.spec import JobSpec
@@ -88,6 +88,45 @@ def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
                *node_torchrun_command(spec, SPEC_PATH, task, rdzv_endpoint=rdzv_endpoint)]
     script = get_profile(spec.launch.profile).nccl_env_script
     return ["bash", "-c", 'source "$0" && exec "$@"', script, *command] if script else command
+
+
+def in_place_restart(spec: JobSpec) -> bool:
+    return spec.launch.kubernetes.restart_strategy == "InPlaceRestart"
+
+
+def check_restart_strategy(spec: JobSpec, target: str) -> None:
+    """Only a JobSet running shardline's own image restarts anything but by recreating it."""
+    strategy = spec.launch.kubernetes.restart_strategy
+    if strategy == "Recreate":
+        return
+    if target == "trainjob":
+        raise SpecError("launch.kubernetes.restart_strategy", f"is {strategy}, but a TrainJob's JobSet failure "
+                        "policy is its TrainingRuntime's", "set failurePolicy.restartStrategy in the runtime "
+                        f"({spec.launch.kubernetes.trainjob_runtime}), or use --target jobset")
+    if target != "jobset":
+        raise SpecError("launch.kubernetes.restart_strategy", f"is {strategy}, a JobSet failure policy, but "
+                        f"--target {target} is not a JobSet", "use --target jobset, or leave it at Recreate")
+    if strategy == "InPlaceRestart" and spec.train.engine != "torch":
+        raise SpecError("launch.kubernetes.restart_strategy", "is InPlaceRestart, whose agent runs in shardline's "
+                        f"image, but train.engine={spec.train.engine} runs its own image",
+                        "use Recreate or BlockingRecreate for MaxText")
+
+
+IN_PLACE_ENV = (("JOBSET_NAME", "metadata.labels['jobset.sigs.k8s.io/jobset-name']"),
+                ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"))
+
+
+def in_place_container(container: dict) -> None:
+    """The node command behind the in-place restart agent (engines/kubernetes/inplace_agent.py), restarted in
+    place (Kubernetes ContainerRestartRules) on every exit but success, bad input and preemption: those end the
+    pod, and the Job's podFailurePolicy decides (fail the JobSet / replace the pod)."""
+    container["command"] = ["python", "-m", "shardline.engines.kubernetes.inplace_agent", "--",
+                            *container["command"]]
+    container["env"] = [*container["env"], *({"name": n, "valueFrom": {"fieldRef": {"fieldPath": p}}}
+                                             for n, p in IN_PLACE_ENV)]
+    container["restartPolicy"] = "Never"
+    container["restartPolicyRules"] = [{"action": "Restart", "exitCodes": {
+        "operator": "NotIn", "values": [EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED]}}]
 
 
 def container_env(spec: JobSpec, rank_env: list[dict]) -> list[dict]:
@@ -314,6 +353,8 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
     container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task, rdzv_endpoint),
                  "env": container_env(spec, rank_env), "volumeMounts": mounts,
                  "securityContext": container_security(spec)}
+    if in_place_restart(spec):
+        in_place_container(container)
     if ports := container_ports(spec):
         container["ports"] = ports
     if res := resources(spec):
@@ -321,7 +362,8 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
     if k.storage.kind != "none":
         container["workingDir"] = k.storage.mount_path
     out = {"restartPolicy": "Never", "serviceAccountName": k.service_account,
-           "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
+           # only the in-place agent calls the Kubernetes API (its own JobSet and pod); the trainer never does
+           "automountServiceAccountToken": in_place_restart(spec), "securityContext": POD_SECURITY,
            "terminationGracePeriodSeconds": termination_grace_seconds(spec),
            "containers": [container], "volumes": volumes}
     if sidecar := rx_daemon_container(spec):

@@ -13,6 +13,7 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"  # which replicated Job (TPU slice) a JobSet pod belongs to
 REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
 EXIT_MEANING = {0: "finished", 1: "failed", 2: "bad input (see the log)", 75: "preempted, checkpoint committed",
+                76: "hang (a rank stopped making progress)", 77: "restarting in place (JobSet InPlaceRestart)",
                 137: "killed (SIGKILL: out of memory or grace period exceeded)", 143: "terminated (SIGTERM)"}
 
 

@@ -130,7 +130,8 @@ def tpu_jobset(spec: JobSpec, meta: dict, config_map: str) -> dict:
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
             "metadata": {**meta, "annotations": annotations},
             "spec": {"network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
-                     "failurePolicy": {"maxRestarts": spec.launch.max_restarts, "rules": [
+                     "failurePolicy": {"maxRestarts": spec.launch.max_restarts,
+                                       "restartStrategy": spec.launch.kubernetes.restart_strategy, "rules": [
                          {"name": "bad-input", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
                           "onJobFailureMessagePatterns": [k8s_pod.BAD_INPUT_FAILURE]},
                          {"name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts",
