@@ -86,8 +86,9 @@ def test_bootstrap_grants_the_agent_its_jobset_and_its_pod_and_nothing_else():
 
 
 CHILD = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # as the worker does: checkpoint, then exit 75
 d = Path(sys.argv[1])
 with (d / "starts").open("a") as f:
     f.write(f"{os.environ['POD_NAME']} {time.monotonic()}\\n")
@@ -140,14 +141,16 @@ def test_agents_hold_the_barrier_until_every_pod_is_in_and_restart_both_pods_whe
         _wait(lambda: len(starts.read_text().splitlines()) == 4, 60, "both commands to start again")
         restarted = [float(line.split()[1]) for line in starts.read_text().splitlines()[2:]]
         recovery = max(restarted) - killed_at
+        containers[0].proc.send_signal(signal.SIGTERM)  # the kubelet stops pod 0 (preemption): forwarded
+        assert containers[0].wait(60) == 75
         (tmp_path / "finish").touch()
         codes = [c.wait(60) for c in containers]
         for c in containers:
             c.__exit__()
-    assert codes == [0, 0]
+    assert codes == [75, 0]  # 75 ends the pod (the Job's podFailurePolicy replaces it); 0 completes it
     # pod 1 restarted for its own failure (137, SIGKILL), pod 0 because the controller asked (77): each once
     assert [code for _, code in containers[1].exits] == [137, 0]
-    assert [code for _, code in containers[0].exits] == [EXIT_IN_PLACE_RESTART, 0]
+    assert [code for _, code in containers[0].exits] == [EXIT_IN_PLACE_RESTART, 75]
     annotated = [(e["pod"], e["attempt"]) for e in server.events if e["kind"] == "annotate"]
     assert annotated == [(pods[0].hostname, 0), (pods[1].hostname, 0), (pods[1].hostname, 1), (pods[0].hostname, 1)]
     status = [(e["field"], e["value"]) for e in server.events if e["kind"] == "status"]
