@@ -35,7 +35,10 @@ def one(objs: list[dict], kind: str) -> dict:
      BootstrapOptions(dws=True, spot=True, priority_classes=True, bind_launcher=("user:a@example.com",))),
     ([], BootstrapOptions()),
     (["launch.kubernetes.gpu_resource=null"], BootstrapOptions(cpu="8", memory="32Gi")),
-], ids=["a4-everything", "generic-defaults", "cpu-only"])
+    (A4 + ["launch.kubernetes.topology=cloud.google.com/gce-topology-block"], BootstrapOptions(dws=True)),
+    (["launch.kubernetes.gpu_resource=null", "launch.kubernetes.topology=example.com/rack",
+      "launch.kubernetes.node_selector={pool: train}"], BootstrapOptions(cpu="8", memory="32Gi")),
+], ids=["a4-everything", "generic-defaults", "cpu-only", "a4-topology-aware", "cpu-topology-aware"])
 def test_every_bootstrap_object_validates_against_its_api_schema(overrides, opts):
     k8s_schemas = pytest.importorskip("tests.k8s_schemas", reason="tests/k8s_schemas.py (the lead's helper) missing")
     for obj in bootstrap_objects(spec_with(*overrides), opts):
@@ -310,3 +313,34 @@ def test_the_crd_the_launcher_checks_is_the_one_the_cluster_role_lets_it_read():
     from shardline.ops.cluster_bootstrap import TRAINJOB_CRD as READABLE
 
     assert READABLE == TRAINJOB_CRD
+
+
+def test_a_topology_aware_job_gets_a_kueue_topology_down_to_the_node_so_kueue_can_replace_a_failed_node():
+    """Kueue TAS (KEP-2724, "Node failures"): a failed node of an admitted workload is replaced only in a Topology
+    whose lowest level is kubernetes.io/hostname; a TAS flavor names its Topology and selects nodes by label."""
+    objs = bootstrap_objects(spec_with(*A4, "launch.kubernetes.topology=cloud.google.com/gce-topology-subblock"),
+                             BootstrapOptions(dws=True, spot=True))
+    topology = one(objs, "Topology")
+    assert [lv["nodeLabel"] for lv in topology["spec"]["levels"]] == [
+        "cloud.google.com/gce-topology-block", "cloud.google.com/gce-topology-subblock",
+        "cloud.google.com/gce-topology-host", "kubernetes.io/hostname"]
+    flavors = by_kind(objs, "ResourceFlavor")
+    assert len(flavors) == 2 and all(f["spec"]["topologyName"] == topology["metadata"]["name"] for f in flavors)
+    assert all(f["spec"]["nodeLabels"] for f in flavors)
+    assert objs.index(topology) < objs.index(flavors[0])  # applied before the flavors that name it
+    cpu = bootstrap_objects(spec_with("launch.kubernetes.gpu_resource=null", "launch.kubernetes.topology=rack",
+                                      "launch.kubernetes.node_selector={pool: train}"),
+                            BootstrapOptions(cpu="8", memory="32Gi"))
+    assert [lv["nodeLabel"] for lv in one(cpu, "Topology")["spec"]["levels"]] == ["rack", "kubernetes.io/hostname"]
+    assert one(cpu, "ResourceFlavor")["spec"]["nodeLabels"] == {"pool": "train"}
+    assert not by_kind(bootstrap_objects(spec_with(*A4), BootstrapOptions()), "Topology")
+
+
+@pytest.mark.parametrize("overrides, where", [
+    (A4 + ["launch.kubernetes.topology=example.com/rack"], "launch.kubernetes.topology"),
+    (["launch.kubernetes.gpu_resource=null", "launch.kubernetes.topology=rack"], "launch.kubernetes.node_selector"),
+])
+def test_a_topology_kueue_could_not_use_is_refused_by_name(overrides, where):
+    with pytest.raises(SpecError) as e:
+        bootstrap_objects(spec_with(*overrides), BootstrapOptions(cpu="8", memory="32Gi"))
+    assert e.value.field == where

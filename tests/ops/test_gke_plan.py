@@ -26,7 +26,9 @@ UPDATE = os.environ.get("SHARDLINE_UPDATE_SNAPSHOTS") == "1"
 BUCKET = ["launch.kubernetes.storage.kind=gcsfuse", "launch.kubernetes.storage.bucket=ckpt-bucket"]
 HF_SECRET = ["launch.kubernetes.secret_env.HF_TOKEN.secret=hf-token", "launch.kubernetes.secret_env.HF_TOKEN.key=token"]
 CASES = {  # snapshot name: (spec overrides, plan options)
-    "a4-dws-spot-bucket": (["launch.profile=a4", "launch.nnodes=2", *BUCKET, *HF_SECRET],
+    "a4-dws-spot-bucket": (["launch.profile=a4", "launch.nnodes=2", *BUCKET, *HF_SECRET,
+                            "launch.kubernetes.restart_strategy=InPlaceRestart",
+                            "launch.kubernetes.topology=cloud.google.com/gce-topology-block"],
                            GkePlanOptions(project="my-project", zone="us-central1-b")),
     "a3-mega-dws": (["launch.profile=a3-mega", "launch.kubernetes.namespace=ml"],
                     GkePlanOptions(project="my-project", zone="europe-west4-b", cluster="mega", max_nodes=4,
@@ -463,3 +465,14 @@ def test_the_plan_states_the_spot_pools_preemption_grace(tmp_path):
     assert "spot pool: GKE gives a preempted pod 15 s" in header
     rc, _, _ = run_script(out / "setup.sh", tmp_path, exists=True)
     assert rc == 0 and "warning: spot pool" in text.splitlines()[-1]
+
+
+def test_jobsets_that_restart_in_place_get_jobsets_alpha_gate_turned_on_once(tmp_path):
+    """JobSet's webhook refuses restartStrategy InPlaceRestart while its InPlaceRestart gate (alpha, off) is off."""
+    out = render(tmp_path, "a4-dws-spot-bucket")
+    rc, calls, err = run_script(out / "setup.sh", tmp_path, exists=False)
+    assert rc == 0, err
+    patches = [c for c in calls if c.startswith("kubectl patch -n jobset-system deployment jobset-controller-manager")]
+    assert len(patches) == 1 and '"value": "--feature-gates=InPlaceRestart=true"' in patches[0]
+    plain = render(tmp_path, "a3-mega-dws")
+    assert "InPlaceRestart" not in (plain / "setup.sh").read_text()

@@ -151,19 +151,32 @@ def dws_pool() -> Step:
                      "--location-policy ANY", "--no-enable-autorepair")
 
 
-def addons_step() -> Step:
-    return Step(
-        "Kueue and JobSet (pinned), ready before anything uses their webhooks",
-        "\n".join([
-            'kubectl apply --server-side -f "https://github.com/kubernetes-sigs/kueue/releases/download/'
-            '${KUEUE_VERSION}/manifests.yaml"',
-            'kubectl apply --server-side -f "https://github.com/kubernetes-sigs/jobset/releases/download/'
-            '${JOBSET_VERSION}/manifests.yaml"',
-            "kubectl wait --for condition=established --timeout 5m crd/clusterqueues.kueue.x-k8s.io "
-            "crd/jobsets.jobset.x-k8s.io",
-            "kubectl -n kueue-system rollout status deployment/kueue-controller-manager --timeout 10m",
-            "kubectl -n jobset-system rollout status deployment/jobset-controller-manager --timeout 10m",
-        ]))
+JOBSET_IN_PLACE_GATE = "--feature-gates=InPlaceRestart=true"
+"""JobSet's InPlaceRestart is alpha and off by default: its webhook refuses the strategy until the gate is on."""
+
+
+def addons_step(in_place_restart: bool = False) -> Step:
+    lines = [
+        'kubectl apply --server-side -f "https://github.com/kubernetes-sigs/kueue/releases/download/'
+        '${KUEUE_VERSION}/manifests.yaml"',
+        'kubectl apply --server-side -f "https://github.com/kubernetes-sigs/jobset/releases/download/'
+        '${JOBSET_VERSION}/manifests.yaml"',
+    ]
+    if in_place_restart:  # once: the probe finds the flag after the first run
+        deployment = "-n jobset-system deployment jobset-controller-manager"
+        patch = (f'[{{"op": "add", "path": "/spec/template/spec/containers/0/args/-", '
+                 f'"value": "{JOBSET_IN_PLACE_GATE}"}}]')
+        lines.append(f"kubectl get {deployment} -o jsonpath='{{.spec.template.spec.containers[0].args}}' | "
+                     f"grep -q -- '{JOBSET_IN_PLACE_GATE}' ||\n  kubectl patch {deployment} --type json -p '{patch}'")
+    lines += [
+        "kubectl wait --for condition=established --timeout 5m crd/clusterqueues.kueue.x-k8s.io "
+        "crd/jobsets.jobset.x-k8s.io",
+        "kubectl -n kueue-system rollout status deployment/kueue-controller-manager --timeout 10m",
+        "kubectl -n jobset-system rollout status deployment/jobset-controller-manager --timeout 10m",
+    ]
+    title = "Kueue and JobSet (pinned" + (", JobSet's InPlaceRestart gate on" if in_place_restart else "") + \
+        "), ready before anything uses their webhooks"
+    return Step(title, "\n".join(lines))
 
 
 def node_manifests_step(profile: NetworkProfile) -> Step:

@@ -328,9 +328,11 @@ if ! gcloud container node-pools describe "${SPOT_POOL}" --cluster "${CLUSTER}" 
       "${NODE_NETWORKS[@]}"
 fi
 
-# --- Kueue and JobSet (pinned), ready before anything uses their webhooks
+# --- Kueue and JobSet (pinned, JobSet's InPlaceRestart gate on), ready before anything uses their webhooks
 kubectl apply --server-side -f "https://github.com/kubernetes-sigs/kueue/releases/download/${KUEUE_VERSION}/manifests.yaml"
 kubectl apply --server-side -f "https://github.com/kubernetes-sigs/jobset/releases/download/${JOBSET_VERSION}/manifests.yaml"
+kubectl get -n jobset-system deployment jobset-controller-manager -o jsonpath='{.spec.template.spec.containers[0].args}' | grep -q -- '--feature-gates=InPlaceRestart=true' ||
+  kubectl patch -n jobset-system deployment jobset-controller-manager --type json -p '[{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--feature-gates=InPlaceRestart=true"}]'
 kubectl wait --for condition=established --timeout 5m crd/clusterqueues.kueue.x-k8s.io crd/jobsets.jobset.x-k8s.io
 kubectl -n kueue-system rollout status deployment/kueue-controller-manager --timeout 10m
 kubectl -n jobset-system rollout status deployment/jobset-controller-manager --timeout 10m
