@@ -14,6 +14,12 @@ from pathlib import Path
 from tests.conftest import free_port
 
 
+def session_pids(leader: int) -> list[int]:
+    """Every process of the session `leader` started (Ray gives actors their own process groups)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sess="], capture_output=True, text=True).stdout
+    return [int(pid) for pid, sess in (line.split() for line in out.splitlines()) if int(sess) == leader]
+
+
 class RayHead:
     """`with RayHead(tmp) as head:` — head.address is the Jobs API URL."""
 
@@ -29,7 +35,8 @@ class RayHead:
         ray = Path(sys.executable).parent / "ray"
         # Ray's session directory needs a short path (unix socket names are limited to 107 bytes)
         self.temp = Path(f"/tmp/shardline-ray-{os.getpid()}-{self.dashboard_port}")
-        cmd = [str(ray), "start", "--head", "--block", f"--port={free_port()}", "--node-ip-address=127.0.0.1",
+        self.gcs_port = free_port()
+        cmd = [str(ray), "start", "--head", "--block", f"--port={self.gcs_port}", "--node-ip-address=127.0.0.1",
                "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", f"--num-cpus={self.cpus}",
                "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.temp}"]
         self.log = (self.root / "ray-head.log").open("w")
@@ -58,8 +65,7 @@ class RayHead:
 
     def _session(self) -> list[int]:
         """Every process of the session our head started (Ray gives actors their own process groups)."""
-        out = subprocess.run(["ps", "-eo", "pid=,sess="], capture_output=True, text=True).stdout
-        return [int(pid) for pid, sess in (line.split() for line in out.splitlines()) if int(sess) == self.proc.pid]
+        return session_pids(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -79,3 +85,42 @@ class RayHead:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RayNode:
+    """A second Ray node on this host joined to `head` (`ray start --address --block`, its own session), with
+    `cpus` CPUs; `kill()` takes it down at once, raylet and workers, as a lost machine."""
+
+    def __init__(self, head: RayHead, cpus: int = 1) -> None:
+        self.head, self.cpus = head, cpus
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RayNode:
+        ray = Path(sys.executable).parent / "ray"
+        cmd = [str(ray), "start", "--block", f"--address=127.0.0.1:{self.head.gcs_port}",
+               "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}", "--num-gpus=0", "--disable-usage-stats"]
+        self.log = (self.head.root / "ray-node.log").open("w")
+        self.proc = subprocess.Popen(cmd, env=self.head.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        total = float(self.head.cpus + self.cpus)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # joined: the cluster's CPU total includes ours
+            out = subprocess.run([str(ray), "status", f"--address=127.0.0.1:{self.head.gcs_port}"],
+                                 env=self.head.env, capture_output=True, text=True).stdout
+            if f"/{total} CPU" in out:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray node exited: {(self.head.root / 'ray-node.log').read_text()[-3000:]}")
+            time.sleep(1)
+        raise TimeoutError("the second Ray node did not join")
+
+    def kill(self) -> None:
+        for pid in session_pids(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        self.log.close()

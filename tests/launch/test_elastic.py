@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardline.engines.command import node_torchrun_command
 from shardline.engines.registry import get_backend
 from shardline.errors import SpecError
+from shardline.run_status import read_status
 from shardline.spec.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, free_port, read_metrics, small_overrides
 
@@ -92,11 +94,60 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
 
 
 @pytest.mark.parametrize("target", ["ray", "rayjob"])
-def test_the_ray_targets_refuse_an_elastic_spec_by_name(target):
+def test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_divide(target):
+    """torchrun changes the world size by whole nodes (16, 24, 32 here, all dividing 384 / 2); Ray Train's elastic
+    worker group may run any count from 16 to 32, and 17 does not divide."""
     from shardline.engines.registry import get_backend
 
-    spec = load_spec("tiny", ["run.id=el", "launch.nnodes=4", "launch.min_nnodes=2", "parallel.nproc_per_node=8",
-                              "train.global_batch_size=384", "train.micro_batch_size=2", "launch.image=img:1"])
+    overrides = ["run.id=el", "launch.nnodes=4", "launch.min_nnodes=2", "parallel.nproc_per_node=8",
+                 "train.micro_batch_size=2", "launch.image=img:1"]
+    spec = load_spec("tiny", [*overrides, "train.global_batch_size=384"])
     with pytest.raises(SpecError) as refused:
         get_backend(target).render(spec)
-    assert refused.value.field == "launch.min_nnodes" and "fixed number of workers" in refused.value.problem
+    assert refused.value.field == "train.global_batch_size" and "17 × 2" in refused.value.problem
+    ok = load_spec("tiny", [*overrides, "launch.nnodes=2", "launch.min_nnodes=1", "parallel.nproc_per_node=2",
+                            "train.global_batch_size=24"])  # sizes 2, 3, 4 all divide 24 / 2
+    rendered = get_backend(target).render(ok)
+    if target == "rayjob":
+        rayjob = next(d for d in yaml.safe_load_all("\n---\n".join(rendered.values())) if d and d["kind"] == "RayJob")
+        group = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+        assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 2, 2)
+
+
+@pytest.mark.slow
+def test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left(session_dir, prepared, tmp_path):
+    """A two-node Ray cluster on this host (head + a second `ray start`, one CPU each); an elastic spec
+    (launch.min_nnodes=1 of 2) trains on both, the second node is killed outright after a checkpoint, and Ray
+    Train restarts the worker group at the size the cluster still fits: world size 1, resumed, finished."""
+    pytest.importorskip("ray.train")
+    from shardline.engines.backend import wait_for
+    from shardline.engines.registry import get_backend
+    from tests.launch.ray_cluster import RayHead, RayNode
+
+    with RayHead(tmp_path, cpus=1) as head, RayNode(head, cpus=1) as node:
+        spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
+                                  "launch.nnodes=2", "launch.min_nnodes=1", "parallel.nproc_per_node=1",
+                                  f"launch.ray.address={head.address}", "launch.ray.gpus_per_worker=0",
+                                  "launch.ray.max_failures=2", "observe.metrics_port=null", "train.max_steps=12",
+                                  "checkpoint.every_steps=3"])
+        backend = get_backend("ray")
+        record = backend.submit(spec)
+        run = Path(record.objects[0]["runDir"])
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "step-00000003" / "COMMITTED").exists():
+            assert time.monotonic() < deadline, "\n".join(backend.logs(record, None, False))[-4000:]
+            time.sleep(0.5)
+        assert [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"] == [2]  # both nodes
+        node.kill()
+        code = wait_for(backend, record, timeout_s=400, poll_s=1)
+        logs = "\n".join(backend.logs(record, None, False))
+    assert code == 0, logs[-5000:]
+    manifest = json.loads((run / "manifest.json").read_text())
+    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resumes and resumes[-1]["world"] == 1 and resumes[-1]["step"] >= 3, resumes
+    assert [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"][-1] == 1
+    assert {r["step"] for r in read_metrics(run, "train")} == set(range(1, 13))
+    assert manifest["status"] == "finished"
+    goodput = read_status(run).goodput
+    print(f"ray elastic: 2 workers, lost a node, resumed at step {resumes[-1]['step']} on 1 worker; "
+          f"recovery {goodput.attempts[-1].recovery_s:.1f} s")

@@ -27,6 +27,7 @@ import yaml
 from shardline.engines.backend import JobState, LaunchRecord, save_record
 from shardline.engines.command import cluster_spec
 from shardline.engines.kubernetes.api import create_all
+from shardline.engines.ray_train import num_workers
 from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
 from shardline.profiles import get_profile, nccl_environment
@@ -63,17 +64,9 @@ def runtime_env(spec: JobSpec, secrets: dict[str, str] | None = None) -> dict:
     return {"env_vars": env}
 
 
-def refuse_elastic(spec: JobSpec) -> None:
-    """Ray Train here runs a fixed `num_workers`: an elastic spec is refused by name, never shrunk silently."""
-    if spec.is_elastic:
-        raise SpecError("launch.min_nnodes", f"is {spec.launch.min_nnodes} of launch.nnodes={spec.launch.nnodes}, "
-                        "but the Ray targets run a fixed number of workers",
-                        "unset launch.min_nnodes for Ray, or launch the elastic job with --target k8s-job/jobset/slurm")
-
-
 def entrypoint(spec: JobSpec, task: str) -> str:
     require_torch_engine(spec, "--target ray")
-    refuse_elastic(spec)
+    num_workers(spec)  # an elastic range the batch does not divide is refused before submitting
     return shlex.join(["python", "-m", ENTRYPOINT_MODULE, "--spec-json",
                        json.dumps(spec.model_dump(mode="json"), separators=(",", ":")), "--task", task])
 
@@ -215,7 +208,7 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
     from shardline.engines.kubernetes import pod as k8s_pod
     from shardline.engines.kubernetes.objects import config_map, job_annotations, queue_labels
 
-    refuse_elastic(spec)
+    num_workers(spec)
     k8s_pod.check_restart_strategy(spec, "rayjob")
     if spec.run.id is None:
         spec = spec.model_copy(deep=True)
@@ -287,7 +280,8 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
                                   "template": pod("head", HEAD_RESOURCES, on_gpu=False)},
                 "workerGroupSpecs": [{
-                    "groupName": "gpu" if gpu else "cpu", "replicas": nodes, "minReplicas": nodes,
+                    "groupName": "gpu" if gpu else "cpu", "replicas": nodes,
+                    "minReplicas": spec.launch.min_nnodes or nodes,
                     "maxReplicas": nodes, "rayStartParams": {}, "template": pod("worker", worker_resources, gpu)}],
             },
         },

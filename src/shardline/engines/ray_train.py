@@ -4,7 +4,8 @@ Ray starts one worker actor per rank and creates the torch process group itself 
 `cpu:gloo,cuda:nccl` on GPU workers); each actor then calls `train_loop_per_worker`, which runs the same
 `shardline.worker.run` as under torchrun — `train.distributed` sees the existing group and uses it. When
 a worker dies, Ray restarts the whole worker group (`launch.ray.max_failures` times) and the trainer
-resumes from the run's last committed checkpoint, exactly as after a torchrun restart; the checkpoints
+resumes from the run's last committed checkpoint, exactly as after a torchrun restart — with
+launch.min_nnodes, at whatever size between min and max the cluster then fits (`num_workers`); the checkpoints
 and Ray's own run state live in the run directory (RunConfig storage_path = `run.dir`, name = run id),
 which must be shared storage on a multi-node cluster.
 
@@ -17,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, ShardlineError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, ShardlineError, SpecError
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file
 
@@ -39,6 +40,26 @@ def train_loop_per_worker(config: dict) -> None:
         raise RuntimeError(f"shardline worker exited with {code}")
 
 
+def num_workers(spec: JobSpec) -> int | tuple[int, int]:
+    """Ray Train's `num_workers`: the world size, or for an elastic spec (launch.min_nnodes) the range
+    (min_nnodes, nnodes) × nproc_per_node. Ray Train then starts with as many workers as the cluster's free
+    resources fit, restarts smaller after losing a node and grows back as nodes return (checking every 60 s);
+    each restart resumes from the last checkpoint at the new world size. Ray may pick any count in the range,
+    so the global batch must divide by every one of them."""
+    if not spec.is_elastic:
+        return spec.world_size
+    p, t = spec.parallel.nproc_per_node or 1, spec.train
+    lo, hi = spec.launch.min_nnodes * p, spec.launch.nnodes * p
+    for world in range(lo, hi + 1):
+        if t.global_batch_size % (world * t.micro_batch_size):
+            raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by world size × "
+                            f"micro-batch = {world} × {t.micro_batch_size}, and Ray Train's elastic worker group "
+                            f"may run any size from {lo} to {hi} workers",
+                            "use a global batch divisible by every size in that range times the micro-batch, "
+                            "or narrow it with launch.min_nnodes")
+    return lo, hi
+
+
 def build_trainer(spec: JobSpec, task: str = "train"):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -50,7 +71,7 @@ def build_trainer(spec: JobSpec, task: str = "train"):
         train_loop_per_worker,
         train_loop_config={"spec": spec.model_dump(mode="json"), "task": task},
         torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=spec.world_size, use_gpu=gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=num_workers(spec), use_gpu=gpu, resources_per_worker=resources),
         run_config=RunConfig(name=spec.run.id, storage_path=str(Path(spec.run.dir).resolve()),
                              failure_config=FailureConfig(max_failures=r.max_failures)),
     )
