@@ -2,7 +2,8 @@
 cannot run here (no kube-apiserver, no JobSet controller, no kubelet):
 
 - `JobSetServer`: the API paths the in-place agent uses — a field-selected watch of one JobSet (chunked
-  `WatchEvent` lines, an ADDED event first, as kube-apiserver streams them) and PATCH of a pod's annotations —
+  `WatchEvent` lines, an ADDED event first, as kube-apiserver streams them) and PATCH of a pod's annotations
+  (optionally: the first watches answered 503, or every patch 403 as without the agent's Role) —
   plus the JobSet controller's in-place rules, restated from its `reconcileInPlaceRestart`
   (kubernetes-sigs/jobset, pkg/controllers/in_place_restart.go): when every pod reports the same
   `jobset.sigs.k8s.io/in-place-restart-attempt`, `status.currentInPlaceRestartAttempt` becomes it; otherwise,
@@ -33,7 +34,7 @@ ATTEMPT = "jobset.sigs.k8s.io/in-place-restart-attempt"
 
 class JobSetServer:
     def __init__(self, jobset: dict, pods: list[str], host: str = "127.0.0.1", port: int = 0,
-                 log: Path | None = None):
+                 log: Path | None = None, unavailable_watches: int = 0, forbid_patch: bool = False):
         self.js = copy.deepcopy(jobset)
         self.js["status"] = {}
         self.version = 1
@@ -46,6 +47,7 @@ class JobSetServer:
         self.cond = threading.Condition()
         self.closing = False
         self.t0 = time.monotonic()
+        self.unavailable_watches, self.forbid_patch = unavailable_watches, forbid_patch
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,6 +67,10 @@ class JobSetServer:
                 if not path.endswith("/jobsets"):
                     return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": path})
                 assert q.get("fieldSelector") == [f"metadata.name={server.js['metadata']['name']}"], q
+                if q.get("watch", [""])[0].lower() == "true" and server.unavailable_watches > 0:
+                    server.unavailable_watches -= 1  # the control plane is away for a moment
+                    return self._send(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable",
+                                            "message": "the server is currently unable to handle the request"})
                 if q.get("watch", [""])[0].lower() != "true":
                     with server.cond:
                         return self._send(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList",
@@ -96,6 +102,12 @@ class JobSetServer:
 
             def do_PATCH(self) -> None:
                 name = self.path.partition("?")[0].rsplit("/", 1)[1]
+                if server.forbid_patch:  # kube-apiserver's answer without the agent's Role
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                    return self._send(403, {
+                        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                        "message": f'pods "{name}" is forbidden: User "system:serviceaccount:default:shardline-'
+                                   f'trainer" cannot patch resource "pods" in API group "" in the namespace "default"'})
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 annotations = body["metadata"]["annotations"]
                 server.patch(name, annotations)

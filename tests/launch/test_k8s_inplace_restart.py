@@ -161,6 +161,38 @@ def test_agents_hold_the_barrier_until_every_pod_is_in_and_restart_both_pods_whe
                                                           "previousInPlaceRestartAttempt": 0})
 
 
+def _one_agent(tmp_path: Path, server: JobSetServer, pod) -> subprocess.Popen:
+    cfg = kubeconfig(tmp_path / "kubeconfig", server.url)
+    return subprocess.Popen([sys.executable, "-m", "shardline.engines.kubernetes.inplace_agent", "--",
+                             sys.executable, "-c", CHILD, str(tmp_path)], env=_agent_env(pod, cfg),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_an_agent_without_its_role_fails_the_job_at_once_and_says_which_role(tmp_path):
+    objects = render_objects(_spec(), "jobset")
+    pods = pods_from(objects)
+    with JobSetServer(objects[-1], [p.hostname for p in pods], forbid_patch=True) as server:
+        agent = _one_agent(tmp_path, server, pods[0])
+        out, _ = agent.communicate(timeout=60)
+    assert agent.returncode == 2, out  # bad input: the podFailurePolicy fails the Job, the JobSet fails
+    assert "403 Forbidden" in out and "shardline-inplace-agent Role" in out, out
+    assert not (tmp_path / "starts").exists()
+
+
+def test_an_api_server_that_is_away_for_a_moment_is_waited_for_not_restarted_around(tmp_path):
+    objects = render_objects(_spec(), "jobset")
+    pods = pods_from(objects)
+    with JobSetServer(objects[-1], [p.hostname for p in pods], unavailable_watches=2) as server:
+        agents = [_one_agent(tmp_path, server, pod) for pod in pods]
+        _wait(lambda: (tmp_path / "starts").exists() and len((tmp_path / "starts").read_text().splitlines()) == 2,
+              60, "both commands to start once the API server answers")
+        (tmp_path / "finish").touch()
+        outs = [a.communicate(timeout=60)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs
+    assert any("503" in out and "retrying" in out for out in outs), outs
+    assert len((tmp_path / "starts").read_text().splitlines()) == 2  # each command started once: no restart
+
+
 EVERY, STEPS = 4, 24
 
 

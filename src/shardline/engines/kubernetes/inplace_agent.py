@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from shardline.errors import EXIT_FAILURE, EXIT_IN_PLACE_RESTART
+from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_IN_PLACE_RESTART
 
 ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"
 DISABLE_ANNOTATION = "alpha.jobset.sigs.k8s.io/disable-in-place-restart"
@@ -59,12 +59,18 @@ def _api():
     return client.CustomObjectsApi(), client.CoreV1Api()
 
 
+FATAL_STATUS = (401, 403, 404)
+"""API answers no retry fixes: no credentials, no permission (the Role is missing), no such JobSet."""
+
+
 def _watch_jobset(custom, namespace: str, name: str, events: queue.Queue) -> None:
-    """Every state of the JobSet, as the API server reports it, into `events`; an exception ends the watch."""
+    """Every state of the JobSet, as the API server reports it, into `events`. A dropped connection or an
+    unavailable API server is retried with backoff while the command keeps running (a blip of the control plane
+    must not restart a whole job); only a fatal answer or the JobSet's deletion ends the watch."""
     from kubernetes import watch
     from kubernetes.client.exceptions import ApiException
 
-    version = None
+    version, backoff = None, 1.0
     while True:
         kwargs = {"field_selector": f"metadata.name={name}", "timeout_seconds": WATCH_SECONDS}
         if version:
@@ -72,21 +78,31 @@ def _watch_jobset(custom, namespace: str, name: str, events: queue.Queue) -> Non
         try:
             for event in watch.Watch().stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
                                               PLURAL, **kwargs):
+                backoff = 1.0
                 obj = event["object"]
+                if event["type"] == "ERROR":  # e.g. 410 Gone: the version is too old; list again from now
+                    version = None
+                    break
                 version = obj.get("metadata", {}).get("resourceVersion", version)
                 if event["type"] in ("ADDED", "MODIFIED"):
                     events.put(obj)
                 elif event["type"] == "DELETED":
                     events.put(None)
                     return
+            continue
         except ApiException as e:
-            if e.status != 410:  # 410 Gone: the version is too old; list again from now
+            if e.status in FATAL_STATUS:
                 events.put(e)
                 return
-            version = None
-        except Exception as e:  # noqa: BLE001 - handed to the main loop, which exits non-zero with it
-            events.put(e)
-            return
+            if e.status == 410:
+                version = None
+                continue
+            problem = f"{e.status} {e.reason}"
+        except Exception as e:  # noqa: BLE001 - connection refused/reset, timeouts: the control plane is away
+            problem = f"{type(e).__name__}: {e}"
+        _log(f"watching JobSet {name} failed ({problem}); retrying in {backoff:.0f} s")
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 30.0)
 
 
 class Agent:
@@ -142,6 +158,8 @@ def run(command: list[str]) -> int:
     namespace, pod, jobset = (os.environ[k] for k in ("POD_NAMESPACE", "POD_NAME", "JOBSET_NAME"))
     custom, core = _api()
     agent = Agent(command, pod, namespace, lambda body: core.patch_namespaced_pod(pod, namespace, body))
+    from kubernetes.client.exceptions import ApiException
+
     terminated = threading.Event()
 
     def on_term(signum, frame) -> None:
@@ -162,12 +180,24 @@ def run(command: list[str]) -> int:
             event = events.get(timeout=0.5)
         except queue.Empty:
             continue
-        if event is None or isinstance(event, Exception):
-            _log(f"watching JobSet {jobset} failed: {event or 'it was deleted'}")
+        if event is None:
+            _log(f"JobSet {jobset} was deleted: stopping")
             agent.stop(STOP_GRACE_SECONDS)
             return EXIT_FAILURE
-        if (code := agent.on_jobset(event)) is not None:
-            return code
+        try:
+            if isinstance(event, Exception):
+                raise event
+            if (code := agent.on_jobset(event)) is not None:
+                return code
+        except ApiException as e:
+            if e.status not in FATAL_STATUS:
+                raise
+            # bad setup, not a failure a restart fixes: exit 2 fails the JobSet at once (podFailurePolicy)
+            print(f"error: pod {pod}: the Kubernetes API answered {e.status} {e.reason} to the in-place restart "
+                  f"agent (watch JobSet {jobset}, patch its own pod) — apply the shardline-inplace-agent Role and "
+                  "RoleBinding (`shardline cluster bootstrap`) for the pod's ServiceAccount", file=sys.stderr)
+            agent.stop(STOP_GRACE_SECONDS)
+            return EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:
