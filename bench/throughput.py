@@ -244,6 +244,11 @@ def main() -> None:
         return
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    from shardline.engines.torchrun import worker_allocator_env
+
+    # shardline's CPU workers run with these malloc settings (engines/torchrun.py); every contender gets them, so
+    # the ratios measure the trainers, not the allocator (they lift HF Trainer as much: bench/RESULTS.md)
+    os.environ.update(worker_allocator_env(on_gpu=False))
     import torch
 
     from shardline.model.flops import probe_cpu_peak_tflops

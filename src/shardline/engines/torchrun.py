@@ -21,6 +21,20 @@ from torch.distributed.run import parse_args, run
 from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_PREEMPTED
 from shardline.failures import HANG_ERROR, PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
 
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
+                  "MALLOC_TOP_PAD_": str(512 << 20)}
+"""glibc malloc settings for CPU training workers: blocks up to 32 MiB (activations, gradients, a layer's flat
+buffers) come from the heap and freed ones stay there, instead of being mmapped and unmapped on every use and
+page-faulted in again (torch's CPU allocator is plain malloc). Measured on the bench model (bf16, 1 process × 2
+threads, 14 steps, two runs each way, one session): 2,500 / 2,541 → 2,684 / 2,723 tok/s (+7 %); the cost is
+that a worker keeps the heap at its peak. Workers on a GPU host keep glibc's defaults (their tensors live in
+the CUDA caching allocator). Values the environment already sets win."""
+
+
+def worker_allocator_env(on_gpu: bool) -> dict[str, str]:
+    """What the workers' environment gets (before they start): CPU_MALLOC_ENV on CPU hosts, less what is set."""
+    return {} if on_gpu else {k: v for k, v in CPU_MALLOC_ENV.items() if k not in os.environ}
+
 
 def _run_dir(worker_args: list[str]) -> Path | None:
     """The run directory of the worker command's `--spec`, when the spec names one."""
@@ -83,6 +97,9 @@ def _write_report(run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ[REPORTER_ENV] = "1"  # workers leave the telling to this process
+    import torch
+
+    os.environ.update(worker_allocator_env(torch.cuda.is_available()))  # read by each worker's libc at start
     started = time.time()
     try:
         run(args)

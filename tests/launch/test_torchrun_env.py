@@ -1,0 +1,34 @@
+"""The torchrun wrapper gives CPU workers the malloc settings that keep freed blocks in the heap; a value the
+environment already sets wins."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from shardline.engines.torchrun import CPU_MALLOC_ENV
+
+SCRIPT = """
+import json, os, sys
+json.dump({k: os.environ.get(k) for k in sys.argv[2:]}, open(sys.argv[1], "w"))
+"""
+
+
+def _worker_env(tmp_path, extra: dict[str, str]) -> dict:
+    script, out = tmp_path / "probe.py", tmp_path / "env.json"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | extra
+    subprocess.run([sys.executable, "-m", "shardline.engines.torchrun", "--standalone", "--nproc-per-node=1",
+                    str(script), str(out), *CPU_MALLOC_ENV], env=env, check=True, capture_output=True, timeout=120)
+    return json.loads(out.read_text())
+
+
+def test_cpu_workers_start_with_the_heap_keeping_malloc_settings(tmp_path):
+    assert _worker_env(tmp_path, {}) == CPU_MALLOC_ENV
+
+
+def test_a_malloc_setting_the_user_made_is_kept(tmp_path):
+    got = _worker_env(tmp_path, {"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert got == CPU_MALLOC_ENV | {"MALLOC_TRIM_THRESHOLD_": "0"}
