@@ -3,7 +3,7 @@ cannot run here (no kube-apiserver, no JobSet controller, no kubelet):
 
 - `JobSetServer`: the API paths the in-place agent uses — a field-selected watch of one JobSet (chunked
   `WatchEvent` lines, an ADDED event first, as kube-apiserver streams them) and PATCH of a pod's annotations
-  (optionally: the first watches answered 503, or every patch 403 as without the agent's Role) —
+  (optionally: the first watches or patches answered 503, or every patch 403 as without the agent's Role) —
   plus the JobSet controller's in-place rules, restated from its `reconcileInPlaceRestart`
   (kubernetes-sigs/jobset, pkg/controllers/in_place_restart.go): when every pod reports the same
   `jobset.sigs.k8s.io/in-place-restart-attempt`, `status.currentInPlaceRestartAttempt` becomes it; otherwise,
@@ -34,7 +34,8 @@ ATTEMPT = "jobset.sigs.k8s.io/in-place-restart-attempt"
 
 class JobSetServer:
     def __init__(self, jobset: dict, pods: list[str], host: str = "127.0.0.1", port: int = 0,
-                 log: Path | None = None, unavailable_watches: int = 0, forbid_patch: bool = False):
+                 log: Path | None = None, unavailable_watches: int = 0, unavailable_patches: int = 0,
+                 forbid_patch: bool = False):
         self.js = copy.deepcopy(jobset)
         self.js["status"] = {}
         self.version = 1
@@ -47,7 +48,8 @@ class JobSetServer:
         self.cond = threading.Condition()
         self.closing = False
         self.t0 = time.monotonic()
-        self.unavailable_watches, self.forbid_patch = unavailable_watches, forbid_patch
+        self.unavailable_watches, self.unavailable_patches = unavailable_watches, unavailable_patches
+        self.forbid_patch = forbid_patch
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -102,6 +104,11 @@ class JobSetServer:
 
             def do_PATCH(self) -> None:
                 name = self.path.partition("?")[0].rsplit("/", 1)[1]
+                if server.unavailable_patches > 0:
+                    server.unavailable_patches -= 1
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                    return self._send(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable",
+                                            "message": "the server is currently unable to handle the request"})
                 if server.forbid_patch:  # kube-apiserver's answer without the agent's Role
                     self.rfile.read(int(self.headers["Content-Length"]))
                     return self._send(403, {

@@ -182,14 +182,16 @@ def test_an_agent_without_its_role_fails_the_job_at_once_and_says_which_role(tmp
 def test_an_api_server_that_is_away_for_a_moment_is_waited_for_not_restarted_around(tmp_path):
     objects = render_objects(_spec(), "jobset")
     pods = pods_from(objects)
-    with JobSetServer(objects[-1], [p.hostname for p in pods], unavailable_watches=2) as server:
+    with JobSetServer(objects[-1], [p.hostname for p in pods], unavailable_watches=2,
+                      unavailable_patches=2) as server:
         agents = [_one_agent(tmp_path, server, pod) for pod in pods]
         _wait(lambda: (tmp_path / "starts").exists() and len((tmp_path / "starts").read_text().splitlines()) == 2,
               60, "both commands to start once the API server answers")
         (tmp_path / "finish").touch()
         outs = [a.communicate(timeout=60)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outs
-    assert any("503" in out and "retrying" in out for out in outs), outs
+    assert any("watching JobSet" in out and "503" in out and "retrying" in out for out in outs), outs
+    assert any("annotating the pod failed (503" in out for out in outs), outs
     assert len((tmp_path / "starts").read_text().splitlines()) == 2  # each command started once: no restart
 
 

@@ -43,6 +43,9 @@ STOP_GRACE_SECONDS = 5.0
 """How long the node command gets between SIGTERM and SIGKILL when this pod must restart for another pod's
 failure: its peers are gone, so nothing it could still save would be consistent; the last commit is resumed."""
 WATCH_SECONDS = 300
+PATCH_PATIENCE_SECONDS = 300.0
+"""How long the agent keeps retrying its pod annotation through a control-plane outage before it gives up
+(and its container restarts)."""
 
 
 def _log(message: str) -> None:
@@ -112,6 +115,8 @@ class Agent:
         self.command, self.pod, self.namespace, self.patch_pod = command, pod, namespace, patch_pod
         self.attempt: int | None = None
         self.child: subprocess.Popen | None = None
+        self.terminating = False
+        """SIGTERM came before the command started: it never starts."""
 
     def on_jobset(self, js: dict) -> int | None:
         """Act on one observed JobSet state; an exit code when this agent must exit now."""
@@ -134,7 +139,7 @@ class Agent:
         return None
 
     def _start(self, why: str) -> None:
-        if self.child is None:
+        if self.child is None and not self.terminating:
             _log(f"{why}; starting the node command")
             self.child = subprocess.Popen(self.command, start_new_session=True)
 
@@ -150,20 +155,41 @@ class Agent:
             self.child.wait()
 
     def forward(self, signum: int) -> None:
+        self.terminating = True
         if self.child is not None and self.child.poll() is None:
             os.killpg(self.child.pid, signum)
+
+
+def _patch_with_retries(patch, body: dict, patience: float = PATCH_PATIENCE_SECONDS) -> None:
+    """`patch(body)`, retried with backoff through transient API errors (5xx, 429, dropped connections) for up
+    to `patience` seconds; fatal answers (FATAL_STATUS) and the last error are raised."""
+    from kubernetes.client.exceptions import ApiException
+
+    deadline, backoff = time.monotonic() + patience, 1.0
+    while True:
+        try:
+            return patch(body)
+        except ApiException as e:
+            if e.status in FATAL_STATUS or time.monotonic() > deadline:
+                raise
+            problem = f"{e.status} {e.reason}"
+        except Exception as e:  # noqa: BLE001 - connection errors: retried like a 503
+            if time.monotonic() > deadline:
+                raise
+            problem = f"{type(e).__name__}: {e}"
+        _log(f"annotating the pod failed ({problem}); retrying in {backoff:.0f} s")
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 30.0)
 
 
 def run(command: list[str]) -> int:
     namespace, pod, jobset = (os.environ[k] for k in ("POD_NAMESPACE", "POD_NAME", "JOBSET_NAME"))
     custom, core = _api()
-    agent = Agent(command, pod, namespace, lambda body: core.patch_namespaced_pod(pod, namespace, body))
+    agent = Agent(command, pod, namespace, lambda body: _patch_with_retries(
+        lambda b: core.patch_namespaced_pod(pod, namespace, b), body))
     from kubernetes.client.exceptions import ApiException
 
-    terminated = threading.Event()
-
     def on_term(signum, frame) -> None:
-        terminated.set()
         agent.forward(signum)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -174,7 +200,7 @@ def run(command: list[str]) -> int:
             code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
             _log(f"the node command exited with {code}")
             return code
-        if terminated.is_set() and agent.child is None:
+        if agent.terminating and agent.child is None:
             return 128 + signal.SIGTERM
         try:
             event = events.get(timeout=0.5)
