@@ -16,12 +16,9 @@ function is plain `sdpa`, masks and all.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -36,19 +33,6 @@ length run as one batched SDPA call: a handful of calls per layer instead of one
 bounded set of shapes (the CPU flash kernels build and keep one kernel per sequence length: ~3 MB each in
 bf16, measured, so raw lengths grew memory with every new length). The causal mask keeps the extra tokens
 (the start of the next document) out of the real queries' view, and their own outputs are dropped."""
-
-
-CPU_MATH_MAX_SPAN = 128
-"""On CPU, documents up to this rounded length use SDPA's math kernel (batched matmuls: the matrix units' own
-speed) instead of the CPU flash kernel, whose tiling pays off only on long sequences. Measured forward +
-backward, bf16, 8 heads × 64, 2 threads (AMX): span 64 2.0× faster, 96 1.5×, 128 1.3×; 256 1.1× slower,
-512 1.6× slower (bench/RESULTS.md, 2026-11-25). CUDA keeps its default choice (flash / cuDNN / efficient)."""
-
-
-def _kernel(device: torch.device, span: int):
-    if device.type == "cpu" and span <= CPU_MATH_MAX_SPAN:
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
 
 
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
@@ -70,8 +54,7 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         flat = index.flatten()
         # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
         qb, kb, vb = (x.index_select(1, flat).unflatten(1, (len(docs), span)).transpose(0, 1) for x in (q, k, v))
-        with _kernel(query.device, span):
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
         real = (offsets < sizes[docs, None]).to(query.device)  # the document's own tokens, not the rounding
         outputs.append(out.transpose(0, 1)[:, real])  # [H, real tokens, D]
         positions.append(index[real])
