@@ -29,7 +29,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs
 
+from tests.launch.http_json import send_json
+from tests.launch.k8s_apiserver import status
+
 ATTEMPT = "jobset.sigs.k8s.io/in-place-restart-attempt"
+UNAVAILABLE = status(503, "ServiceUnavailable", "the server is currently unable to handle the request")
 
 
 class JobSetServer:
@@ -56,23 +60,17 @@ class JobSetServer:
             protocol_version = "HTTP/1.1"
 
             def _send(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, code, body)
 
             def do_GET(self) -> None:
                 path, _, query = self.path.partition("?")
                 q = parse_qs(query)
                 if not path.endswith("/jobsets"):
-                    return self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": path})
+                    return self._send(*status(404, "NotFound", f"{path} not found"))
                 assert q.get("fieldSelector") == [f"metadata.name={server.js['metadata']['name']}"], q
                 if q.get("watch", [""])[0].lower() == "true" and server.unavailable_watches > 0:
                     server.unavailable_watches -= 1  # the control plane is away for a moment
-                    return self._send(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable",
-                                            "message": "the server is currently unable to handle the request"})
+                    return self._send(*UNAVAILABLE)
                 if q.get("watch", [""])[0].lower() != "true":
                     with server.cond:
                         return self._send(200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList",
@@ -107,14 +105,12 @@ class JobSetServer:
                 if server.unavailable_patches > 0:
                     server.unavailable_patches -= 1
                     self.rfile.read(int(self.headers["Content-Length"]))
-                    return self._send(503, {"kind": "Status", "code": 503, "reason": "ServiceUnavailable",
-                                            "message": "the server is currently unable to handle the request"})
+                    return self._send(*UNAVAILABLE)
                 if server.forbid_patch:  # kube-apiserver's answer without the agent's Role
                     self.rfile.read(int(self.headers["Content-Length"]))
-                    return self._send(403, {
-                        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
-                        "message": f'pods "{name}" is forbidden: User "system:serviceaccount:default:shardline-'
-                                   f'trainer" cannot patch resource "pods" in API group "" in the namespace "default"'})
+                    return self._send(*status(403, "Forbidden", f'pods "{name}" is forbidden: User "system:'
+                                              f'serviceaccount:default:shardline-trainer" cannot patch resource '
+                                              f'"pods" in API group "" in the namespace "default"'))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 annotations = body["metadata"]["annotations"]
                 server.patch(name, annotations)

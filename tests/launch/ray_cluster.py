@@ -124,3 +124,19 @@ class RayNode:
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
         self.log.close()
+
+
+def submit_until_committed(spec, step: int, timeout: float):
+    """Submit `spec` with `--target ray` and wait until checkpoint `step` is committed (the job still queued or
+    running all along); returns (backend, record, run directory)."""
+    from shardline.engines.registry import get_backend
+
+    backend = get_backend("ray")
+    record = backend.submit(spec)
+    run = Path(record.objects[0]["runDir"])
+    deadline = time.monotonic() + timeout
+    while not (run / "checkpoints" / f"step-{step:08d}" / "COMMITTED").exists():
+        assert time.monotonic() < deadline, "\n".join(backend.logs(record, None, False))[-4000:]
+        assert backend.status(record).phase in ("queued", "running")
+        time.sleep(0.5)
+    return backend, record, run

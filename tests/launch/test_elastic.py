@@ -121,8 +121,7 @@ def test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left(session_di
     Train restarts the worker group at the size the cluster still fits: world size 1, resumed, finished."""
     pytest.importorskip("ray.train")
     from shardline.engines.backend import wait_for
-    from shardline.engines.registry import get_backend
-    from tests.launch.ray_cluster import RayHead, RayNode
+    from tests.launch.ray_cluster import RayHead, RayNode, submit_until_committed
 
     with RayHead(tmp_path, cpus=1) as head, RayNode(head, cpus=1) as node:
         spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
@@ -130,13 +129,7 @@ def test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left(session_di
                                   f"launch.ray.address={head.address}", "launch.ray.gpus_per_worker=0",
                                   "launch.ray.max_failures=2", "observe.metrics_port=null", "train.max_steps=12",
                                   "checkpoint.every_steps=3"])
-        backend = get_backend("ray")
-        record = backend.submit(spec)
-        run = Path(record.objects[0]["runDir"])
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoints" / "step-00000003" / "COMMITTED").exists():
-            assert time.monotonic() < deadline, "\n".join(backend.logs(record, None, False))[-4000:]
-            time.sleep(0.5)
+        backend, record, run = submit_until_committed(spec, step=3, timeout=300)
         assert [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"] == [2]  # both nodes
         node.kill()
         code = wait_for(backend, record, timeout_s=400, poll_s=1)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.engines.kubernetes.objects import MAX_BACKOFF, render_objects
+from shardline.engines.kubernetes.objects import MAX_BACKOFF_LIMIT, render_objects
 from shardline.engines.kubernetes.pod import SPEC_MOUNT
 from shardline.errors import EXIT_IN_PLACE_RESTART, SpecError
 from shardline.ops.cluster_bootstrap import BootstrapOptions, bootstrap_objects
@@ -42,7 +42,7 @@ def test_the_rendered_jobset_restarts_in_place_and_validates_against_the_pinned_
     js = objects[-1]
     assert js["spec"]["failurePolicy"]["restartStrategy"] == "InPlaceRestart"
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
-    assert job["backoffLimit"] == MAX_BACKOFF and job["podReplacementPolicy"] == "Failed"
+    assert job["backoffLimit"] == MAX_BACKOFF_LIMIT and job["podReplacementPolicy"] == "Failed"
     assert job["completions"] == job["parallelism"] == 2  # the controller's pod count needs both
     pod = job["template"]["spec"]
     assert pod["automountServiceAccountToken"] is True and pod["restartPolicy"] == "Never"

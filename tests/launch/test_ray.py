@@ -7,7 +7,6 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +19,7 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.run_status import read_status
 from shardline.spec.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
+from tests.launch.ray_cluster import submit_until_committed
 
 CRDS = Path(__file__).resolve().parents[1] / "crds"
 
@@ -176,14 +176,7 @@ def test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes(ray_
                               "parallel.nproc_per_node=2", f"launch.ray.address={ray_head.address}",
                               "launch.ray.gpus_per_worker=0", "launch.ray.max_failures=1",
                               "observe.metrics_port=null", "train.max_steps=12", "checkpoint.every_steps=3"])
-    backend = get_backend("ray")
-    record = backend.submit(spec)
-    run = Path(record.objects[0]["runDir"])
-    deadline = time.monotonic() + 240
-    while not (run / "checkpoints" / "step-00000003" / "COMMITTED").exists():
-        assert time.monotonic() < deadline, "\n".join(backend.logs(record, None, False))[-4000:]
-        assert backend.status(record).phase in ("queued", "running")
-        time.sleep(0.5)
+    backend, record, run = submit_until_committed(spec, step=3, timeout=240)
     victims = _train_workers(ray_head)
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)

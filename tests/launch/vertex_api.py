@@ -21,6 +21,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import aiplatform_v1
 from google.cloud.aiplatform_v1.services.job_service.transports.rest import JobServiceRestTransport
 
+from tests.launch.http_json import send_json
+
 _CREATE = re.compile(r"^/v1/(projects/[^/]+/locations/[^/]+)/customJobs$")
 _JOB = re.compile(r"^/v1/(projects/[^/]+/locations/[^/]+/customJobs/[^/:]+)(:cancel)?$")
 
@@ -93,22 +95,22 @@ class VertexApi:
         ints = "enum-encoding=int" in (parse_qs(url.query).get("$alt") or [""])[0]
         if self.errors:
             code, status, message = self.errors.pop(0)
-            return self._send(h, code, {"error": {"code": code, "message": message, "status": status}})
+            return send_json(h, code, {"error": {"code": code, "message": message, "status": status}})
         if method == "POST" and (m := _CREATE.match(url.path)):
             name = f"{m.group(1)}/customJobs/{1000 + len(self.jobs)}"
             job = dict(json.loads(raw), name=name, state="JOB_STATE_QUEUED", createTime="2026-11-25T10:00:00Z")
             self.jobs[name] = job
             self.scripts.setdefault(name, self.next_script)
             self.next_script = []
-            return self._send(h, 200, self._encode(job, ints))
+            return send_json(h, 200, self._encode(job, ints))
         m = _JOB.match(url.path)
         if not m or m.group(1) not in self.jobs:
-            return self._send(h, 404, {"error": {"code": 404, "message": f"CustomJob {url.path} not found",
+            return send_json(h, 404, {"error": {"code": 404, "message": f"CustomJob {url.path} not found",
                                                  "status": "NOT_FOUND"}})
         name, job = m.group(1), self.jobs[m.group(1)]
         if method == "POST" and m.group(2):
             self.scripts[name] = [("JOB_STATE_CANCELLING", None), ("JOB_STATE_CANCELLED", None)]
-            return self._send(h, 200, {})
+            return send_json(h, 200, {})
         script = self.scripts.get(name) or []
         if script:
             state, error = script.pop(0) if len(script) > 1 else script[0]
@@ -117,7 +119,7 @@ class VertexApi:
                 job.setdefault("startTime", "2026-11-25T10:05:00Z")
             if error:
                 job["error"] = {"code": 3, "message": error}
-        return self._send(h, 200, self._encode(job, ints))
+        return send_json(h, 200, self._encode(job, ints))
 
     @staticmethod
     def _encode(job: dict, ints: bool) -> dict[str, Any]:
@@ -125,11 +127,3 @@ class VertexApi:
         return json.loads(aiplatform_v1.CustomJob.to_json(message, use_integers_for_enums=ints,
                                                           always_print_fields_with_no_presence=False))
 
-    @staticmethod
-    def _send(h: BaseHTTPRequestHandler, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        h.send_response(code)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)

@@ -18,9 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, ShardlineError, SpecError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, ShardlineError
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file
+from shardline.spec.rules import check_batch_divides
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -48,15 +49,11 @@ def num_workers(spec: JobSpec) -> int | tuple[int, int]:
     so the global batch must divide by every one of them."""
     if not spec.is_elastic:
         return spec.world_size
-    p, t = spec.parallel.nproc_per_node or 1, spec.train
+    p = spec.parallel.nproc_per_node or 1
     lo, hi = spec.launch.min_nnodes * p, spec.launch.nnodes * p
-    for world in range(lo, hi + 1):
-        if t.global_batch_size % (world * t.micro_batch_size):
-            raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by world size × "
-                            f"micro-batch = {world} × {t.micro_batch_size}, and Ray Train's elastic worker group "
-                            f"may run any size from {lo} to {hi} workers",
-                            "use a global batch divisible by every size in that range times the micro-batch, "
-                            "or narrow it with launch.min_nnodes")
+    why = f"and Ray Train's elastic worker group may run any size from {lo} to {hi} workers"
+    check_batch_divides(spec, range(lo, hi + 1), lambda _: why, "use a global batch divisible by every size in that "
+                        "range times the micro-batch, or narrow it with launch.min_nnodes")
     return lo, hi
 
 

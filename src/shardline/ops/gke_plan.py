@@ -109,8 +109,7 @@ def plan_steps(spec: JobSpec, opts: GkePlanOptions) -> list[Step]:
         steps.append(dws_pool())
     if opts.spot:
         steps.append(node_pool("SPOT_POOL", "--spot"))
-    in_place = spec.launch.kubernetes.restart_strategy == "InPlaceRestart"
-    steps += [addons_step(in_place), node_manifests_step(profile)]
+    steps += [addons_step(spec.launch.kubernetes.restarts_in_place), node_manifests_step(profile)]
     steps.append(Step("Kueue queues, DWS admission check, trainer service account, launcher Role, namespace Pod "
                       "Security level" + (", PodMonitoring for rank 0's /metrics" if spec.observe.metrics_port else ""),
                       f'kubectl apply --server-side -f "${{HERE}}/{BOOTSTRAP_FILE}"'))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from shardline.errors import SpecError
 from shardline.hardware import price_table, tpu_slice
 from shardline.spec.sections import JobSections
@@ -98,16 +100,24 @@ def check_elastic(spec: JobSections) -> None:
     if lo > hi:
         raise SpecError("launch.min_nnodes", f"{lo} is more than launch.nnodes={hi}",
                         f"use a value from 1 to {hi} (nnodes is the most nodes the job runs on)")
-    p, t = spec.parallel, spec.train
+    p = spec.parallel
     if lo < hi and (p.dp_replicate != 1 or p.dp_shard is not None):
         raise SpecError("parallel.dp_replicate", "HSDP fixes the world size, but launch.min_nnodes lets it change",
                         "use plain FSDP (dp_replicate 1, dp_shard null) for elastic jobs")
-    for world in spec.allowed_world_sizes:
+    nproc = p.nproc_per_node or 1
+    check_batch_divides(spec, spec.allowed_world_sizes,
+                        lambda world: f"for {world // nproc} nodes, a size this elastic job may run at",
+                        "make it a multiple of every world size from launch.min_nnodes to launch.nnodes")
+
+
+def check_batch_divides(spec: JobSections, worlds: Iterable[int], why: Callable[[int], str], fix: str) -> None:
+    """The global batch splits into whole micro-batches on every world size in `worlds`; `why(world)` says why
+    the job may run at that size."""
+    t = spec.train
+    for world in worlds:
         if t.global_batch_size % (world * t.micro_batch_size):
             raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by world size × "
-                            f"micro-batch = {world} × {t.micro_batch_size} for {world // (p.nproc_per_node or 1)} "
-                            "nodes, a size this elastic job may run at",
-                            "make it a multiple of every world size from launch.min_nnodes to launch.nnodes")
+                            f"micro-batch = {world} × {t.micro_batch_size} {why(world)}", fix)
 
 
 def check_cost(spec: JobSections) -> None:

@@ -256,6 +256,10 @@ class KubernetesSpec(Section):
     """How `--target jobset` restarts the gang after a failure (JobSet failurePolicy.restartStrategy):
     InPlaceRestart keeps the healthy pods on their nodes and restarts their containers (needs Kubernetes
     ContainerRestartRules and JobSet's InPlaceRestart feature; docs/architecture.md §7.1)."""
+
+    @property
+    def restarts_in_place(self) -> bool:
+        return self.restart_strategy == "InPlaceRestart"
     trainjob_runtime: str = "torch-distributed"
     """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references."""
 

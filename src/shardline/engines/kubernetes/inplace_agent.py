@@ -62,6 +62,21 @@ def _api():
     return client.CustomObjectsApi(), client.CoreV1Api()
 
 
+class _Backoff:
+    """Waits 1, 2, 4 … 30 s between tries of a call to the API server, saying what failed."""
+
+    def __init__(self) -> None:
+        self.seconds = 1.0
+
+    def reset(self) -> None:
+        self.seconds = 1.0
+
+    def wait(self, what: str, problem: str) -> None:
+        _log(f"{what} failed ({problem}); retrying in {self.seconds:.0f} s")
+        time.sleep(self.seconds)
+        self.seconds = min(self.seconds * 2, 30.0)
+
+
 FATAL_STATUS = (401, 403, 404)
 """API answers no retry fixes: no credentials, no permission (the Role is missing), no such JobSet."""
 
@@ -73,7 +88,7 @@ def _watch_jobset(custom, namespace: str, name: str, events: queue.Queue) -> Non
     from kubernetes import watch
     from kubernetes.client.exceptions import ApiException
 
-    version, backoff = None, 1.0
+    version, backoff = None, _Backoff()
     while True:
         kwargs = {"field_selector": f"metadata.name={name}", "timeout_seconds": WATCH_SECONDS}
         if version:
@@ -81,7 +96,7 @@ def _watch_jobset(custom, namespace: str, name: str, events: queue.Queue) -> Non
         try:
             for event in watch.Watch().stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
                                               PLURAL, **kwargs):
-                backoff = 1.0
+                backoff.reset()
                 obj = event["object"]
                 if event["type"] == "ERROR":  # e.g. 410 Gone: the version is too old; list again from now
                     version = None
@@ -103,9 +118,7 @@ def _watch_jobset(custom, namespace: str, name: str, events: queue.Queue) -> Non
             problem = f"{e.status} {e.reason}"
         except Exception as e:  # noqa: BLE001 - connection refused/reset, timeouts: the control plane is away
             problem = f"{type(e).__name__}: {e}"
-        _log(f"watching JobSet {name} failed ({problem}); retrying in {backoff:.0f} s")
-        time.sleep(backoff)
-        backoff = min(backoff * 2, 30.0)
+        backoff.wait(f"watching JobSet {name}", problem)
 
 
 class Agent:
@@ -165,7 +178,7 @@ def _patch_with_retries(patch, body: dict, patience: float = PATCH_PATIENCE_SECO
     to `patience` seconds; fatal answers (FATAL_STATUS) and the last error are raised."""
     from kubernetes.client.exceptions import ApiException
 
-    deadline, backoff = time.monotonic() + patience, 1.0
+    deadline, backoff = time.monotonic() + patience, _Backoff()
     while True:
         try:
             return patch(body)
@@ -177,9 +190,7 @@ def _patch_with_retries(patch, body: dict, patience: float = PATCH_PATIENCE_SECO
             if time.monotonic() > deadline:
                 raise
             problem = f"{type(e).__name__}: {e}"
-        _log(f"annotating the pod failed ({problem}); retrying in {backoff:.0f} s")
-        time.sleep(backoff)
-        backoff = min(backoff * 2, 30.0)
+        backoff.wait("annotating the pod", problem)
 
 
 def run(command: list[str]) -> int:

@@ -100,7 +100,7 @@ def pod_failure_policy() -> dict:
     ]}
 
 
-MAX_BACKOFF = 2**31 - 1
+MAX_BACKOFF_LIMIT = 2**31 - 1
 """JobSet InPlaceRestart: a Job must never fail for its pods' failures (the controller counts restarts)."""
 
 
@@ -110,8 +110,8 @@ def _job_spec(spec: JobSpec, target: str, task: str, cm: str, subdomain: str) ->
            "podFailurePolicy": pod_failure_policy(),
            "template": k8s_pod.pod_template(spec, task, cm, _rank_env(spec, target), subdomain,
                                             rdzv_endpoint(spec, target))}
-    if k8s_pod.in_place_restart(spec):  # a failed pod is replaced alone, once it is gone; the others stay
-        out |= {"backoffLimit": MAX_BACKOFF, "podReplacementPolicy": "Failed"}
+    if spec.launch.kubernetes.restarts_in_place:  # a failed pod is replaced alone, once it is gone; the others stay
+        out |= {"backoffLimit": MAX_BACKOFF_LIMIT, "podReplacementPolicy": "Failed"}
     return out
 
 

@@ -90,10 +90,6 @@ def node_command(spec: JobSpec, task: str, rdzv_endpoint: str | None = None,
     return ["bash", "-c", 'source "$0" && exec "$@"', script, *command] if script else command
 
 
-def in_place_restart(spec: JobSpec) -> bool:
-    return spec.launch.kubernetes.restart_strategy == "InPlaceRestart"
-
-
 def check_restart_strategy(spec: JobSpec, target: str) -> None:
     """Only a JobSet running shardline's own image restarts anything but by recreating it."""
     strategy = spec.launch.kubernetes.restart_strategy
@@ -106,7 +102,7 @@ def check_restart_strategy(spec: JobSpec, target: str) -> None:
     if target != "jobset":
         raise SpecError("launch.kubernetes.restart_strategy", f"is {strategy}, a JobSet failure policy, but "
                         f"--target {target} is not a JobSet", "use --target jobset, or leave it at Recreate")
-    if strategy == "InPlaceRestart" and spec.train.engine != "torch":
+    if spec.launch.kubernetes.restarts_in_place and spec.train.engine != "torch":
         raise SpecError("launch.kubernetes.restart_strategy", "is InPlaceRestart, whose agent runs in shardline's "
                         f"image, but train.engine={spec.train.engine} runs its own image",
                         "use Recreate or BlockingRecreate for MaxText")
@@ -353,7 +349,7 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
     container = {"name": CONTAINER, "image": image_ref(spec), "command": node_command(spec, task, rdzv_endpoint),
                  "env": container_env(spec, rank_env), "volumeMounts": mounts,
                  "securityContext": container_security(spec)}
-    if in_place_restart(spec):
+    if spec.launch.kubernetes.restarts_in_place:
         in_place_container(container)
     if ports := container_ports(spec):
         container["ports"] = ports
@@ -363,7 +359,7 @@ def pod_spec(spec: JobSpec, task: str, config_map: str, rank_env: list[dict], su
         container["workingDir"] = k.storage.mount_path
     out = {"restartPolicy": "Never", "serviceAccountName": k.service_account,
            # only the in-place agent calls the Kubernetes API (its own JobSet and pod); the trainer never does
-           "automountServiceAccountToken": in_place_restart(spec), "securityContext": POD_SECURITY,
+           "automountServiceAccountToken": spec.launch.kubernetes.restarts_in_place, "securityContext": POD_SECURITY,
            "terminationGracePeriodSeconds": termination_grace_seconds(spec),
            "containers": [container], "volumes": volumes}
     if sidecar := rx_daemon_container(spec):
