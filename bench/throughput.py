@@ -66,7 +66,7 @@ def shardline_run(steps: int, nproc: int, workdir: Path, extra: list[str]) -> di
     }
 
 
-def export_rows(prepared_root: Path, steps: int, out: Path) -> dict:
+def export_rows(prepared_root: Path, steps: int, out: Path, overrides: list[str]) -> dict:
     """shardline's training stream for `steps` steps as .npy files (rows.npy, labels.npy, positions.npy, n_real.npy),
     one global batch after another: row i belongs to step i // global_batch_size, as shardline trains it (the
     stream depends only on the step and the global batch, so StepSampler with world 1 gives the same rows).
@@ -78,7 +78,7 @@ def export_rows(prepared_root: Path, steps: int, out: Path) -> dict:
     from shardline.data.prepare import PreparedData
     from shardline.spec.resolve import load_spec
 
-    spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1"])
+    spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1", *overrides])
     t = spec.train
     rows = PreparedData(prepared_root).rows("train")
     sampler = StepSampler(len(rows.n_real), t.seed, t.global_batch_size, t.global_batch_size, world=1)
@@ -96,7 +96,8 @@ def export_rows(prepared_root: Path, steps: int, out: Path) -> dict:
             "timed_tokens": int(arrays["n_real"][timed].sum())}
 
 
-def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir: Path | None) -> dict:
+def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir: Path | None,
+              overrides: list[str]) -> dict:
     """One Trainer run in this process; returns its timing (called in a child process)."""
     import numpy as np
     import torch
@@ -110,7 +111,7 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir
     from shardline.tasks import get_task
 
     torch.set_num_threads(threads)
-    spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1"])
+    spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1", *overrides])
     data = PreparedData(prepared_root)
     tok, pad, seq = data.tokenizer(), data.meta["pad_id"], spec.train.seq_len
     special = special_ids(tok, pad)
@@ -174,7 +175,8 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir
         args = TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=spec.train.lr,
             lr_scheduler_type="cosine", warmup_steps=spec.train.warmup_steps, weight_decay=spec.train.weight_decay,
-            max_grad_norm=spec.train.max_grad_norm, bf16=True, use_cpu=True, logging_steps=10_000,
+            max_grad_norm=spec.train.max_grad_norm, bf16=True, use_cpu=not torch.cuda.is_available(),
+            logging_steps=10_000,
             save_strategy="no", report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0,
             disable_tqdm=True,
         )
@@ -187,9 +189,10 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir
             "timed_loss_tokens": sum(loss_tokens[WARMUP:steps])}
 
 
-def run_hf(mode: str, prepared: Path, steps: int, threads: int, rows_dir: Path | None = None) -> dict:
+def run_hf(mode: str, prepared: Path, steps: int, threads: int, overrides: list[str],
+           rows_dir: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", mode, "--prepared", str(prepared), "--steps", str(steps),
-           "--threads", str(threads)]
+           "--threads", str(threads), *[a for s in overrides for a in ("--set", s)]]
     cmd += ["--rows-dir", str(rows_dir)] if rows_dir else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"))
@@ -240,16 +243,18 @@ def main() -> None:
     parser.add_argument("--rows-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_worker:
-        print(json.dumps(hf_worker(args.hf_worker, args.prepared, args.steps, args.threads, args.rows_dir)))
+        print(json.dumps(hf_worker(args.hf_worker, args.prepared, args.steps, args.threads, args.rows_dir,
+                                   args.overrides)))
         return
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    import torch
+
     from shardline.engines.torchrun import worker_allocator_env
 
     # shardline's CPU workers run with these malloc settings (engines/torchrun.py); every contender gets them, so
     # the ratios measure the trainers, not the allocator (they lift HF Trainer as much: bench/RESULTS.md)
-    os.environ.update(worker_allocator_env(on_gpu=False))
-    import torch
+    os.environ.update(worker_allocator_env(on_gpu=torch.cuda.is_available()))
 
     from shardline.model.flops import probe_cpu_peak_tflops
 
@@ -257,10 +262,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ours = shardline_run(args.steps, args.nproc, Path(tmp), args.overrides)
         prepared = next(p for p in Path(ours["prepared"]).iterdir() if (p / "stats.json").exists())
-        rows = export_rows(prepared, args.steps, Path(tmp) / "rows")
-        padded = run_hf("padded", prepared, args.steps, args.threads)
-        packed = run_hf("packed", prepared, args.steps, args.threads)
-        same = run_hf("same-rows", prepared, args.steps, args.threads, rows["dir"])
+        rows = export_rows(prepared, args.steps, Path(tmp) / "rows", args.overrides)
+        padded = run_hf("padded", prepared, args.steps, args.threads, args.overrides)
+        packed = run_hf("packed", prepared, args.steps, args.threads, args.overrides)
+        same = run_hf("same-rows", prepared, args.steps, args.threads, args.overrides, rows["dir"])
         assert same["timed_loss_tokens"] == rows["timed_loss_tokens"], (same["timed_loss_tokens"], rows)
         same_rows_rates(same, rows, ours)
         if args.peers_python:
@@ -268,8 +273,11 @@ def main() -> None:
                 peers[name] = run_peer(name, args.peers_python, rows, args.steps, args.threads, args.nproc)
                 if "error" not in peers[name]:
                     same_rows_rates(peers[name], rows, ours)
-    torch.set_num_threads(args.threads)
-    machine_peak, _ = probe_cpu_peak_tflops(torch.bfloat16, sizes=(512, 2048), seconds=1.0)
+    if torch.cuda.is_available():  # every contender on one GPU: the catalogue's dense bf16 peak of that GPU
+        machine_peak = ours["peak_tflops_per_device"]
+    else:
+        torch.set_num_threads(args.threads)
+        machine_peak, _ = probe_cpu_peak_tflops(torch.bfloat16, sizes=(512, 2048), seconds=1.0)
 
     def ratio(other: dict | None) -> float | None:
         ok = other is not None and "error" not in other

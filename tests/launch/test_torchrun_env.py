@@ -32,3 +32,18 @@ def test_cpu_workers_start_with_the_heap_keeping_malloc_settings(tmp_path):
 def test_a_malloc_setting_the_user_made_is_kept(tmp_path):
     got = _worker_env(tmp_path, {"MALLOC_TRIM_THRESHOLD_": "0"})
     assert got == CPU_MALLOC_ENV | {"MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def test_a_torchrun_without_newer_flags_gets_the_command_line_without_them(capsys):
+    # Seen on a GPU image with torch 2.11: its torchrun refused --shutdown-timeout and no run could start.
+    import argparse
+
+    from shardline.engines.torchrun import known_flags
+
+    old = argparse.ArgumentParser()
+    old.add_argument("--max-restarts")
+    argv = ["--max-restarts=3", "--shutdown-timeout=60", "-m", "shardline.worker", "--spec", "s.yaml"]
+    assert known_flags(argv, old) == ["--max-restarts=3", "-m", "shardline.worker", "--spec", "s.yaml"]
+    assert "no --shutdown-timeout" in capsys.readouterr().err
+    assert known_flags(argv) == argv  # this torch's own torchrun knows it: nothing dropped, nothing said
+    assert capsys.readouterr().err == ""

@@ -92,3 +92,38 @@ def test_cpu_memory_stays_flat_when_every_step_brings_new_document_lengths():
     before = hwm()
     steps(list(range(41, 64)) + list(range(41, 50)))  # 23 lengths never seen, all in seen buckets
     assert hwm() - before < 20 * 2**20
+
+
+def test_a_batch_builds_its_span_indices_once_for_every_layer_and_the_backward():
+    from shardline.model.document_attention import _plan
+
+    ours, a = _model("sdpa")
+    batch = make_batch(_rows([40, 24, 17, 30, 64, 5, 9, 33], seed=3), np.arange(4))
+    _plan.cache_clear()
+    token_loss_sum(ours, batch).backward()
+    info = _plan.cache_info()
+    assert (info.misses, info.hits) == (1, a.num_layers - 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: device synchronisation is GPU-only")
+def test_on_a_gpu_packed_attention_never_waits_for_the_device():
+    # Found on an H100: the span indices were built per bucket per layer on the device (boolean masks, pageable
+    # copies), each a wait for the GPU, dozens a step. (transformers' own packed-sequence check in the model's
+    # forward also synchronises once per forward; this checks shardline's attention function alone.)
+    from shardline.model.document_attention import document_sdpa
+
+    lengths = [40, 24, 17, 30, 64, 5, 9, 33, 34]  # 256 tokens: 4 rows of 64
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    q, k, v = (torch.randn(4, heads, SEQ, 16, device="cuda", requires_grad=True) for heads in (4, 2, 2))
+    module = torch.nn.Module()
+    for attempt in ("warm-up", "checked"):  # the first call may load kernels
+        if attempt == "checked":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, _ = document_sdpa(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+            out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert out.shape == (4, SEQ, 4, 16)

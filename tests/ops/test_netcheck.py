@@ -20,6 +20,9 @@ def test_busbw_matches_hand_computed_nccl_tests_factors():
     assert bandwidths("reduce_scatter", 10**9, 0.01, 2) == pytest.approx((100.0, 50.0))    # 1/2
     assert bandwidths("all_to_all", 10**9, 0.01, 16) == pytest.approx((100.0, 93.75))      # 15/16
     assert bandwidths("broadcast", 10**9, 0.01, 16) == pytest.approx((100.0, 100.0))       # 1
+    # one rank crosses no link: seen on an H100, broadcast's factor 1 reported HBM copies as 242 TB/s of busbw
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        assert bandwidths(op, 10**9, 0.01, 1) == pytest.approx((100.0, 0.0))
     # the seeds' A4 figure: 8 GB all_gather across 16 GPUs at ~376 GB/s busbw is ~401 GB/s algbw, 21.4 ms
     algbw, busbw = bandwidths("all_gather", 8 * 10**9, 0.021393, 16)
     assert algbw == pytest.approx(373.95, rel=1e-3) and busbw == pytest.approx(350.58, rel=1e-3)
@@ -92,3 +95,23 @@ def test_two_process_sweep_prints_tables_writes_json_and_fails_an_unreachable_th
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factors[r["op"]])
     assert {(r["op"], r["bytes"]) for r in records if r["placement"] == "in-place"} >= {("all_reduce", 65536)}
+
+
+@pytest.mark.slow
+def test_one_rank_judges_no_bandwidth_but_still_checks_the_data(tmp_path):
+    out = tmp_path / "net.json"
+    res = run_cli("netcheck", "--nproc", "1", "--min-bytes", "1024", "--max-bytes", "8192", "--factor", "8",
+                  "--iters", "2", "--warmup", "1", "--expect-busbw", "10000", "--json", str(out), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "1 rank: every collective is a local copy" in res.stdout and "PASS" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["passed"] is True and doc["avg_busbw_gbps"] == 0.0
+    assert all(r["busbw_gbps"] == 0.0 and r["algbw_gbps"] > 0 and r["wrong"] == 0 for r in doc["records"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: NCCL ranks map to GPUs")
+def test_more_ranks_than_gpus_is_a_named_error():
+    # Seen on a one-GPU H100: a second rank died in torch.cuda.set_device with "invalid device ordinal".
+    res = run_cli("netcheck", "--nproc", str(torch.cuda.device_count() + 1), "--max-bytes", "1024", timeout=300)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "parallel.nproc_per_node" in res.stderr and "NCCL cannot run two ranks on one GPU" in res.stderr

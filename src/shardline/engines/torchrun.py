@@ -9,6 +9,7 @@ whatever the worker said), so 2 (bad input) and 75 (preempted) reach the engine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, parse_args, run
 
 from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_PREEMPTED
 from shardline.failures import HANG_ERROR, PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
@@ -94,8 +95,26 @@ def _write_report(run_dir: Path) -> None:
     write_report_safely(run_dir, lambda m: print(m, file=sys.stderr))
 
 
+NEWER_FLAGS = ("--shutdown-timeout",)
+"""torchrun flags shardline's command lines use that an older torch's torchrun lacks (2.11 has no
+--shutdown-timeout: it then waits its own default before SIGKILL)."""
+
+
+def known_flags(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """`argv` without the NEWER_FLAGS this torchrun does not know (each dropped one is said on stderr)."""
+    known = (parser or get_args_parser())._option_string_actions
+    kept = []
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in NEWER_FLAGS and flag not in known:
+            print(f"warning: this torch's torchrun has no {flag}; using its default", file=sys.stderr)
+            continue
+        kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(known_flags(sys.argv[1:] if argv is None else argv))
     os.environ[REPORTER_ENV] = "1"  # workers leave the telling to this process
     import torch
 

@@ -16,6 +16,9 @@ function is plain `sdpa`, masks and all.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +38,49 @@ bf16, measured, so raw lengths grew memory with every new length). The causal ma
 (the start of the next document) out of the real queries' view, and their own outputs are dropped."""
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """Documents of one rounded length: where their tokens are and which of the rounded slots are real."""
+
+    span: int
+    docs: int
+    gather: torch.Tensor
+    """[docs·span] token positions on the flat (padded) token axis, document after document."""
+    real: torch.Tensor
+    """Positions in [docs·span] that hold the documents' own tokens, not the rounding."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    buckets: tuple[_Bucket, ...]
+    order: torch.Tensor
+    """Puts the buckets' real tokens, concatenated, back in token order."""
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(lengths: tuple[int, ...], device: torch.device) -> _Plan:
+    """The gather/scatter indices of one batch's spans, built once on the CPU and shared by every layer (and
+    the backward): on a GPU every index is copied once, asynchronously, and no layer waits for the device
+    (index building or boolean masks on the device synchronise with it, once per bucket per layer)."""
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    sizes = torch.tensor(lengths)
+    rounded = (sizes + LENGTH_BUCKET - 1) // LENGTH_BUCKET * LENGTH_BUCKET
+    buckets, positions = [], []
+    for span in rounded.unique().tolist():
+        docs = (rounded == span).nonzero().flatten()
+        offsets = torch.arange(span)
+        gather = (starts[docs, None] + offsets).flatten()
+        real = (offsets < sizes[docs, None]).flatten().nonzero().flatten()
+        buckets.append((span, len(docs), gather, real))
+        positions.append(gather[real])
+    order = torch.cat(positions).argsort()
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+    return _Plan(tuple(_Bucket(span, n, move(g), move(r)) for span, n, g, r in buckets), move(order))
+
+
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
                   scaling: float | None, gqa: bool) -> torch.Tensor:
@@ -43,24 +89,16 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     # [B, H, T, D] → [H, B·T (+ room to round the last span up), D]: documents are contiguous spans.
     q, k, v = (F.pad(x.transpose(0, 1).reshape(x.shape[1], n_tokens, d), (0, 0, 0, LENGTH_BUCKET - 1))
                for x in (query, key, value))
-    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-    sizes = torch.tensor(lengths)
-    rounded = (sizes + LENGTH_BUCKET - 1) // LENGTH_BUCKET * LENGTH_BUCKET
-    outputs, positions = [], []
-    for span in rounded.unique().tolist():
-        docs = (rounded == span).nonzero().flatten()
-        offsets = torch.arange(span)
-        index = (starts[docs, None] + offsets).to(query.device)  # [docs, span] token positions
-        flat = index.flatten()
+    plan = _plan(tuple(lengths), query.device)
+    outputs = []
+    for bucket in plan.buckets:
         # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
-        qb, kb, vb = (x.index_select(1, flat).unflatten(1, (len(docs), span)).transpose(0, 1) for x in (q, k, v))
+        qb, kb, vb = (x.index_select(1, bucket.gather).unflatten(1, (bucket.docs, bucket.span)).transpose(0, 1)
+                      for x in (q, k, v))
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
-        real = (offsets < sizes[docs, None]).to(query.device)  # the document's own tokens, not the rounding
-        outputs.append(out.transpose(0, 1)[:, real])  # [H, real tokens, D]
-        positions.append(index[real])
+        outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, d).index_select(1, bucket.real))
     # Every token is in exactly one span: put the pieces back in token order.
-    order = torch.cat(positions).argsort()
-    merged = torch.cat(outputs, 1).index_select(1, order)  # [H, B·T, D]
+    merged = torch.cat(outputs, 1).index_select(1, plan.order)  # [H, B·T, D]
     # [H, B·T, D] → [B, T, H, D], the layout HF attention functions return.
     return merged.reshape(h, b, t, d).permute(1, 2, 0, 3).contiguous()
 

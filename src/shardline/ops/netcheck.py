@@ -35,11 +35,18 @@ PASS_FRACTION = 0.9
 """netcheck passes when the measured busbw reaches this fraction of the expected one (profiles.py)."""
 CPU_MAX_BYTES = 64 << 20
 GPU_MAX_BYTES = 8 << 30
+# torch 2.13 names the tensor collectives *_single (the *_tensor names are deprecated there); older torch, such
+# as a GPU image's, has only the *_tensor names
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _CHUNK = 1 << 26  # elements per fill/check pass: patterns never need a second full-size buffer
 
 
 def bus_factor(op: str, world: int) -> float:
-    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
+    """nccl-tests' factor from algorithm bandwidth to bus bandwidth; 0 for one rank, whose collectives are local
+    copies that cross no link (broadcast's factor 1 would otherwise report HBM copy speed as bus bandwidth)."""
+    if world == 1:
+        return 0.0
     n = world
     factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
                "all_to_all": (n - 1) / n, "broadcast": 1.0}
@@ -163,12 +170,12 @@ def collective(op: str, placement: str, count: int, rank: int, world: int, devic
             recv.fill_(-1)
             _fill(send, lambda j: (r + 1) + j % 13)
 
-        return (fill, lambda: dist.all_gather_single(recv, send),
+        return (fill, lambda: ALL_GATHER(recv, send),
                 lambda: _wrong(recv, lambda i: (i // c + 1) + (i % c) % 13))
     if op == "reduce_scatter":
         send = empty(c * n)
         recv = send[r * c:(r + 1) * c] if inplace else empty(c)
-        return (lambda: _fill(send, lambda i: (r + 1) + i % 13), lambda: dist.reduce_scatter_single(recv, send),
+        return (lambda: _fill(send, lambda i: (r + 1) + i % 13), lambda: REDUCE_SCATTER(recv, send),
                 lambda: _wrong(recv, lambda j: rank_sum + n * ((r * c + j) % 13)))
     if op == "all_to_all":
         send, recv = empty(c * n), empty(c * n)

@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardline.errors import SpecError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -51,6 +53,10 @@ def distributed(timeout_s: int = 1800) -> Iterator[DistContext]:
     os.environ.setdefault("MASTER_PORT", "29500")
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
+        if local_rank >= (gpus := torch.cuda.device_count()):
+            raise SpecError("parallel.nproc_per_node", f"local rank {local_rank} has no GPU of its own: this node "
+                            f"shows {gpus}", f"start at most {gpus} processes per node (--nproc {gpus}); NCCL "
+                            "cannot run two ranks on one GPU")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "cpu:gloo,cuda:nccl"  # gloo carries the small CPU-side collectives (objects, flags)
