@@ -64,6 +64,7 @@ memory)
 profile)
   step 8b-lora-profile 180 python3 -m shardline.cli train bench/gpu-8b-lora.yaml --set "run.dir=$runs/profile" \
     --set observe.profile_steps=3 --set train.max_steps=8 --set checkpoint.every_steps=100
+  find "$runs/profile" -name ops-rank-0.txt -exec cp {} "$out/8b-lora-profile-ops.txt" \; -quit
   ;;
 netcheck)
   step netcheck-1 60 python3 -m shardline.cli netcheck --nproc 1 --json "$out/netcheck-1.json"
