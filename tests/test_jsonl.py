@@ -17,3 +17,20 @@ def test_a_torn_last_line_is_skipped_and_read_once_it_is_whole(tmp_path):
     assert [r["step"] for r in tail.read()] == [1, 2] and tail.offset == path.stat().st_size
     assert tail.read() == tail.records and len(tail.records) == 2  # nothing new: nothing parsed again
     assert read_jsonl(tmp_path / "missing.jsonl") == [] and JsonlTail(tmp_path / "missing.jsonl").read() == []
+
+
+def test_a_new_writer_after_a_torn_last_line_keeps_its_first_record(tmp_path):
+    # an attempt killed mid-write leaves an unterminated line; appended to it, the next attempt's `setup` record
+    # was lost with it, merging two attempts in goodput
+    from rich.console import Console
+
+    from shardline.jsonl import read_jsonl
+    from shardline.training.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "event", "event": "setup"}\n{"kind": "train", "step": 7, "lo')
+    MetricsWriter(path, Console(quiet=True)).write("event", {"event": "setup", "attempt": 2})
+    records = read_jsonl(path)
+    assert [r.get("event") for r in records] == ["setup", "setup"] and records[1]["attempt"] == 2
+    MetricsWriter(path, Console(quiet=True)).write("event", {"event": "resume"})  # a clean file stays clean
+    assert path.read_text().count("\n\n") == 0 and len(read_jsonl(path)) == 3

@@ -59,3 +59,40 @@ def test_a_relative_checkpoint_dir_is_resolved_where_the_run_was_created(tmp_pat
     assert rundir.checkpoint_location(again, run_dir) == f"{tmp_path / 'ckpt'}/{run_dir.name}"
     remote, _ = rundir.create_run(small_spec(tmp_path, "checkpoint.dir=gs://bucket/ckpt"))
     assert remote.checkpoint.dir == "gs://bucket/ckpt"
+
+
+def test_writers_with_the_same_pid_on_a_shared_mount_never_collide(tmp_path, monkeypatch):
+    # pods and Vertex replicas all run their wrapper as pid 1; a pid-named temp file made two nodes writing
+    # `failed` rename each other's file (FileNotFoundError traceback, exit 1)
+    import threading
+
+    monkeypatch.setattr(rundir.os, "getpid", lambda: 1)
+    errors: list[BaseException] = []
+
+    def write(n: int) -> None:
+        try:
+            for i in range(200):
+                rundir.write_manifest(tmp_path, {"status": "failed", "writer": n, "i": i})
+        except BaseException as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads((tmp_path / "manifest.json").read_text())["status"] == "failed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no temporary file left behind
+
+
+def test_a_run_directory_under_a_path_with_a_yaml_comment_is_loaded_as_that_run(tmp_path):
+    # `--set run.dir=/data/a #1` cut the path at the comment: `shardline train RUN_DIR` started a new run elsewhere
+    from shardline.api import Spec
+
+    runs = tmp_path / "exp #1: 'lr' [a, b]"
+    spec, run_dir = rundir.create_run(Spec.load("tiny", {"run.dir": str(runs)}))
+    assert run_dir.parent == runs
+    loaded = Spec.load(run_dir)
+    assert (loaded.run.dir, loaded.run.id) == (str(run_dir.parent), run_dir.name)
+    assert rundir.run_path(loaded) == run_dir

@@ -71,7 +71,8 @@ class Spec(JobSpec):
             if not (run_dir / "spec.yaml").is_file():
                 raise SpecError(text, "is a directory without spec.yaml", "give a run directory, preset or YAML")
             text = str(run_dir / "spec.yaml")
-            assignments = [f"run.dir={run_dir.parent}", f"run.id={run_dir.name}", *assignments]
+            # typed values, not `--set` text: a directory name is never parsed as YAML (` #` would start a comment)
+            values = {"run.dir": str(run_dir.parent), "run.id": run_dir.name, **values}
         return cls.of(load_spec(text, assignments, values))
 
     @classmethod

@@ -71,13 +71,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
-    from shardline.rundir import create_run
+    from shardline.rundir import create_run, read_manifest
 
     spec = _resolve(args)
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     spec, run_dir = create_run(spec)
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
+    if chosen := read_manifest(run_dir).get("precision"):
+        console.print(f"precision {chosen['chosen']}: {chosen['reason']}", highlight=False, markup=False)
     return train_run(spec, run_dir, _prepare_with_progress, lambda m: console.print(m, highlight=False, markup=False))
 
 
@@ -125,6 +127,7 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.api import plan as plan_spec
     from shardline.planning.memory import gib, plan_rows, suggest
+    from shardline.precision import choose_precision
 
     spec = _resolve(args)
     planned = plan_spec(spec, args.device, args.memory_gb)
@@ -137,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
         f"{', offload' if p.offload else ''}) · micro-batch {t.micro_batch_size} × {t.seq_len} tokens · "
-        f"{t.precision} · AC {ac}", highlight=False)
+        f"{choose_precision(t.precision, accelerator=device.kind != 'cpu').precision} · AC {ac}", highlight=False)
     table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")

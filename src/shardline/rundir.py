@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from shardline.errors import SpecError
+from shardline.precision import PrecisionChoice, choose_precision
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file, spec_hash, spec_to_yaml
 from shardline.spec.resume_policy import changed_fields, check_resume
@@ -66,6 +67,7 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
                 break
             except FileExistsError:
                 continue
+    spec, precision = _choose_precision(spec)
     path = run_path(spec)
     spec_file = path / "spec.yaml"
     changed: list[str] = []
@@ -93,8 +95,23 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
         "spec": spec.model_dump(mode="json"),
         "checkpoint_location": checkpoint_location(spec, path),
     })
+    if precision is not None:
+        manifest["precision"] = {"chosen": precision.precision, "reason": precision.reason}
     write_manifest(path, manifest)
     return spec, path
+
+
+def _choose_precision(spec: JobSpec) -> tuple[JobSpec, PrecisionChoice | None]:
+    """`train.precision: auto` made concrete for the hardware this run is created on (a local launch, or rank
+    0 of a cluster job): spec.yaml keeps the choice, so a resume on other hardware keeps the precision."""
+    if spec.train.precision != "auto":
+        return spec, None
+    import torch
+
+    choice = choose_precision("auto", accelerator=torch.cuda.is_available())
+    spec = spec.model_copy(deep=True)
+    spec.train.precision = choice.precision
+    return spec, choice
 
 
 def read_spec(path: Path) -> JobSpec:
@@ -107,9 +124,15 @@ def read_manifest(run_dir: Path) -> dict:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    tmp = run_dir / f"manifest.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, run_dir / "manifest.json")
+    """Replace manifest.json atomically. The temporary file is unique to this writer (host, pid and a random
+    suffix): in pods and on Vertex every node's wrapper is pid 1, and nodes sharing a lockless (FUSE) mount
+    must not write, rename or lose each other's file."""
+    tmp = run_dir / f"manifest.json.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2, default=str))
+        os.replace(tmp, run_dir / "manifest.json")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -277,3 +277,13 @@ def test_a_training_run_that_loses_a_node_restarts_both_pods_in_place_and_finish
     back = max(t for t, _ in (containers[0].exits[0], containers[1].exits[0])) - killed_at
     print(f"in-place restart after node 1's container died: both containers restarted {back:.1f} s after the kill; "
           f"training resumed at step {steps[redo]} (lost steps {steps[redo]}..{steps[redo - 1]})")
+
+
+def test_an_agent_without_its_pod_environment_fails_the_job_at_once_naming_the_variable(tmp_path):
+    # a traceback's exit 1 would be restarted in place forever; 2 fails the JobSet (podFailurePolicy)
+    env = {k: v for k, v in os.environ.items() if k not in ("POD_NAMESPACE", "POD_NAME", "JOBSET_NAME")}
+    env.update(POD_NAME="trainer-0", JOBSET_NAME="js")
+    res = subprocess.run([sys.executable, "-m", "shardline.engines.kubernetes.inplace_agent", "--", "true"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "POD_NAMESPACE" in res.stderr and "Traceback" not in res.stderr

@@ -68,7 +68,8 @@ class SecretServer:
                 name = self.path.removeprefix("/v1/").removesuffix(":access")
                 if self.headers.get("Authorization") != "Bearer tok-1" or name not in secrets:
                     return self._send(403, {"error": {"code": 403, "status": "PERMISSION_DENIED"}})
-                data = base64.b64encode(secrets[name].encode()).decode()
+                value = secrets[name]
+                data = base64.b64encode(value if isinstance(value, bytes) else value.encode()).decode()
                 self._send(200, {"name": name, "payload": {"data": data}})
 
             def _send(self, code: int, body: dict) -> None:
@@ -89,7 +90,8 @@ class SecretServer:
 
 @pytest.fixture
 def secrets():
-    server = SecretServer({"projects/p/secrets/hf-token/versions/latest": "hf_abc"})
+    server = SecretServer({"projects/p/secrets/hf-token/versions/latest": "hf_abc",
+                           "projects/p/secrets/binary/versions/1": b"\xff\xfe\x00key"})
     yield server
     server.close()
 
@@ -103,6 +105,11 @@ def test_secrets_are_read_with_the_service_accounts_token(secrets):
     with pytest.raises(ShardlineError, match="secretAccessor") as e:
         read_secrets({"WANDB_API_KEY": "projects/p/secrets/wandb/versions/1"}, token, f"http://{secrets.host}/v1")
     assert e.value.where == "launch.vertex.secret_env.WANDB_API_KEY"
+    # a binary secret cannot become an environment variable: a named error (exit 2, never retried by Vertex),
+    # not a UnicodeDecodeError traceback (exit 1, retried forever)
+    with pytest.raises(ShardlineError, match="is not UTF-8 text") as e:
+        read_secrets({"KEY": "projects/p/secrets/binary/versions/1"}, token, f"http://{secrets.host}/v1")
+    assert e.value.where == "launch.vertex.secret_env.KEY"
 
 
 def test_prepare_sets_rank_writes_the_spec_and_enters_the_bucket(tmp_path, monkeypatch, secrets):

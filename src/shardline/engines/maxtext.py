@@ -142,7 +142,7 @@ def maxtext_overrides(spec: JobSpec) -> dict[str, object]:
         "learning_rate": t.lr, "lr_schedule_type": "cosine", "learning_rate_final_fraction": t.min_lr_ratio,
         "warmup_steps_fraction": round((t.warmup_steps or 0) / t.max_steps, 6), "adam_weight_decay": t.weight_decay,
         "gradient_clipping_threshold": t.max_grad_norm or 0.0,  # 0 turns MaxText's clipping off
-        "dtype": "bfloat16" if t.precision == "bf16" else "float32", "weight_dtype": "float32",
+        "dtype": "float32" if t.precision == "fp32" else "bfloat16",  # auto: bf16 on TPU "weight_dtype": "float32",
         "data_shuffle_seed": t.seed, "init_weights_seed": spec.model.init_seed,
         "enable_checkpointing": True, "checkpoint_period": c.every_steps or t.max_steps,
         "async_checkpointing": c.async_save is not False, "max_num_checkpoints_to_keep": c.keep_last,

@@ -104,7 +104,11 @@ def read_secrets(refs: Mapping[str, str], token: str, endpoint: str = SECRET_MAN
         except (OSError, ValueError, KeyError) as e:
             raise ShardlineError(f"launch.vertex.secret_env.{name}", f"could not read {version} ({e})",
                                  "check that the job can reach secretmanager.googleapis.com") from None
-        values[name] = base64.b64decode(data).decode()
+        try:
+            values[name] = base64.b64decode(data).decode()
+        except (ValueError, UnicodeDecodeError):  # a binary secret cannot be an environment variable's text
+            raise ShardlineError(f"launch.vertex.secret_env.{name}", f"{version} is not UTF-8 text",
+                                 "store the secret as text (base64-encode binary data yourself)") from None
     return values
 
 

@@ -483,11 +483,16 @@ def _cost_text(summary: dict, last: dict) -> str:
 
 
 def write_report_safely(run_dir: Path, say: Callable[[str], None]) -> Path | None:
-    """`write_report`, but a failure is logged and printed, never raised: the report never fails a run."""
+    """`write_report`, but a failure is one printed line (the traceback goes to the log), never raised: the
+    report never fails a run. A run that never logged a step (it failed during setup) gets no report, quietly:
+    the failure's own message is the one the user needs."""
+    if not any(r.get("kind") == "train" for r in read_jsonl(run_dir / "metrics.jsonl")):
+        log.info("no run report: %s logged no training step", run_dir)
+        return None
     try:
         page = write_report(run_dir)
     except Exception as e:
-        log.exception("run report not written")
+        log.debug("run report not written", exc_info=True)
         say(f"warning: run report not written: {e}")
         return None
     say(f"report: {page}")

@@ -17,6 +17,7 @@ from shardline.errors import SpecError
 from shardline.hardware import PRICES_AS_OF, match_device
 from shardline.hardware import price_table as catalogue_price_table
 from shardline.jsonl import read_jsonl
+from shardline.precision import choose_precision
 from shardline.procfs import process_age
 
 if TYPE_CHECKING:
@@ -208,11 +209,12 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
     if from_run is not None:
         step_s, source = measured_step_time(spec, from_run)
     else:
-        dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+        precision = choose_precision(spec.train.precision, accelerator=device_kind != "cpu").precision
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         if spec.train.peak_tflops is not None:
             peak, where = spec.train.peak_tflops, "train.peak_tflops"
         elif device_kind in ("cuda", "tpu") and (table := table_peak_tflops(device_name, dtype)) is not None:
-            peak, where = table, f"{device_name} dense {spec.train.precision}"
+            peak, where = table, f"{device_name} dense {precision}"
         else:  # this host's CPU, shared by the node's processes as in training
             peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
             peak /= spec.parallel.nproc_per_node or 1

@@ -40,6 +40,7 @@ from shardline.planning.devices import (
     current_device,
     get_device,
 )
+from shardline.precision import choose_precision
 from shardline.spec import JobSpec, LoraSpec, ModelSpec
 
 
@@ -265,7 +266,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     pb = param_budget(shape, spec.model.lora)
     p, t, lora = spec.parallel, spec.train, spec.model.lora
     shard = p.dp_shard or spec.world_size // p.dp_replicate
-    c = 2 if t.precision == "bf16" else 4
+    c = 2 if choose_precision(t.precision, accelerator=dev.kind != "cpu").precision == "bf16" else 4
     n = t.micro_batch_size * t.seq_len
     d, v = shape.hidden, shape.vocab
 

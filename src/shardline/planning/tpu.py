@@ -40,7 +40,7 @@ def plan_tpu_memory(spec: JobSpec) -> MemoryPlan:
     pb = param_budget(shape, spec.model.lora)
     t, tp = spec.train, spec.launch.tpu.tensor_parallelism
     s = state_shards(spec)
-    c = 2 if t.precision == "bf16" else 4
+    c = 4 if t.precision == "fp32" else 2  # auto is bf16 on a TPU
     n = t.micro_batch_size * t.seq_len
     attn = spec.model.attn_implementation
     recompute_layer = block_saved_bytes(shape, c, spec.model.lora, attn, t.seq_len, "tpu") * n / tp

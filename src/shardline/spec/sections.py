@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-Precision = Literal["bf16", "fp32"]
+Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
 TaskName = Literal["text_to_sql", "none"]
@@ -127,7 +127,9 @@ class TrainSpec(Section):
     """Linear warmup steps; None: 5% of max_steps, rounded down (written out in the resolved spec)."""
     weight_decay: float = Field(0.1, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    precision: Precision = "bf16"
+    precision: Precision = "auto"
+    """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
+    (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""
     peak_tflops: float | None = Field(None, gt=0)
     """Per-device peak for MFU; None: the device table on GPU, a matmul probe on CPU."""
     log_every: int = Field(10, ge=1)

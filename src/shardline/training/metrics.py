@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -56,6 +57,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def end_torn_line(path: Path) -> None:
+    """Terminate a last line left unterminated by a writer that was killed mid-write, so this writer's first
+    record starts a line of its own (appended to the torn one, it would be lost with it)."""
+    try:
+        with path.open("rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
+
+
 class MetricsWriter:
     """Appends records to metrics.jsonl and prints the human view; only rank 0 makes one.
 
@@ -71,6 +86,7 @@ class MetricsWriter:
         self.started = time.monotonic()
         self.step_times: list[float] = []
         path.parent.mkdir(parents=True, exist_ok=True)
+        end_torn_line(path)
 
     def write(self, kind: str, record: dict) -> dict:
         if kind == "train" and self.cost is not None:

@@ -42,6 +42,7 @@ from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.planning.memory import planned_peak_bytes
+from shardline.precision import choose_precision, emulated_bf16_warning
 from shardline.procfs import process_start_epoch
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
@@ -67,6 +68,13 @@ WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of th
 class Trainer:
     def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
                  console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
+        accelerator = ctx.device.type != "cpu"
+        self.precision = choose_precision(spec.train.precision, accelerator)
+        self.precision_warning = emulated_bf16_warning(spec.train.precision, accelerator)
+        self.chose_precision = spec.train.precision == "auto"
+        if self.chose_precision:  # a cluster worker's spec: chosen here, on the device it trains on
+            spec = spec.model_copy(deep=True)
+            spec.train.precision = self.precision.precision
         self.spec, self.ctx, self.data, self.run_dir = spec, ctx, data, run_dir
         self.prepare_s = prepare_s
         """Seconds this worker group spent preparing or finding the prepared data (a goodput bucket)."""
@@ -150,6 +158,10 @@ class Trainer:
             f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
+        if self.chose_precision:  # a local launch said its choice when it created the run
+            self._say(f"precision {t.precision}: {self.precision.reason}")
+        if self.precision_warning:
+            self._say(self.precision_warning)
         self._say(f"MFU (headline) counts model FLOPs = {FORMULA}; with full {t.seq_len}-token documents "
                   f"{self.flops_per_token / 1e6:.2f} MFLOP/token. HFU counts executed FLOPs: padding, the attention "
                   f"the kernel computes ({self.spec.model.attn_implementation}), activation-checkpoint recompute "

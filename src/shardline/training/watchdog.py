@@ -341,6 +341,9 @@ def _report(trainer, run_dir: Path, verdict: HangVerdict, message: str) -> None:
     if trainer.metrics is not None:
         trainer.metrics.write("event", event)
     else:
+        from shardline.training.metrics import end_torn_line
+
+        end_torn_line(run_dir / "metrics.jsonl")
         with (run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "event", "time": round(now, 3), **event}) + "\n")
     try:

@@ -193,8 +193,17 @@ def _patch_with_retries(patch, body: dict, patience: float = PATCH_PATIENCE_SECO
         backoff.wait("annotating the pod", problem)
 
 
+POD_ENV = ("POD_NAMESPACE", "POD_NAME", "JOBSET_NAME")
+"""Set by the rendered pod (downward API and the JobSet's name): the agent cannot act without them."""
+
+
 def run(command: list[str]) -> int:
-    namespace, pod, jobset = (os.environ[k] for k in ("POD_NAMESPACE", "POD_NAME", "JOBSET_NAME"))
+    if missing := [k for k in POD_ENV if not os.environ.get(k)]:
+        # bad setup: exit 2 fails the JobSet at once, where a traceback's 1 would be restarted in place forever
+        print(f"error: the in-place restart agent needs {', '.join(missing)} in its environment — render the pod "
+              "with `shardline render` (downward API fields metadata.namespace and metadata.name)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    namespace, pod, jobset = (os.environ[k] for k in POD_ENV)
     custom, core = _api()
     agent = Agent(command, pod, namespace, lambda body: _patch_with_retries(
         lambda b: core.patch_namespaced_pod(pod, namespace, b), body))
