@@ -1,7 +1,7 @@
 """Loss-bearing tokens/s: shardline vs Hugging Face Trainer on the same model, data, batch, dtype, threads.
 
 Contenders (each in its own process, run one after another so they never share the 2 cores):
-  shardline      `shardline train bench/throughput.yaml` (FSDP2, packed rows, bf16 mixed precision)
+  shardline      `shardline train bench/throughput.yaml` (FSDP2, packed rows, mixed precision)
   hf-padded      transformers.Trainer, one example per row padded to seq_len (what the reference job did)
   hf-packed      transformers.Trainer with DataCollatorWithFlattening (HF's own packing, position ids)
   hf-same-rows   transformers.Trainer fed shardline's own packed rows, in shardline's step order, with position
@@ -12,9 +12,11 @@ Contenders (each in its own process, run one after another so they never share t
 
 Same model (Llama architecture, hidden 512, 8 layers, seq 512, same init seed), same tokenized examples,
 same rows × seq_len per step for the padded baseline and the same tokens per step for the packed one; the
-same-rows contenders train exactly the global batches shardline trains, step for step. bf16 autocast for HF vs
-bf16 FSDP2 mixed precision for shardline, 2 threads in total each. Loss-bearing tokens are shifted targets that
-are not -100, counted alike for all. tokens/s counts non-padding tokens.
+same-rows contenders train exactly the global batches shardline trains, step for step. Every contender uses the
+precision `train.precision: auto` chooses on this machine (bf16 on GPUs and CPUs with native bf16 matmul, else fp32):
+HF Trainer's bf16 autocast vs shardline's FSDP2 mixed precision, or fp32 for both; 2 threads in total each.
+Loss-bearing tokens are shifted targets that are not -100, counted alike for all. tokens/s counts non-padding
+tokens.
 
 MFU (column "MFU") is model FLOPs (shardline.model.flops.FORMULA, document-masked attention) over the whole
 machine's bf16 matmul probe. shardline's TFLOP/s is its records' tflops_per_device × world; a same-rows contender
@@ -63,6 +65,7 @@ def shardline_run(steps: int, nproc: int, workdir: Path, extra: list[str]) -> di
         "peak_tflops_per_device": setup["peak_tflops"], "peak_source": setup["peak_source"],
         "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
         "prepared": str(workdir / "prepared"), "world": setup["world"],
+        "precision": json.loads((run / "manifest.json").read_text())["spec"]["train"]["precision"],
     }
 
 
@@ -107,11 +110,13 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir
     from shardline.data.template import encode_answer, encode_prompt
     from shardline.data.tokenizer import special_ids
     from shardline.model.build import build_model
+    from shardline.precision import choose_precision
     from shardline.spec.resolve import load_spec
     from shardline.tasks import get_task
 
     torch.set_num_threads(threads)
     spec = load_spec(str(SPEC), ["parallel.nproc_per_node=1", *overrides])
+    bf16 = choose_precision(spec.train.precision, accelerator=torch.cuda.is_available()).precision == "bf16"
     data = PreparedData(prepared_root)
     tok, pad, seq = data.tokenizer(), data.meta["pad_id"], spec.train.seq_len
     special = special_ids(tok, pad)
@@ -175,7 +180,7 @@ def hf_worker(mode: str, prepared_root: Path, steps: int, threads: int, rows_dir
         args = TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=spec.train.lr,
             lr_scheduler_type="cosine", warmup_steps=spec.train.warmup_steps, weight_decay=spec.train.weight_decay,
-            max_grad_norm=spec.train.max_grad_norm, bf16=True, use_cpu=not torch.cuda.is_available(),
+            max_grad_norm=spec.train.max_grad_norm, bf16=bf16, use_cpu=not torch.cuda.is_available(),
             logging_steps=10_000,
             save_strategy="no", report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0,
             disable_tqdm=True,
@@ -297,8 +302,8 @@ def main() -> None:
              ("HF Trainer, packed", packed, ratio(packed), "DataCollatorWithFlattening"),
              ("HF Trainer, same rows", same, ratio(same), "shardline's rows, position ids")]
     table += [(f"{name} (peer)", peer, ratio(peer), peer["note"]) for name, peer in peers.items() if peer]
-    print(f"\n{args.steps} steps, first {WARMUP} excluded, bf16, {args.threads} threads total; MFU = model FLOPs "
-          f"÷ the machine's bf16 matmul probe ({machine_peak:.3f} TFLOP/s)")
+    print(f"\n{args.steps} steps, first {WARMUP} excluded, {ours['precision']}, {args.threads} threads total; "
+          f"MFU = model FLOPs ÷ the machine's bf16 matmul probe ({machine_peak:.3f} TFLOP/s)")
     print(f"  {'contender':30} {'loss tok/s':>10} {'tok/s':>8} {'shardline is':>12} {'MFU':>6}  notes")
     for name, r, ratio_, note in table:
         if "error" in r:
