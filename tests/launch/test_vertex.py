@@ -170,6 +170,11 @@ def test_the_run_directory_is_in_the_bucket():
     assert run_dir_url(_spec(*GPU, "run.dir=./exp")) == "gs://my-bucket/shardline/exp/vx-1"
     assert run_dir_url(_spec(*GPU, "run.dir=/gcs/other-bucket/runs")) == "gs://other-bucket/runs/vx-1"
     custom_job(_spec(*GPU, "run.dir=/gcs/other-bucket/runs", "checkpoint.dir=gs://ckpt-bucket/x"))  # accepted
+    # a relative path that climbs out of the output directory lands on the replica's disk: refused by name
+    for field in ("run.dir", "checkpoint.dir"):
+        with pytest.raises(SpecError, match="climbs out") as e:
+            custom_job(_spec(*GPU, f"{field}=exp/../../../tmp/runs"))
+        assert e.value.where == field
 
 
 def test_render_out_writes_custom_job_json(tmp_path):

@@ -78,6 +78,11 @@ def _check_locations(spec: JobSpec) -> None:
             raise SpecError(field, f"{value!r} is on the replica's own disk, which Vertex AI deletes when the job "
                             "ends", f"use a relative path (under launch.vertex.output_dir), a {FUSE_ROOT}/<bucket>/… "
                             "path" + (", or a gs:// URL" if field == "checkpoint.dir" else ""))
+        relative = value and not value.startswith("/") and "://" not in value
+        if relative and posixpath.normpath(value).split("/")[0] == "..":
+            raise SpecError(field, f"{value!r} climbs out of launch.vertex.output_dir, onto the replica's own disk, "
+                            "which Vertex AI deletes when the job ends", "use a path inside the output directory "
+                            f"(no leading ..) or a {FUSE_ROOT}/<bucket>/… path")
 
 
 def _check_spec(spec: JobSpec) -> None:
