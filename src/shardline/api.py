@@ -40,7 +40,7 @@ from shardline.planning import memory
 from shardline.planning.devices import Device, current_device, get_device
 from shardline.planning.memory import MemoryPlan, Suggestion
 from shardline.run_status import RunStatus, list_runs, read_status
-from shardline.rundir import new_run_id
+from shardline.rundir import with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, resolve_data, spec_to_yaml
 
@@ -155,23 +155,13 @@ class Rendered:
     written: list[Path] = field(default_factory=list)
 
 
-def _with_run_id(spec: JobSpec) -> JobSpec:
-    """A fresh id for a new run, never one whose directory exists here (an explicit run.id resumes that run)."""
-    if spec.run.id is None:
-        spec = spec.model_copy(deep=True)
-        spec.run.id = new_run_id(spec.run.name)
-        while (Path(spec.run.dir) / spec.run.id).exists():
-            spec.run.id = new_run_id(spec.run.name)
-    return spec
-
-
 def _targets() -> str:
     return ", ".join(sorted(BACKENDS))
 
 
 def render(spec: JobSpec, target: str, task: str = "train", out: str | Path | None = None) -> Rendered:
     """The engine's files for `target` (one of the launch targets); written into `out` when given."""
-    files = get_backend(target).render(_with_run_id(spec), task)
+    files = get_backend(target).render(with_run_id(spec), task)
     objects: list[dict[str, Any]] = []
     for name, text in files.items():
         if name.endswith((".yaml", ".yml")):
@@ -190,7 +180,7 @@ def render(spec: JobSpec, target: str, task: str = "train", out: str | Path | No
 
 def launch(spec: JobSpec, target: str, task: str = "train") -> Run:
     """Submit to `target` and record where it runs (`<run.dir>/<run id>/launch.json`); returns at once."""
-    record = get_backend(target).submit(_with_run_id(spec), task)
+    record = get_backend(target).submit(with_run_id(spec, claim=True), task)
     run_dir = Path(spec.run.dir) / record.run_id
     save_record(run_dir, record)
     return Run(record)

@@ -45,6 +45,28 @@ def new_run_id(name: str) -> str:
     return f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+def with_run_id(spec: JobSpec, claim: bool = False) -> JobSpec:
+    """The spec with a fresh run id when it has none (an explicit run.id is a resume and is kept), never one
+    whose directory exists here. With `claim`, the directory is created atomically (`mkdir` without
+    `exist_ok`), so two launches that drew the same id in the same second never share a run directory."""
+    if spec.run.id is not None:
+        return spec
+    spec = spec.model_copy(deep=True)
+    if claim:
+        Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
+    while True:
+        spec.run.id = new_run_id(spec.run.name)
+        if not claim:
+            if not run_path(spec).exists():
+                return spec
+            continue
+        try:
+            run_path(spec).mkdir()
+            return spec
+        except FileExistsError:
+            continue
+
+
 def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json.
 
@@ -57,16 +79,7 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     if ckpt and "://" not in ckpt and not Path(ckpt).is_absolute():  # resolved here, where it was meant: a later
         spec = spec.model_copy(deep=True)                             # `train RUN_DIR` from elsewhere finds it
         spec.checkpoint.dir = str(Path(ckpt).resolve())
-    if spec.run.id is None:
-        spec = spec.model_copy(deep=True)
-        Path(spec.run.dir).mkdir(parents=True, exist_ok=True)
-        while True:
-            spec.run.id = new_run_id(spec.run.name)
-            try:
-                run_path(spec).mkdir()
-                break
-            except FileExistsError:
-                continue
+    spec = with_run_id(spec, claim=True)
     spec, precision = _choose_precision(spec)
     path = run_path(spec)
     spec_file = path / "spec.yaml"
@@ -127,7 +140,7 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
     """Replace manifest.json atomically. The temporary file is unique to this writer (host, pid and a random
     suffix): in pods and on Vertex every node's wrapper is pid 1, and nodes sharing a lockless (FUSE) mount
     must not write, rename or lose each other's file."""
-    tmp = run_dir / f"manifest.json.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = run_dir / f"manifest.json.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
         os.replace(tmp, run_dir / "manifest.json")

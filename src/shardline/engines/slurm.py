@@ -34,7 +34,7 @@ from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.secret_env import check_no_literal_secrets, from_environment
 from shardline.errors import ShardlineError, SpecError
 from shardline.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
-from shardline.rundir import new_run_id, read_manifest
+from shardline.rundir import read_manifest, with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.rules import require_torch_engine
@@ -70,14 +70,6 @@ PENDING_REASONS = {
 def _run_dir(spec: JobSpec, workdir: Path) -> Path:
     run_dir = Path(spec.run.dir) / str(spec.run.id)
     return run_dir if run_dir.is_absolute() else workdir / run_dir
-
-
-def _with_run_id(spec: JobSpec) -> JobSpec:
-    if spec.run.id is not None:
-        return spec
-    spec = spec.model_copy(deep=True)
-    spec.run.id = new_run_id(spec.run.name)
-    return spec
 
 
 def _workdir(spec: JobSpec) -> Path:
@@ -205,13 +197,13 @@ class SlurmBackend:
     target = "slurm"
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:
-        spec = _with_run_id(spec)
+        spec = with_run_id(spec)
         workdir = _workdir(spec)
         run_dir = _run_dir(spec, workdir)
         return {SCRIPT: batch_script(spec, task, run_dir, workdir), SPEC: spec_to_yaml(cluster_spec(spec))}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
-        spec = _with_run_id(spec)
+        spec = with_run_id(spec)
         secrets = from_environment(spec.launch.slurm.secret_env, "launch.slurm.secret_env")
         workdir = _workdir(spec)
         run_dir = _run_dir(spec, workdir)

@@ -26,6 +26,7 @@ from typing import Any
 from shardline.engines.backend import TERMINAL, JobState, LaunchRecord
 from shardline.engines.vertex_job import custom_job, run_dir_url
 from shardline.errors import ClusterError, ShardlineError, SpecError
+from shardline.rundir import with_run_id
 from shardline.spec import JobSpec
 
 FILE = "custom-job.json"
@@ -130,16 +131,6 @@ def _call(what: str, fn: Callable, **kwargs) -> Any:
         raise ClusterError(what, f"could not authenticate ({e})", _FIXES["Unauthenticated"]) from None
 
 
-def _with_run_id(spec: JobSpec) -> JobSpec:
-    if spec.run.id is not None:
-        return spec
-    from shardline.rundir import new_run_id
-
-    spec = spec.model_copy(deep=True)
-    spec.run.id = new_run_id(spec.run.name)
-    return spec
-
-
 def _enum_name(enum: Any, value: int) -> str:
     try:
         return enum(value).name
@@ -183,10 +174,10 @@ class VertexBackend:
 
     def render(self, spec: JobSpec, task: str = "train") -> dict[str, str]:
         field = "launch.vertex.accelerator" if spec.launch.vertex.accelerator else "launch.profile"
-        return {FILE: check_custom_job(custom_job(_with_run_id(spec), task), field)}
+        return {FILE: check_custom_job(custom_job(with_run_id(spec), task), field)}
 
     def submit(self, spec: JobSpec, task: str = "train") -> LaunchRecord:
-        spec = _with_run_id(spec)
+        spec = with_run_id(spec)
         v = spec.launch.vertex
         if not v.project:
             raise SpecError("launch.vertex.project", "is not set", "name the Google Cloud project to run in: "

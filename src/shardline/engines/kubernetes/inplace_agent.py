@@ -37,7 +37,6 @@ from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_IN_PLACE_RESTART
 
 ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"
 DISABLE_ANNOTATION = "alpha.jobset.sigs.k8s.io/disable-in-place-restart"
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 STOP_GRACE_SECONDS = 5.0
 """How long the node command gets between SIGTERM and SIGKILL when this pod must restart for another pod's

@@ -66,7 +66,11 @@ def results_match(pred: SqlResult, gold: SqlResult, ordered: bool) -> bool:
     return pred_rows == gold_rows if ordered else Counter(pred_rows) == Counter(gold_rows)
 
 
+def order_matters(gold_sql: str) -> bool:
+    """Row order is compared only when the gold SQL has ORDER BY."""
+    return re.search(r"\bORDER\s+BY\b", gold_sql, re.IGNORECASE) is not None
+
+
 def execution_match(conn: sqlite3.Connection, pred_sql: str, gold_sql: str) -> bool:
     """Run both queries on ``conn`` and compare results; order matters only if the gold SQL has ORDER BY."""
-    ordered = re.search(r"\bORDER\s+BY\b", gold_sql, re.IGNORECASE) is not None
-    return results_match(run_sql(conn, pred_sql), run_sql(conn, gold_sql), ordered)
+    return results_match(run_sql(conn, pred_sql), run_sql(conn, gold_sql), order_matters(gold_sql))

@@ -15,7 +15,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
-from shardline.tasks.text_to_sql.execution import execution_match, run_sql
+from shardline.tasks.text_to_sql.execution import order_matters, results_match, run_sql
 
 _TOKEN = re.compile(r"""(?P<ws>\s+|--[^\n]*|/\*[\s\S]*?\*/)|(?P<str>'(?:[^']|'')*')
     |(?P<qid>"(?:[^"]|"")*"|`[^`]*`|\[[^\]]*\])|(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
@@ -90,14 +90,14 @@ def suite_match(databases: list[sqlite3.Connection], pred_sql: str, gold_sql: st
     """Compare ``pred_sql`` with ``gold_sql`` on every database where the gold runs (never raises); order matters
     only if the gold has ORDER BY (:func:`execution_match`). A gold that fails everywhere gives ``databases == 0``."""
     ran = errors = nonempty = 0
-    match = True
+    match, ordered = True, order_matters(gold_sql)
     for conn in databases:
-        gold = run_sql(conn, gold_sql)
+        gold = run_sql(conn, gold_sql)  # once per database: its result is the one compared
         if gold.rows is None:
             errors += 1
             continue
         ran, nonempty = ran + 1, nonempty + bool(gold.rows)
-        match = match and execution_match(conn, pred_sql, gold_sql)
+        match = match and results_match(run_sql(conn, pred_sql), gold, ordered)
     return SuiteResult(match and ran > 0, ran, errors, nonempty)
 
 
