@@ -46,7 +46,8 @@ def test_every_checkpoint_file_is_listed_in_sha256sum_format(ctx, tmp_path, prep
     assert CheckpointStore(str(step_dir.parent)).verify(1) == []
 
 
-@pytest.mark.parametrize("damage", ["flip_shard_byte", "truncate_metadata", "delete_shard_list"])
+@pytest.mark.parametrize("damage", ["flip_shard_byte", "truncate_metadata", "delete_shard_list", "garble_commit_list",
+                                    "delete_commit_list"])
 def test_damaged_checkpoint_is_skipped_for_the_newest_intact_one_with_a_warning(ctx, tmp_path, prepared, damage):
     t = _trainer(ctx, tmp_path, prepared, "checkpoint.keep_last=2")
     t.train_step()
@@ -62,6 +63,10 @@ def test_damaged_checkpoint_is_skipped_for_the_newest_intact_one_with_a_warning(
     elif damage == "truncate_metadata":
         meta = step_dir / ".metadata"
         meta.write_bytes(meta.read_bytes()[:-10])
+    elif damage == "garble_commit_list":  # was: exit 2 instead of the fallback
+        (step_dir / "commit.sha256").write_text("not a checksum list\n")
+    elif damage == "delete_commit_list":  # was: verification silently off, the damaged step resumed
+        (step_dir / "commit.sha256").unlink()
     else:
         (step_dir / "__0_.sha256").unlink()
     fresh = _trainer(ctx, tmp_path, prepared, "checkpoint.keep_last=2")

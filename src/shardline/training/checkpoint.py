@@ -138,10 +138,16 @@ class CheckpointStore:
     def verify(self, step: int, rank: int = 0, world: int = 1) -> list[str]:
         """Problems found in this rank's share of the step's files (all of them with the defaults).
 
-        Every file must be listed with the hash it had when written, and still have it."""
-        recorded = self.recorded_checksums(step)
+        Every file must be listed with the hash it had when written, and still have it. A step whose checksum list
+        is unreadable, or missing although the step was written with one (it has the trainer's meta.json), is
+        damaged: deleting or garbling the list must not turn verification off or stop a resume."""
+        try:
+            recorded = self.recorded_checksums(step)
+        except (ShardlineError, OSError, UnicodeDecodeError) as e:
+            return [f"{COORDINATOR_CHECKSUMS}: unreadable ({getattr(e, 'problem', e)})"] if rank == 0 else []
         if recorded is None:
-            return []
+            written_with_lists = "meta.json" in self.files(step)  # checkpoints from before checksums had neither
+            return [f"{COORDINATOR_CHECKSUMS}: missing"] if written_with_lists and rank == 0 else []
         on_disk = [n for n in self.files(step) if not n.endswith(CHECKSUM_SUFFIX) and n != COMMITTED]
         problems = [f"{n}: no checksum was recorded for it" for n in on_disk if n not in recorded][rank::world]
         for name in sorted(recorded)[rank::world]:
