@@ -140,3 +140,18 @@ def test_the_exit_code_is_the_causing_ranks_even_when_a_peer_aborted_first():
     records = [_failure(0, "InjectedFault: injected fault at train_step"),
                _failure(1, "Connection closed by peer [127.0.0.1]:1234")]
     assert exit_code(error, records) == 1  # before: 134, and Kubernetes/Slurm saw a crash instead of the error
+
+
+@pytest.mark.slow
+def test_a_failed_eval_of_a_finished_run_never_changes_the_training_runs_status(tmp_path):
+    proc, run_dir = _train(tmp_path, "train_step:step=9999", "train.eval_examples=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = read_manifest(run_dir)
+    assert before["status"] == "finished"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", SHARDLINE_FAULT="validation:rank=1")
+    ev = subprocess.run([sys.executable, "-m", "shardline.cli", "eval", str(run_dir)], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 1 and "injected fault at validation" in ev.stderr, ev.stderr[-3000:]
+    after = read_manifest(run_dir)  # was: status failed, end_time moved to the eval's failure
+    assert (after["status"], after["exit_code"], after["end_time"]) == ("finished", 0, before["end_time"])
+    assert after.get("failure") is None

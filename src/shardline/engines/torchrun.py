@@ -61,15 +61,21 @@ def exit_code(error: ChildFailedError, failures: list[WorkerFailure] | None = No
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
 
 
-def report(error: ChildFailedError, run_dir: Path | None, started: float) -> str:
-    """The one failure message, and the run marked failed (unless it stopped on purpose: preemption)."""
+def _task(worker_args: list[str]) -> str:
+    """The worker command's `--task` (train when absent)."""
+    return worker_args[worker_args.index("--task") + 1] if "--task" in worker_args[:-1] else "train"
+
+
+def report(error: ChildFailedError, run_dir: Path | None, started: float, task: str = "train") -> str:
+    """The one failure message, and, for training, the run marked failed (unless it stopped on purpose:
+    preemption). Another task (`shardline eval RUN`) never changes the training run's status or end time."""
     failures = read_failures(run_dir, since=started) if run_dir else []
     recorded = {f.rank for f in failures}
     unexplained = {rank: f.exitcode for rank, f in error.failures.items()
                    if rank not in recorded and not (failures and f.exitcode in (-signal.SIGTERM, EXIT_HANG))}
     message = failure_message(failures, unexplained)
     code = exit_code(error, failures)
-    if run_dir is not None and (run_dir / "manifest.json").exists() and code != EXIT_PREEMPTED:
+    if task == "train" and run_dir is not None and (run_dir / "manifest.json").exists() and code != EXIT_PREEMPTED:
         from shardline.rundir import update_manifest
 
         first = failures[0] if failures else None
@@ -123,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        run_dir = _run_dir(list(args.training_script_args))
+        worker_args = list(args.training_script_args)
+        run_dir, task = _run_dir(worker_args), _task(worker_args)
         code = exit_code(e, read_failures(run_dir, since=started) if run_dir else [])
         if code != EXIT_PREEMPTED:  # a preempted worker already said what it saved
-            print(f"error: {report(e, run_dir, started)}", file=sys.stderr)
-            if run_dir is not None and args.node_rank == 0:
+            print(f"error: {report(e, run_dir, started, task)}", file=sys.stderr)
+            if run_dir is not None and args.node_rank == 0 and task == "train":
                 _write_report(run_dir)
         return code
     return 0
