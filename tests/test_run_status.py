@@ -131,3 +131,21 @@ def test_runs_lists_every_run_newest_first_as_a_table_and_json(tmp_path):
     table = run_cli("runs", str(tmp_path / "runs"))
     assert newer.name in table.stdout and "3/6" in table.stdout and "0.5000" in table.stdout
     assert table.stdout.index(newer.name) < table.stdout.index(older.name)
+
+
+def test_training_a_run_again_while_it_still_runs_is_refused_and_changes_nothing(tmp_path, capsys):
+    # was: the manifest reset to `starting`, two trainings sharing checkpoints, `cancel` unable to reach the first
+    import os
+
+    from shardline.cli import main
+    from shardline.rundir import create_run, read_manifest
+    from shardline.run_status import record_process
+    from tests.conftest import small_spec
+
+    _, run_dir = create_run(small_spec(tmp_path))
+    record_process(run_dir, os.getpid(), "launcher")  # this test process: alive
+    before = read_manifest(run_dir)
+    assert main(["train", str(run_dir)]) == 2
+    out = capsys.readouterr().out
+    assert "is still running: launcher" in out and "shardline cancel" in out
+    assert read_manifest(run_dir) == before

@@ -71,9 +71,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
-    from shardline.rundir import create_run, read_manifest
+    from shardline.run_status import refuse_if_running
+    from shardline.rundir import create_run, read_manifest, run_path
 
     spec = _resolve(args)
+    if spec.run.id is not None:  # a resume: never while the run still runs
+        refuse_if_running(run_path(spec))
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     spec, run_dir = create_run(spec)

@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from shardline.clock import epoch, format_duration
+from shardline.errors import SpecError
 from shardline.failures import failure_message, read_failures
 from shardline.goodput import Goodput, compute_goodput
 from shardline.jsonl import read_jsonl
@@ -130,6 +131,19 @@ def record_process(run_dir: Path, pid: int, role: str) -> dict:
 
 def live_processes(manifest: dict) -> list[dict]:
     return [p for p in manifest.get("processes", []) if is_alive(p)]
+
+
+def refuse_if_running(run_dir: Path) -> None:
+    """Refuse to launch a run again while a process of it lives on this host: two trainings would share its
+    checkpoints and metrics, and `cancel` could no longer reach the first."""
+    if not (run_dir / "manifest.json").is_file():
+        return
+    manifest = read_manifest(run_dir)  # a run that already ended may keep its launcher a moment (the report)
+    if manifest.get("status") in LIVE and (live := live_processes(manifest)):
+        who = ", ".join(f"{p.get('role', 'process')} (pid {p['pid']})" for p in live)
+        raise SpecError(str(run_dir), f"is still running: {who}",
+                        f"wait for it (`shardline wait {run_dir}`) or stop it (`shardline cancel {run_dir}`), "
+                        "then train it again to resume")
 
 
 # ---- settling --------------------------------------------------------------------------------------------

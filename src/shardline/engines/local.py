@@ -35,9 +35,10 @@ from shardline.run_status import (
     mark_failed,
     read_status,
     record_process,
+    refuse_if_running,
     settle,
 )
-from shardline.rundir import create_run, read_manifest, read_spec, update_attempt
+from shardline.rundir import create_run, read_manifest, read_spec, run_path, update_attempt
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.rules import require_torch_engine
@@ -166,6 +167,8 @@ class LocalBackend:
 
         torchrun_command(spec, Path("spec.yaml"))  # launch settings checked before anything is written
         check_environment(spec)
+        if spec.run.id is not None:  # a resume (or the id the API claimed): never while the run still runs
+            refuse_if_running(run_path(spec))
         spec, run_dir = create_run(spec)
         env = dict(os.environ, TOKENIZERS_PARALLELISM=os.environ.get("TOKENIZERS_PARALLELISM", "false"))
         with (run_dir / "logs" / LAUNCHER_LOG).open("ab") as out:
