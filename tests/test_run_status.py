@@ -138,8 +138,8 @@ def test_training_a_run_again_while_it_still_runs_is_refused_and_changes_nothing
     import os
 
     from shardline.cli import main
-    from shardline.rundir import create_run, read_manifest
     from shardline.run_status import record_process
+    from shardline.rundir import create_run, read_manifest
     from tests.conftest import small_spec
 
     _, run_dir = create_run(small_spec(tmp_path))

@@ -95,20 +95,27 @@ def compute_goodput(records: list[dict], manifest: dict, now: float | None = Non
     results: list[AttemptGoodput] = []
     gaps = 0.0
     previous_end: float | None = None
+    run_opened: float | None = None  # the run's first launch, when it came before the first worker group's
     for index, (setup, rows) in enumerate(attempts):
         last = index == len(attempts) - 1
         rows = [r for r in rows if r.get("time", 0.0) <= end]
         result = _attempt(index, setup, rows, redone, end if last else None, manifest if last else {})
-        # The launcher's lead before this worker group: a launch that began after the previous attempt ended.
+        # The launcher's lead before this worker group: from the launch that started it (the latest one since the
+        # previous attempt). An earlier launch that ended without a worker group (it failed in setup) and the idle
+        # time until the next launch are restart_gap, never startup: a relaunch a day later is not a day of startup.
         lead_from = [t for t in launches if t <= result.start and (previous_end is None or t > previous_end)]
         if index == 0 and run_start is not None and run_start <= result.start:
             lead_from.append(run_start)
         if lead_from:
-            lead = result.start - min(lead_from)
-            prepared = min(lead, sum(launches.get(t, 0.0) for t in set(lead_from)))
+            launched = max(lead_from)
+            lead = result.start - launched
+            prepared = min(lead, launches.get(launched, 0.0))
             result.buckets["data_preparation"] += prepared
             result.buckets["startup"] += lead - prepared
-            result.start -= lead
+            result.start = launched
+            if index == 0 and (first := min(lead_from)) < launched:
+                gaps += launched - first
+                run_opened = first
         if previous_end is not None and result.start < previous_end:  # a pooled process (Ray) started earlier
             result.buckets["startup"] = max(0.0, result.buckets["startup"] - (previous_end - result.start))
             result.start = previous_end
@@ -118,7 +125,7 @@ def compute_goodput(records: list[dict], manifest: dict, now: float | None = Non
                 result.recovery_s = round(result.first_step_start - previous_end, 3)
         previous_end = result.end
         results.append(result)
-    wall = results[-1].end - results[0].start
+    wall = results[-1].end - (results[0].start if run_opened is None else run_opened)
     totals = {b: sum(a.buckets.get(b, 0.0) for a in results) for b in BUCKETS}
     totals["restart_gap"] = gaps
     totals["other"] = 0.0
