@@ -95,12 +95,13 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     attempt_file = f"{ATTEMPTS_DIR}/{len(attempts) + 1:03d}-spec.yaml"
     (path / ATTEMPTS_DIR).mkdir(exist_ok=True)
     (path / attempt_file).write_text(spec_to_yaml(spec))
-    attempts.append({"attempt": len(attempts) + 1, "start_time": _now(), "spec_file": attempt_file,
+    now = _now()  # one reading: a new run's start is its first launch's, to the second
+    attempts.append({"attempt": len(attempts) + 1, "start_time": now, "spec_file": attempt_file,
                      "spec_hash": spec_hash(spec), "changed": changed})
     spec_file.write_text(spec_to_yaml(spec))
     manifest.update({
         "attempts": attempts,
-        "run_id": spec.run.id, "start_time": manifest.get("start_time", _now()), "spec_hash": spec_hash(spec),
+        "run_id": spec.run.id, "start_time": manifest.get("start_time", now), "spec_hash": spec_hash(spec),
         "git_commit": _git_commit(), "shardline_version": __version__, "versions": _versions(),
         "world_size": spec.world_size, "host": socket.gethostname(), "status": "starting", "exit_code": None,
         "failure": None, "end_time": None, "processes": [],
