@@ -13,6 +13,7 @@ import random
 import re
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shardline.tasks.text_to_sql.execution import order_matters, results_match, run_sql
@@ -30,6 +31,10 @@ _RANGE = {"<", ">", "<=", ">=", "between"}
 _AFTER_GROUP_BY = {"having", "order", "limit", "union", "intersect", "except", ")"}
 _CONTEXT_DENIED = {sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH, sqlite3.SQLITE_PRAGMA}  # no files, no settings
 _CONTEXT_TIMEOUT_S = 2.0
+_MAX_VALUE_BYTES = 100_000
+"""SQLITE_LIMIT_LENGTH of every suite database: no string or blob above it, so schema text such as
+`pad TEXT AS (hex(zeroblob(4000000))) STORED` (692 MiB for one question, measured) or a generated query's huge
+value fails at once instead of filling memory while the other ranks wait."""
 _EXACT_SHARE = 0.25  # share of a hinted column's values that are the gold's own literals
 _TRIES = 3  # candidate databases per database kept
 
@@ -117,7 +122,8 @@ def suite_databases(context: str, gold_sql: str, n: int, seed: int,
     errors = 0
     while len(answered) < n and len(answered) + len(others) < _TRIES * n and errors < n:
         conn = _copy(template)
-        _fill(conn, tables, hints, roots, rng)
+        with _guarded(conn), contextlib.suppress(sqlite3.Error):  # the schema's expressions run on every insert
+            _fill(conn, tables, hints, roots, rng)
         rows = run_sql(conn, gold_sql).rows
         errors += rows is None  # a gold that fails on n databases will not start answering
         (answered if rows else others).append(conn)
@@ -127,8 +133,28 @@ def suite_databases(context: str, gold_sql: str, n: int, seed: int,
     return ([_copy(base)] if base is not None else []) + answered + others[:n - len(answered)]
 
 
+def _connect() -> sqlite3.Connection:
+    conn = sqlite3.connect(":memory:")
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    return conn
+
+
+@contextlib.contextmanager
+def _guarded(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Run dataset text (schema, generated columns, CHECK expressions) with no ATTACH (files), no PRAGMA and a
+    time limit."""
+    deadline = time.monotonic() + _CONTEXT_TIMEOUT_S
+    conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _CONTEXT_DENIED else sqlite3.SQLITE_OK)
+    conn.set_progress_handler(lambda: time.monotonic() > deadline, 1_000)
+    try:
+        yield conn
+    finally:
+        conn.set_progress_handler(None, 0)
+        conn.set_authorizer(None)
+
+
 def _copy(conn: sqlite3.Connection) -> sqlite3.Connection:
-    out = sqlite3.connect(":memory:")
+    out = _connect()
     conn.backup(out)
     return out
 
@@ -154,17 +180,13 @@ def _statements(script: str) -> list[str]:
 
 
 def _context_db(context: str) -> sqlite3.Connection:
-    """The context's tables and rows; it is user data, so no ATTACH (files), no PRAGMA and a time limit."""
-    conn = sqlite3.connect(":memory:")
-    deadline = time.monotonic() + _CONTEXT_TIMEOUT_S
-    conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _CONTEXT_DENIED else sqlite3.SQLITE_OK)
-    conn.set_progress_handler(lambda: time.monotonic() > deadline, 1_000)
-    for statement in _statements(context):
-        with contextlib.suppress(sqlite3.Error, sqlite3.Warning, ValueError, OverflowError):
-            conn.execute(statement)
-    conn.commit()
-    conn.set_progress_handler(None, 0)
-    conn.set_authorizer(None)
+    """The context's tables and rows; it is user data, so it runs `_guarded` and within `_MAX_VALUE_BYTES`."""
+    conn = _connect()
+    with _guarded(conn):
+        for statement in _statements(context):
+            with contextlib.suppress(sqlite3.Error, sqlite3.Warning, ValueError, OverflowError):
+                conn.execute(statement)
+        conn.commit()
     return conn
 
 
