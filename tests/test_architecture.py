@@ -115,11 +115,11 @@ def test_imports_point_down_except_the_documented_few():
 
 
 def test_readme_layout_names_every_module():
-    """README's Layout is the newcomer's map: every source file is named in it (by file name, under its folder)."""
-    readme = (SRC.parents[0] / "README.md").read_text()
+    """docs/layout.md is the newcomer's map: every source file is named in it (by file name, under its folder)."""
+    readme = (SRC.parents[0] / "docs" / "layout.md").read_text()
     layout = readme[readme.index("## Layout"):]
     missing = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
                if p.name != "__init__.py" and p.name not in layout]
     folders = {p.parent.name for p in SRC.rglob("*.py")} - {"shardline"}
     missing += [f"{d}/" for d in folders if f"{d}/" not in layout]
-    assert missing == [], f"README Layout misses: {missing}"
+    assert missing == [], f"docs/layout.md misses: {missing}"
