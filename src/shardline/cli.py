@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, ShardlineError, SpecError
+from shardline.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.spec.resolve import preset_names
 
 console = Console(soft_wrap=True)
@@ -71,6 +71,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
+    from shardline.jsonl import read_jsonl
     from shardline.run_status import refuse_if_running
     from shardline.rundir import create_run, read_manifest, run_path
 
@@ -83,7 +84,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     if chosen := read_manifest(run_dir).get("precision"):
         console.print(f"precision {chosen['chosen']}: {chosen['reason']}", highlight=False, markup=False)
-    return train_run(spec, run_dir, _prepare_with_progress, lambda m: console.print(m, highlight=False, markup=False))
+    code = train_run(spec, run_dir, _prepare_with_progress, lambda m: console.print(m, highlight=False, markup=False))
+    if code == EXIT_PREEMPTED:
+        stops = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "preempted"]
+        safe = f"its checkpoint of step {stops[-1]['step']} is committed" if stops else "it has no checkpoint yet"
+        console.print(f"stopped: run {run_dir} — {safe}; resume with `shardline train {run_dir}`",
+                      highlight=False, markup=False)
+    return code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -340,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     except ShardlineError as e:
         console.print(f"[bold red]error:[/] {e.where}: {e.problem}\n  fix: {e.fix}", highlight=False)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # before any worker ran (data preparation): the run, if any, is marked failed
+        console.print("interrupted: nothing was trained in this attempt", highlight=False)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

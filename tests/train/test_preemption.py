@@ -169,3 +169,27 @@ def test_world_size_change_on_resume_skips_and_repeats_no_sample(tmp_path, befor
     for step, got in rows.items():
         expected = np.concatenate([sampler.micro_indices(step - 1, k, 0) for k in range(sampler.accum)])
         assert sorted(got) == sorted(expected.tolist()), step
+
+
+def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path):
+    # Ctrl-C signals the whole process group (launcher, torchrun, workers): was a SignalException traceback from
+    # torchrun and a KeyboardInterrupt traceback per worker and from the launcher, exit 1, the run marked failed
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "shardline.cli", "train", *_sets(runs), "--nproc", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+    try:
+        run = _wait_for_step(runs, 5, proc, committed=4)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    [stopped] = [line for line in out.splitlines() if line.startswith("stopped: ")]
+    assert f"resume with `shardline train {run}`" in stopped and "is committed" in stopped
+    assert json.loads((run / "manifest.json").read_text())["status"] == "preempted"
+    again = run_cli("train", str(run), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert max(r["step"] for r in read_metrics(run, "train")) == STEPS

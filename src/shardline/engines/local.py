@@ -26,7 +26,15 @@ from rich.console import Console
 
 from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
 from shardline.engines.command import torchrun_policy_flags, worker_command
-from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
+from shardline.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    ShardlineError,
+    SpecError,
+)
 from shardline.ops.tasks import document_exit_code, run_gpucheck
 from shardline.run_status import (
     LIVE,
@@ -75,7 +83,12 @@ def run_local(spec: JobSpec, spec_path: Path, task: str = "train", run_dir: Path
     def forward(signum, frame):
         proc.send_signal(signum)
 
+    def interrupted(signum, frame):
+        pass  # Ctrl-C signals the whole process group: torchrun and the workers have it already (forwarding it
+        # again would cut torchrun's grace period short); the workers checkpoint and the run exits 75
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupted)
     try:
         code = proc.wait()
     finally:
@@ -110,8 +123,8 @@ def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object]
         mark_failed(run_dir, str(e), EXIT_BAD_INPUT, type(e).__name__, "setup")
         raise
     except KeyboardInterrupt as e:
-        mark_failed(run_dir, str(e) or "interrupted (Ctrl-C) before the workers recorded an outcome", 130,
-                    "KeyboardInterrupt")
+        mark_failed(run_dir, str(e) or "interrupted (Ctrl-C) before the workers recorded an outcome",
+                    EXIT_INTERRUPTED, "KeyboardInterrupt")
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)

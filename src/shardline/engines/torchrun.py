@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, parse_args, run
 
@@ -59,6 +60,15 @@ def exit_code(error: ChildFailedError, failures: list[WorkerFailure] | None = No
     causes = [f.rank for f in failures or [] if not PEER_LOST.search(f.message) and f.rank in error.failures]
     first = error.failures[causes[0]] if causes else error.get_first_failure()[1]
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
+
+
+def _status(run_dir: Path) -> str | None:
+    from shardline.rundir import read_manifest
+
+    try:
+        return read_manifest(run_dir).get("status")
+    except (OSError, ValueError):
+        return None
 
 
 def _task(worker_args: list[str]) -> str:
@@ -128,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         run(args)
+    except SignalException as e:  # the workers had the signal too; a preempted run already said what it saved
+        run_dir = _run_dir(list(args.training_script_args))
+        preempted = run_dir is not None and _status(run_dir) == "preempted"
+        return EXIT_PREEMPTED if preempted else 128 + int(e.sigval)
     except ChildFailedError as e:
         worker_args = list(args.training_script_args)
         run_dir, task = _run_dir(worker_args), _task(worker_args)

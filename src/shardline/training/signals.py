@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGINT: Ctrl-C reaches every process of the group
 
 
 class StopRequest:
