@@ -51,6 +51,9 @@ class WorkerFailure:
     checkpoint: str | None
     log: str
     time: float
+    exit_code: int | None = None
+    """The code the worker exits with (2 bad input, 1 other): the run's, however torchrun saw it end (a rank
+    SIGTERMed after a peer failed first reads 143)."""
 
 
 def failure_path(run_dir: Path, rank: int) -> Path:

@@ -131,14 +131,15 @@ def _record_failure(error: Exception, spec: JobSpec, task: str, ctx: DistContext
     message = f"{error.problem} — {error.fix}" if isinstance(error, ShardlineError) else str(error)
     where = f"{error.where}: " if isinstance(error, ShardlineError) else ""
     phase = trainer.phase if trainer is not None else ("evaluation" if task == "eval" else "setup")
+    code = EXIT_BAD_INPUT if isinstance(error, ShardlineError) else EXIT_FAILURE
     write_failure(run_dir, WorkerFailure(
         rank=ctx.rank, host=socket.gethostname(), error_type=type(error).__name__, message=where + message,
         phase=phase, step=trainer.step if trainer is not None else None, max_steps=spec.train.max_steps,
-        committed_step=committed, checkpoint=location, log=str(log), time=time.time()))
+        committed_step=committed, checkpoint=location, log=str(log), time=time.time(), exit_code=code))
     if not os.environ.get(REPORTER_ENV):  # no launcher to tell it: say it here (Ray, a bare worker)
         Console(soft_wrap=True).print(f"[bold red]error:[/] rank {ctx.rank}: {error} (traceback: {log})",
                                       highlight=False)
-    return EXIT_BAD_INPUT if isinstance(error, ShardlineError) else EXIT_FAILURE
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,6 +142,21 @@ def test_the_exit_code_is_the_causing_ranks_even_when_a_peer_aborted_first():
     assert exit_code(error, records) == 1  # before: 134, and Kubernetes/Slurm saw a crash instead of the error
 
 
+def test_the_exit_code_is_the_causes_own_even_when_torchrun_sigtermed_it_before_it_exited():
+    # flaky under load: rank 1 found bad input (exit 2), rank 0 died of the lost peer first, and torchrun's
+    # SIGTERM reached rank 1 before its own exit: the run read 143, which engines retry; 2 means "do not retry"
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardline.engines.torchrun import exit_code
+
+    lost, cause = ProcessFailure(0, 100, 1, "/nonexistent"), ProcessFailure(1, 101, -15, "/nonexistent")
+    lost.timestamp, cause.timestamp = 10, 20
+    error = ChildFailedError("worker", {0: lost, 1: cause})
+    records = [_failure(1, "data.path: no such file — fix it", error_type="SpecError", exit_code=2, time=99.0),
+               _failure(0, "Connection closed by peer [127.0.0.1]:1234")]
+    assert exit_code(error, records) == 2
+
+
 @pytest.mark.slow
 def test_a_failed_eval_of_a_finished_run_never_changes_the_training_runs_status(tmp_path):
     proc, run_dir = _train(tmp_path, "train_step:step=9999", "train.eval_examples=0")

@@ -57,8 +57,10 @@ def exit_code(error: ChildFailedError, failures: list[WorkerFailure] | None = No
     signal gives 128 + signal, as a shell does."""
     if any(f.error_type == HANG_ERROR for f in failures or []):
         return EXIT_HANG  # the named rank was frozen and killed; the hang is the cause, whoever reported it
-    causes = [f.rank for f in failures or [] if not PEER_LOST.search(f.message) and f.rank in error.failures]
-    first = error.failures[causes[0]] if causes else error.get_first_failure()[1]
+    causes = [f for f in failures or [] if not PEER_LOST.search(f.message) and f.rank in error.failures]
+    if causes and causes[0].exit_code is not None:  # the code the cause meant, even if torchrun SIGTERMed it first
+        return causes[0].exit_code
+    first = error.failures[causes[0].rank] if causes else error.get_first_failure()[1]
     return first.exitcode if first.exitcode > 0 else 128 - first.exitcode if first.exitcode < 0 else EXIT_FAILURE
 
 
