@@ -72,6 +72,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
     from shardline.jsonl import read_jsonl
+    from shardline.procfs import process_start_epoch
     from shardline.run_status import refuse_if_running
     from shardline.rundir import create_run, read_manifest, run_path
 
@@ -80,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         refuse_if_running(run_path(spec))
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
-    spec, run_dir = create_run(spec)
+    spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     if chosen := read_manifest(run_dir).get("precision"):
         console.print(f"precision {chosen['chosen']}: {chosen['reason']}", highlight=False, markup=False)

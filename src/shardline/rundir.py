@@ -67,8 +67,11 @@ def with_run_id(spec: JobSpec, claim: bool = False) -> JobSpec:
             continue
 
 
-def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
+def create_run(spec: JobSpec, started_at: float | None = None) -> tuple[JobSpec, Path]:
     """Assign a run id (unless the spec names an existing run) and write spec.yaml + manifest.json.
+
+    `started_at` (epoch seconds) is when this launch began, if earlier than now: the CLI passes its own process
+    start, so goodput's clock includes the command's startup (imports, spec validation) before this call.
 
     Every launch of the run is an attempt: its spec is kept as `attempts/NNN-spec.yaml` and listed in the
     manifest with the fields it changed; `spec.yaml` is the current attempt's.
@@ -95,7 +98,7 @@ def create_run(spec: JobSpec) -> tuple[JobSpec, Path]:
     attempt_file = f"{ATTEMPTS_DIR}/{len(attempts) + 1:03d}-spec.yaml"
     (path / ATTEMPTS_DIR).mkdir(exist_ok=True)
     (path / attempt_file).write_text(spec_to_yaml(spec))
-    now = _now()  # one reading: a new run's start is its first launch's, to the second
+    now = _now(started_at)  # one reading: a new run's start is its first launch's, to the second
     attempts.append({"attempt": len(attempts) + 1, "start_time": now, "spec_file": attempt_file,
                      "spec_hash": spec_hash(spec), "changed": changed})
     spec_file.write_text(spec_to_yaml(spec))
@@ -178,8 +181,10 @@ def update_attempt(run_dir: Path, **fields) -> None:
         write_manifest(run_dir, manifest | {"attempts": attempts})
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _now(at: float | None = None) -> str:
+    """ISO-8601 UTC to the millisecond (goodput's clock reads it): now, or the epoch time `at`."""
+    moment = datetime.now(UTC) if at is None else datetime.fromtimestamp(at, UTC)
+    return moment.isoformat(timespec="milliseconds")
 
 
 def _git_commit() -> str | None:
