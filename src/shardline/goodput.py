@@ -5,8 +5,9 @@ after the fact. An *attempt* is one incarnation of the worker group: it begins w
 `setup` event's `process_start`; the launcher's time before that, for the first worker group of a launch, counts
 as startup) and ends at its last record. The run's clock starts when the `shardline train` command started
 (its imports and spec validation included; a launch through the Python API or an engine starts it when the run
-directory is created) and ends at the recorded end; the report written after it is not in it. The buckets, in seconds, sum to the wall time by construction; what no
-record explains is `other`, so a large `other` is itself a finding.
+directory is created) and ends at the recorded end; the report written after it is not in it. The buckets, in
+seconds, sum to the wall time by construction; what no record explains is `other`, so a large `other` is itself a
+finding.
 
 | bucket | what it is |
 |---|---|

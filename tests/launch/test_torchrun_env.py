@@ -47,3 +47,31 @@ def test_a_torchrun_without_newer_flags_gets_the_command_line_without_them(capsy
     assert "no --shutdown-timeout" in capsys.readouterr().err
     assert known_flags(argv) == argv  # this torch's own torchrun knows it: nothing dropped, nothing said
     assert capsys.readouterr().err == ""
+
+
+def test_a_sigterm_while_torchrun_is_being_started_reaches_it_and_never_orphans_it(tmp_path, monkeypatch):
+    import signal
+    import subprocess as real_subprocess
+
+    import shardline.engines.local as local
+    from tests.conftest import small_spec
+
+    class Orphaned(Exception):
+        pass
+
+    def test_handler(signum, frame):  # what the launcher's own default did: die, leaving torchrun running
+        raise Orphaned
+
+    class SignalledDuringStart(real_subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # e.g. `shardline cancel` in the window before the handlers
+            super().__init__(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGTERM, test_handler)
+    try:
+        monkeypatch.setattr(local, "torchrun_command", lambda spec, path, task: ["sleep", "30"])
+        monkeypatch.setattr(local.subprocess, "Popen", SignalledDuringStart)
+        code = local.run_local(small_spec(tmp_path), tmp_path / "spec.yaml", "train")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == -signal.SIGTERM  # the child got the SIGTERM (and ended by it) instead of running on, orphaned

@@ -76,20 +76,28 @@ def run_local(spec: JobSpec, spec_path: Path, task: str = "train", run_dir: Path
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if run_dir is not None:
         env[RECORD_PROCESSES_ENV] = "1"
-    proc = subprocess.Popen(torchrun_command(spec, spec_path, task), env=env)
-    if run_dir is not None:
-        record_process(run_dir, proc.pid, "torchrun")
+    proc: subprocess.Popen | None = None
+    pending: list[int] = []
 
     def forward(signum, frame):
-        proc.send_signal(signum)
+        if proc is None:
+            pending.append(signum)  # arrived while torchrun was being started: delivered once it runs
+        else:
+            proc.send_signal(signum)
 
     def interrupted(signum, frame):
         pass  # Ctrl-C signals the whole process group: torchrun and the workers have it already (forwarding it
         # again would cut torchrun's grace period short); the workers checkpoint and the run exits 75
 
+    # installed before torchrun starts: a SIGTERM in between must reach it, not kill this process and orphan it
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupted)
     try:
+        proc = subprocess.Popen(torchrun_command(spec, spec_path, task), env=env)
+        if run_dir is not None:
+            record_process(run_dir, proc.pid, "torchrun")
+        for signum in pending:
+            proc.send_signal(signum)
         code = proc.wait()
     finally:
         for sig, handler in previous.items():
