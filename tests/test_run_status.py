@@ -149,3 +149,16 @@ def test_training_a_run_again_while_it_still_runs_is_refused_and_changes_nothing
     out = capsys.readouterr().out
     assert "is still running: launcher" in out and "shardline cancel" in out
     assert read_manifest(run_dir) == before
+
+
+def test_a_launcher_settling_its_attempt_never_marks_a_newer_attempt(tmp_path):
+    # was: the old launcher's verdict (failed, its exit code) written over a relaunch that had reset the manifest
+    from shardline.run_status import settle
+    from shardline.rundir import create_run, read_manifest, read_spec
+    from tests.conftest import small_spec
+
+    _, run_dir = create_run(small_spec(tmp_path))
+    create_run(read_spec(run_dir / "spec.yaml"))  # a relaunch: attempt 2, status starting
+    assert settle(run_dir, exit_code=1, attempt=1)["status"] == "starting"
+    assert read_manifest(run_dir)["status"] == "starting"
+    assert settle(run_dir, exit_code=1, attempt=2)["status"] == "failed"  # its own attempt: settled

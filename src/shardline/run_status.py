@@ -147,12 +147,21 @@ def refuse_if_running(run_dir: Path) -> None:
 
 
 # ---- settling --------------------------------------------------------------------------------------------
-def settle(run_dir: Path, exit_code: int | None = None) -> dict:
+def settle(run_dir: Path, exit_code: int | None = None, attempt: int | None = None) -> dict:
     """The manifest with a final status if the run has ended without one; returns the (updated) manifest.
 
     With `exit_code` (the launcher knows how its workers ended) a run still marked live is failed with it;
-    without, only when every recorded process on this host is gone."""
+    without, only when every recorded process on this host is gone. With `attempt` (the launcher's own), only
+    while that attempt is still the run's last: decided and written under the manifest lock, so a relaunch
+    that started a new attempt meanwhile is never marked with the old one's verdict."""
+    with manifest_lock(run_dir):
+        return _settle_locked(run_dir, exit_code, attempt)
+
+
+def _settle_locked(run_dir: Path, exit_code: int | None, attempt: int | None) -> dict:
     manifest = read_manifest(run_dir)
+    if attempt is not None and len(manifest.get("attempts") or []) != attempt:
+        return manifest  # another launch owns the run now
     if manifest.get("status") not in LIVE:
         return manifest
     processes = manifest.get("processes", [])
@@ -179,9 +188,10 @@ def settle(run_dir: Path, exit_code: int | None = None) -> dict:
                               f"{saved}", "rank": None, "phase": None, "error_type": None,
                    "committed_step": committed}
     last_time = max((r.get("time", 0.0) for r in records), default=0.0)
-    update_manifest(run_dir, status="failed", exit_code=exit_code, failure=failure,
-                    end_time=time.time() if exit_code is not None else (last_time or time.time()))
-    return read_manifest(run_dir)
+    manifest |= {"status": "failed", "exit_code": exit_code, "failure": failure,
+                 "end_time": time.time() if exit_code is not None else (last_time or time.time())}
+    write_manifest(run_dir, manifest)
+    return manifest
 
 
 def mark_failed(run_dir: Path, message: str, exit_code: int, error_type: str | None = None,

@@ -93,6 +93,14 @@ def create_run(spec: JobSpec, started_at: float | None = None) -> tuple[JobSpec,
         changed = list(changed_fields(previous, spec))
     path.mkdir(parents=True, exist_ok=True)
     (path / "logs").mkdir(exist_ok=True)
+    with manifest_lock(path):  # a launcher settling the previous attempt reads and writes under the same lock
+        return _new_attempt(spec, path, changed, precision, started_at)
+
+
+def _new_attempt(spec: JobSpec, path: Path, changed: list[str], precision: PrecisionChoice | None,
+                 started_at: float | None) -> tuple[JobSpec, Path]:
+    """Append this launch to the manifest's attempts and reset it to `starting` (under the manifest lock)."""
+    spec_file = path / "spec.yaml"
     manifest = read_manifest(path)
     attempts = manifest.get("attempts", [])
     attempt_file = f"{ATTEMPTS_DIR}/{len(attempts) + 1:03d}-spec.yaml"

@@ -115,6 +115,7 @@ def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object]
     """Prepare the data, run the workers, and leave the manifest with the true final status whatever happened:
     the workers' own (finished, preempted, failed with their records), or the launcher's (bad input found
     here, an interrupt, workers that died without a word); then the report. Returns the exit code."""
+    attempt = len(read_manifest(run_dir).get("attempts") or [])  # this launch's: settled only while it is the last
     record_process(run_dir, os.getpid(), "launcher")
     save_record(run_dir, LaunchRecord(target="local", run_id=run_dir.name, submitted_at=_now(),
                                       job_id=str(os.getpid()), run_dir=str(run_dir.resolve())))
@@ -137,7 +138,7 @@ def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object]
     finally:
         signal.signal(signal.SIGTERM, previous)
     if code != EXIT_OK:
-        settle(run_dir, exit_code=code)
+        settle(run_dir, exit_code=code, attempt=attempt)
     if spec.observe.report:  # rank 0 wrote it unless the workers died first; never changes the exit code
         from shardline.observe.report import report_is_current, write_report_safely
 
