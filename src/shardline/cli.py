@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -69,6 +70,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from shardline.engines.backend import record_path
+    from shardline.engines.command import local_spec
     from shardline.engines.local import torchrun_command, train_run
     from shardline.environment import check_environment
     from shardline.jsonl import read_jsonl
@@ -77,8 +80,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardline.rundir import create_run, read_manifest, run_path
 
     spec = _resolve(args)
-    if spec.run.id is not None:  # a resume: never while the run still runs
+    if spec.run.id is not None:  # a resume: never while the run still runs, and /metrics on loopback here
         refuse_if_running(run_path(spec))
+        record = record_path(run_path(spec))
+        spec = local_spec(spec, json.loads(record.read_text()).get("target") if record.is_file() else None)
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup

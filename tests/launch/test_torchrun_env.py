@@ -75,3 +75,15 @@ def test_a_sigterm_while_torchrun_is_being_started_reaches_it_and_never_orphans_
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == -signal.SIGTERM  # the child got the SIGTERM (and ended by it) instead of running on, orphaned
+
+
+def test_a_cluster_run_resumed_here_serves_metrics_on_loopback_again():
+    from shardline.engines.command import CLUSTER_METRICS_HOST, cluster_spec, local_spec
+    from shardline.spec.resolve import load_spec
+
+    shipped = cluster_spec(load_spec("tiny"))  # what a Slurm/Kubernetes run's spec.yaml holds
+    assert shipped.observe.metrics_host == CLUSTER_METRICS_HOST
+    assert local_spec(shipped, "slurm").observe.metrics_host is None  # was: 0.0.0.0 on a laptop
+    assert local_spec(shipped, "local").observe.metrics_host == CLUSTER_METRICS_HOST  # chosen here: kept
+    explicit = load_spec("tiny", ["observe.metrics_host=10.0.0.5"])
+    assert local_spec(explicit, "k8s-job").observe.metrics_host == "10.0.0.5"

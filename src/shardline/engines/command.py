@@ -27,6 +27,16 @@ def cluster_spec(spec: JobSpec) -> JobSpec:
     return spec
 
 
+def local_spec(spec: JobSpec, launched_by: str | None) -> JobSpec:
+    """The spec of a run resumed on this machine: a cluster launch (`launched_by` is its target) bound /metrics
+    on every interface for the cluster's scraper; here it serves on loopback again (an explicit host stays)."""
+    if launched_by in (None, "local") or spec.observe.metrics_host != CLUSTER_METRICS_HOST:
+        return spec
+    spec = spec.model_copy(deep=True)
+    spec.observe.metrics_host = None
+    return spec
+
+
 def worker_command(spec_path: Path | str, task: str = "train") -> list[str]:
     """The worker invocation shared by every launcher (docs/architecture.md §6)."""
     return ["-m", "shardline.worker", "--spec", str(spec_path), "--task", task]

@@ -300,6 +300,8 @@ class Trainer:
                                   device=ctx.device)
             arrived = time.perf_counter()
             dist.all_reduce(counts)
+            if ctx.device.type == "cuda":  # NCCL returns before the peers arrive: wait here, so `waited` is it
+                torch.cuda.synchronize(ctx.device)
             waited = time.perf_counter() - arrived  # for slower peers: not this rank's own step time
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
