@@ -26,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from shardline.errors import SpecError
+
 NAME = "shardline_document_sdpa"
 """The implementation's key in transformers' attention registry; specs say `sdpa`."""
 
@@ -48,6 +50,9 @@ class _Bucket:
     """[docs·span] token positions on the flat (padded) token axis, document after document."""
     real: torch.Tensor
     """Positions in [docs·span] that hold the documents' own tokens, not the rounding."""
+    mask: torch.Tensor | None
+    """[span, span] causal sliding-window mask when the model's window is shorter than the span, else None
+    (plain causal: a document no longer than the window sees all of its past either way)."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,14 @@ class _Plan:
     """Puts the buckets' real tokens, concatenated, back in token order."""
 
 
+def window_mask(span: int, window: int) -> torch.Tensor:
+    """Query i sees key j when j ≤ i and i − j < window: transformers' `sliding_window_overlay` on causal."""
+    i, j = torch.arange(span)[:, None], torch.arange(span)[None, :]
+    return (j <= i) & (i - j < window)
+
+
 @functools.lru_cache(maxsize=8)
-def _plan(lengths: tuple[int, ...], device: torch.device) -> _Plan:
+def _plan(lengths: tuple[int, ...], device: torch.device, window: int | None = None) -> _Plan:
     """The gather/scatter indices of one batch's spans, built once on the CPU and shared by every layer (and
     the backward): on a GPU every index is copied once, asynchronously, and no layer waits for the device
     (index building or boolean masks on the device synchronise with it, once per bucket per layer)."""
@@ -78,24 +89,29 @@ def _plan(lengths: tuple[int, ...], device: torch.device) -> _Plan:
     def move(x: torch.Tensor) -> torch.Tensor:
         return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
-    return _Plan(tuple(_Bucket(span, n, move(g), move(r)) for span, n, g, r in buckets), move(order))
+    return _Plan(tuple(_Bucket(span, n, move(g), move(r),
+                               move(window_mask(span, window)) if window is not None and span > window else None)
+                       for span, n, g, r in buckets), move(order))
 
 
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
-                  scaling: float | None, gqa: bool) -> torch.Tensor:
+                  scaling: float | None, gqa: bool, window: int | None = None) -> torch.Tensor:
     b, h, t, d = query.shape
     n_tokens = b * t
     # [B, H, T, D] → [H, B·T (+ room to round the last span up), D]: documents are contiguous spans.
     q, k, v = (F.pad(x.transpose(0, 1).reshape(x.shape[1], n_tokens, d), (0, 0, 0, LENGTH_BUCKET - 1))
                for x in (query, key, value))
-    plan = _plan(tuple(lengths), query.device)
+    plan = _plan(tuple(lengths), query.device, window)
     outputs = []
     for bucket in plan.buckets:
         # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
         qb, kb, vb = (x.index_select(1, bucket.gather).unflatten(1, (bucket.docs, bucket.span)).transpose(0, 1)
                       for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
+        if bucket.mask is None:
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:  # the model's sliding window is shorter than these documents
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bucket.mask, scale=scaling, enable_gqa=gqa)
         outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, d).index_select(1, bucket.real))
     # Every token is in exactly one span: put the pieces back in token order.
     merged = torch.cat(outputs, 1).index_select(1, plan.order)  # [H, B·T, D]
@@ -111,9 +127,14 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     if cu is None or query.shape[2] == 1 or dropout > 0.0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise SpecError("model.attn_implementation", f"{type(module).__name__} caps its attention logits or adds "
+                        "attention sinks, which per-document SDPA cannot compute", "set model.attn_implementation="
+                        "eager (or flash_attention_2 on a GPU) for this model")
     lengths = (cu[1:] - cu[:-1]).tolist()  # spans stay on the CPU for this path: no device sync
     gqa = key.shape[1] != query.shape[1]
-    return _per_document(query, key, value, lengths, scaling, gqa), None
+    window = kwargs.get("sliding_window")  # Mistral, Qwen2, Gemma's local layers: honoured, never dropped
+    return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None), None
 
 
 def register() -> None:
