@@ -194,3 +194,20 @@ def test_local_cache_stages_the_checkpoint_once_and_loads_from_the_copy(ctx, tmp
     torch.testing.assert_close(_logits(_sharded(local)), _logits(ref), atol=1e-5, rtol=1e-5)
     with pytest.raises(SpecError, match="model.local_cache"):
         staged_model_spec(ModelSpec(path=str(tmp_path / "nope"), local_cache=str(tmp_path / "ssd")), 0)
+
+
+def test_a_gemma3_checkpoint_loads_with_the_logits_of_from_pretrained(ctx, tmp_path):
+    # was: "model.embed_tokens: no initialisation after meta init for buffers ['embed_scale']", then Gemma 3's
+    # per-layer-type rotary buffers (sliding_attention_inv_freq, full_attention_inv_freq)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                              sliding_window=8)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).float().save_pretrained(tmp_path)
+    ours = _sharded(ModelSpec(path=str(tmp_path)))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)

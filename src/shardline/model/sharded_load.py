@@ -37,7 +37,6 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from shardline.errors import SpecError
 from shardline.spec import ModelSpec
@@ -252,14 +251,31 @@ def _few(names: list[str], n: int = 8) -> str:
 
 # ---- buffers ------------------------------------------------------------------------------------------------
 def _init_buffers(model: nn.Module) -> None:
-    """Recompute rotary `inv_freq` / `original_inv_freq` as the rotary module's __init__ does."""
+    """Recompute the buffers meta init left empty (they are not in checkpoints): a scalar buffer from the Python
+    twin transformers keeps beside it (Gemma 3's `embed_scale` / `scalar_embed_scale`); the others, rotary
+    `inv_freq` of any family and layer type included, from the module's own __init__ run again on the CPU with
+    its config (transformers' convention for the modules that own such buffers)."""
     for name, module in model.named_modules():
         buffers = dict(module.named_buffers(recurse=False))
+        for key in [k for k in buffers if isinstance(getattr(module, f"scalar_{k}", None), int | float)]:
+            buffers.pop(key).fill_(getattr(module, f"scalar_{key}"))
         if not buffers:
             continue
-        if not hasattr(module, "rope_type") or set(buffers) - {"inv_freq", "original_inv_freq"}:
+        fresh = _rebuilt_buffers(module)
+        if fresh is None or set(buffers) - set(fresh):
             raise ValueError(f"{name}: no initialisation after meta init for buffers {sorted(buffers)}")
-        compute = getattr(module, f"compute_{module.rope_type}_rope_parameters", None)
-        inv_freq, _ = (compute or ROPE_INIT_FUNCTIONS[module.rope_type])(module.config)
-        for buffer in buffers.values():
-            buffer.copy_(inv_freq)
+        for key, buffer in buffers.items():
+            buffer.copy_(fresh[key])
+
+
+def _rebuilt_buffers(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The buffers of a fresh CPU instance of `module`'s class built from its `config`, or None."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    try:
+        with torch.device("cpu"):
+            fresh = type(module)(config=config)
+    except TypeError:
+        return None
+    return dict(fresh.named_buffers(recurse=False))
