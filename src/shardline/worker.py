@@ -160,5 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
+def exit_without_teardown(code: int) -> None:
+    """Flush what the run wrote, then end the process without interpreter finalisation.
+
+    The process group is already destroyed here, but gloo's C++ threads can still hold work objects whose
+    tensors reference Python; finalising the interpreter under them aborts the process ("terminate called
+    without an active exception", SIGABRT) after a run that finished: seen once in CI at the end of a 2-rank
+    `shardline eval`, whose launcher then reported the run as failed. Nothing after `main` needs teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":  # the guard also keeps async checkpoint processes from re-running this
-    sys.exit(main())
+    exit_without_teardown(main())
