@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from shardline.data.prepare import prepare
 from shardline.errors import SpecError
 from shardline.model.build import decoder_layers, llama_config
+from shardline.model.families import family_of, layer_windows
 from shardline.model.lora import apply_lora
 from shardline.planning.devices import GiB, get_device
 from shardline.planning.memory import (
@@ -33,6 +34,7 @@ from shardline.spec.resolve import load_spec, spec_to_yaml
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.trainer import Trainer
 from tests.conftest import free_port, run_cli, small_spec
+from tests.model.families import COMMON, CONFIGS, FAMILIES
 
 LORA_ALL = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 
@@ -58,6 +60,49 @@ def test_known_hub_models_have_their_published_sizes():
     assert sizes["meta-llama/llama-3.1-8b"] == 8_030_261_248
     assert sizes["meta-llama/llama-3.1-70b"] == 70_553_706_496
     assert model_shape(load_spec("llama-3.1-70b-fsdp").model) == KNOWN_MODELS["meta-llama/llama-3.1-70b"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("lora", [False, True])
+def test_every_familys_config_is_planned_with_its_exact_parameter_count(name, lora, tmp_path):
+    """Biases (Qwen2), QK-norm (Qwen3, Gemma 3), four norms (Gemma), fused projections (Phi-3), head_dim ≠
+    hidden/heads: the planner's count equals transformers' model built from the saved config.json."""
+    cls, extra = CONFIGS[name]
+    config = cls(**COMMON, **extra, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = load_spec("tiny", [f"model.path={tmp_path}", f"model.lora.enabled={str(lora).lower()}"]).model
+    if lora:
+        model = apply_lora(model, spec.lora)
+    shape = model_shape(spec)
+    assert shape.family.name == family_of(config).name
+    budget = param_budget(shape, spec.lora)
+    assert budget.total == sum(p.numel() for p in model.parameters())
+    assert budget.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_known_non_llama_hub_models_have_the_sizes_of_transformers_models_of_their_configs():
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen3Config
+
+    configs = {
+        "qwen/qwen3-8b": Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+        "mistralai/mistral-7b-v0.3": MistralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32768),
+        "google/gemma-3-12b": Gemma3TextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                               num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                               vocab_size=262208, sliding_window=1024),
+    }
+    for name, config in configs.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        shape = KNOWN_MODELS[name]
+        assert param_budget(shape, LoraSpec()).total == sum(p.numel() for p in model.parameters()), name
+        assert shape.family.name == family_of(config).name
+        assert shape.windows in ((), layer_windows(config)), name
+    for preset, family in [("qwen3-8b-lora", "Qwen3"), ("mistral-7b-lora", "Mistral"), ("gemma-3-12b-lora", "Gemma 3")]:
+        assert model_shape(load_spec(preset).model).family.name == family
 
 
 def test_local_config_json_and_unknown_hub_names(tmp_path):

@@ -157,6 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
         f"{', offload' if p.offload else ''}) · micro-batch {t.micro_batch_size} × {t.seq_len} tokens · "
         f"{choose_precision(t.precision, accelerator=device.kind != 'cpu').precision} · AC {ac}", highlight=False)
+    console.print(f"family: {plan.family.name} — {plan.family.adds}", highlight=False)
     table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")

@@ -174,12 +174,12 @@ def test_a_sliding_window_is_honoured_in_packed_rows_as_transformers_computes_it
         _one_document_at_a_time(_mistral("eager", 4096), batch), rel=1e-5)
 
 
-def test_logit_soft_capping_is_refused_by_name_not_dropped():
+def test_attention_sinks_are_refused_by_name_not_dropped():
     from shardline.errors import SpecError
     from shardline.model.document_attention import document_sdpa
 
     cu = torch.tensor([0, 10, 16])
     q = k = v = torch.randn(1, 2, 16, 8)
-    with pytest.raises(SpecError, match="caps its attention logits") as e:
-        document_sdpa(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, softcap=50.0)
+    with pytest.raises(SpecError, match="attention sinks") as e:
+        document_sdpa(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, s_aux=torch.zeros(2))
     assert e.value.where == "model.attn_implementation"

@@ -3,9 +3,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardline.model.build import build_model
-from shardline.model.flops import count_params, flops_per_token, table_peak_tflops
+from shardline.model.document_attention import window_mask
+from shardline.model.families import layer_windows
+from shardline.model.flops import count_params, flops_per_token, table_peak_tflops, window_causal_pairs, window_pairs
 from shardline.model.lora import apply_lora
 from shardline.spec.resolve import load_spec
+from tests.model.families import COMMON, CONFIGS, FAMILIES
 
 SEQ = 64
 
@@ -59,6 +62,30 @@ def test_lora_counts_frozen_weights_at_four_flops_per_parameter():
     assert _measured_flops_per_token(model) == pytest.approx(formula, rel=0.05)
     assert formula < 0.8 * flops_per_token(type(counts)(counts.total - counts.embedding, 0, counts.embedding),
                                            a.num_layers, a.hidden_size, SEQ)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_formula_matches_counted_flops_for_every_family(name):
+    """Attention width heads × head_dim (Qwen3: 128 ≠ hidden 64), fused projections, biases, four norms."""
+    from transformers import AutoModelForCausalLM
+
+    cls, extra = CONFIGS[name]
+    config = cls(**COMMON, **extra, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # counted matmuls
+    width = config.num_attention_heads * (getattr(config, "head_dim", None) or 64 // config.num_attention_heads)
+    # eager attention computes every pair, windowed layers too: the formula without windows is what it runs
+    formula = flops_per_token(count_params(model), config.num_hidden_layers, width, SEQ)
+    assert _measured_flops_per_token(model) == pytest.approx(formula, rel=0.02)
+    if windows := layer_windows(config) if any(layer_windows(config)) else ():
+        assert flops_per_token(count_params(model), config.num_hidden_layers, width, SEQ, windows) < formula
+
+
+def test_sliding_window_pairs_count_the_band_the_window_mask_keeps():
+    for n, w in [(10, 4), (64, 16), (5, 8), (16, 16), (1, 3)]:
+        band = window_mask(n, w)
+        assert window_causal_pairs(n, w) == int(band.sum())
+        assert window_pairs(n, w) == int((band | band.T).sum())
+    assert window_pairs(10, None) == 100 and window_causal_pairs(10, None) == 55
 
 
 @pytest.mark.parametrize(("name", "dtype", "peak"), [

@@ -211,3 +211,33 @@ def test_a_gemma3_checkpoint_loads_with_the_logits_of_from_pretrained(ctx, tmp_p
     ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+
+
+def test_a_multimodal_gemma3_checkpoint_trains_its_language_model_with_the_logits_of_transformers(ctx, tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: the language model loads alone (its keys under
+    `language_model.`), the vision tower and projector are not read; text logits as transformers' full model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5,
+                          boi_token_index=6, eoi_token_index=7)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).float().save_pretrained(tmp_path)
+    ours = _sharded(ModelSpec(path=str(tmp_path)))
+    assert type(ours).__name__ == "FSDPGemma3ForCausalLM"
+    theirs = Gemma3ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(8, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+
+
+def test_mixture_of_experts_checkpoints_are_refused_by_name(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(SpecError, match="mixture-of-experts.*Qwen3 \\(qwen3\\)") as e:
+        build_model(ModelSpec(path=str(tmp_path)), 0, {}, device="meta")
+    assert e.value.where == "model.path"

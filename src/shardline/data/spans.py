@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardline.model.flops import window_causal_pairs, window_pairs
+
 
 @dataclass(frozen=True)
 class DocumentSpans:
@@ -35,6 +37,11 @@ class DocumentSpans:
     def causal_pairs(self) -> int:
         """The same with the causal half only: Σ len·(len+1)/2 over real documents."""
         return sum(n * (n + 1) // 2 for n, real in zip(self.lengths, self.real, strict=True) if real)
+
+    def window_pairs(self, window: int, causal: bool = False) -> int:
+        """`pairs` (or `causal_pairs`) on a layer that sees at most `window` keys back."""
+        count = window_causal_pairs if causal else window_pairs
+        return sum(count(n, window) for n, real in zip(self.lengths, self.real, strict=True) if real)
 
     def executed_causal_pairs(self, bucket: int = 1) -> int:
         """What a per-document causal kernel computes: padding tails are spans too, and each span is

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 from shardline.errors import SpecError
 from shardline.model import document_attention
+from shardline.model.families import family_of, language_model_config
 from shardline.model.sharded_load import materialize
 from shardline.spec import ModelSpec
 
@@ -37,7 +38,8 @@ def llama_config(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) 
 
 
 def model_config(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) -> PretrainedConfig:
-    """`model.path`'s config.json (its own special ids), else the config of `model.arch`; KV cache off."""
+    """`model.path`'s config.json (its own special ids; a multimodal checkpoint's language model), else the
+    config of `model.arch`; KV cache off."""
     if spec.path is None:
         return llama_config(spec, vocab_size, special_ids)
     try:
@@ -45,6 +47,8 @@ def model_config(spec: ModelSpec, vocab_size: int, special_ids: dict[str, int]) 
     except OSError as e:
         raise SpecError("model.path", f"cannot load {spec.path!r} ({str(e)[:200]})",
                         "point it at a local directory with config.json and *.safetensors") from e
+    config = language_model_config(config)  # Gemma 3 4B+: the language model of the multimodal checkpoint
+    family_of(config)  # mixture-of-experts, encoder-decoders, vision models: a named error listing what trains
     if config.vocab_size < vocab_size:
         raise SpecError("model.tokenizer", f"tokenizer has {vocab_size} tokens, more than the model's "
                         f"{config.vocab_size} embeddings", "use the model's own tokenizer")

@@ -11,7 +11,9 @@ flash/cuDNN/efficient). The documents come from
 `shardline.data.spans` (a document starts where its position is 0), passed to the model as the same
 varlen keywords flash-attention-2 reads (`cu_seq_lens_q`, …), so `flash_attention_2` on GPU takes the
 same spans with no work of its own. Without spans (generation, evaluation with padding) the
-function is plain `sdpa`, masks and all.
+function is plain `sdpa`, masks and all. Each family's own attention semantics are kept: sliding windows (a
+banded mask), Gemma 2's logit soft-capping (capped scores, materialised per document); attention sinks, which
+no path here computes, are a named error.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from shardline.errors import SpecError
 
-NAME = "shardline_document_sdpa"
-"""The implementation's key in transformers' attention registry; specs say `sdpa`."""
+NAME = "shardline_document_attention"
+"""The implementation's key in transformers' attention registry; specs say `sdpa`. The key must not contain
+"sdpa": transformers then checks the model class's own SDPA support, which Gemma 2 lacks (its soft-capping),
+and refuses a function that computes it."""
 
 
 LENGTH_BUCKET = 32
@@ -94,9 +98,29 @@ def _plan(lengths: tuple[int, ...], device: torch.device, window: int | None = N
                        for span, n, g, r in buckets), move(order))
 
 
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scaling: float | None,
+                      softcap: float) -> torch.Tensor:
+    """Gemma 2's attention: scores capped by softcap·tanh(s/softcap) before the mask (`keep`: True where a
+    query sees a key) and an fp32 softmax, as transformers' eager function computes it. No SDPA kernel caps
+    its scores, so the scores are materialised: per document on packed rows, [Q, K] otherwise."""
+    if k.shape[1] != q.shape[1]:  # GQA: repeat the key/value heads as transformers' `repeat_kv` does
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~keep, torch.finfo(scores.dtype).min)
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _causal_keep(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[Q, K]: the last `queries` positions of `keys` see their past (within `window`)."""
+    i = torch.arange(keys - queries, keys, device=device)[:, None]
+    j = torch.arange(keys, device=device)[None, :]
+    return (j <= i) & (i - j < window) if window else j <= i
+
+
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
-                  scaling: float | None, gqa: bool, window: int | None = None) -> torch.Tensor:
+                  scaling: float | None, gqa: bool, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     b, h, t, d = query.shape
     n_tokens = b * t
     # [B, H, T, D] → [H, B·T (+ room to round the last span up), D]: documents are contiguous spans.
@@ -108,7 +132,10 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
         qb, kb, vb = (x.index_select(1, bucket.gather).unflatten(1, (bucket.docs, bucket.span)).transpose(0, 1)
                       for x in (q, k, v))
-        if bucket.mask is None:
+        if softcap is not None:
+            keep = bucket.mask if bucket.mask is not None else _causal_keep(bucket.span, bucket.span, None, q.device)
+            out = _capped_attention(qb, kb, vb, keep, scaling, softcap)
+        elif bucket.mask is None:
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:  # the model's sliding window is shorter than these documents
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bucket.mask, scale=scaling, enable_gqa=gqa)
@@ -122,19 +149,29 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
 def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
-    """HF attention function: per-document causal SDPA when spans are given, else `sdpa` unchanged."""
+    """HF attention function: per-document causal SDPA when spans are given, else `sdpa` unchanged; scores
+    capped as Gemma 2 caps them (`softcap`) on both paths; attention sinks refused by name."""
     cu = kwargs.get("cu_seq_lens_q")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if softcap is not None and (cu is None or query.shape[2] == 1):  # generation, padded evaluation
+        if attention_mask is None:  # sdpa's mask function left it to `is_causal`
+            keep = _causal_keep(query.shape[2], key.shape[2], window, query.device)
+        else:
+            keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        out = _capped_attention(query, key, value, keep, scaling, float(softcap))
+        return out.transpose(1, 2).contiguous(), None
     if cu is None or query.shape[2] == 1 or dropout > 0.0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise SpecError("model.attn_implementation", f"{type(module).__name__} caps its attention logits or adds "
-                        "attention sinks, which per-document SDPA cannot compute", "set model.attn_implementation="
-                        "eager (or flash_attention_2 on a GPU) for this model")
+    if kwargs.get("s_aux") is not None:
+        raise SpecError("model.attn_implementation", f"{type(module).__name__} adds attention sinks, which "
+                        "per-document attention does not compute", "set model.attn_implementation=eager (or "
+                        "flash_attention_2 on a GPU) for this model")
     lengths = (cu[1:] - cu[:-1]).tolist()  # spans stay on the CPU for this path: no device sync
     gqa = key.shape[1] != query.shape[1]
-    window = kwargs.get("sliding_window")  # Mistral, Qwen2, Gemma's local layers: honoured, never dropped
-    return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None), None
+    # Mistral, Qwen2, Gemma's local layers: the window is honoured, never dropped; Gemma 2's soft-capping too
+    return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None,
+                         float(softcap) if softcap else None), None
 
 
 def register() -> None:

@@ -2,7 +2,7 @@
 
 Training FLOPs of a step (PaLM appendix B; torchtitan `get_dense_model_nparams_and_flops`):
 
-    F = (6·N_trainable + 4·N_frozen)·tokens + 12·L·d·Σ len²
+    F = (6·N_trainable + 4·N_frozen)·tokens + 12·a·Σ_layers Σ_documents pairs
 
 
 - N counts the weights that take part in matmuls: every parameter except the input embedding table
@@ -10,10 +10,13 @@ Training FLOPs of a step (PaLM appendix B; torchtitan `get_dense_model_nparams_a
 - A trainable weight costs 2 FLOPs per multiply-add forward, 2 for the activation gradient and 2 for
   the weight gradient (6). A frozen weight (LoRA's base) skips the weight gradient but the activation
   gradient still flows through it (4).
-- 12·L·d·Σ len² is attention's QKᵀ and AV, forward + backward, over the query-key pairs the document mask
-  keeps: Σ over the documents of a packed batch of len². Per token that is 12·L·d·T for a context of T
-  tokens (one document filling the row: the planner's `flops_per_token`). Packed rows of ~92-token documents
-  in 512-token rows keep 1/5 of the T² pairs; counting T² would inflate MFU with work nobody needs.
+- 12·a·pairs is attention's QKᵀ and AV, forward + backward, with a = heads × head_dim (the attention width:
+  the hidden size for Llama, not for Qwen3 or Gemma), over the query-key pairs the document mask keeps: len²
+  per document, or the band |i − j| < w of the len × len square on a layer with a sliding window w
+  (Mistral, Gemma's local layers).
+  Per token that is 12·L·a·T for a context of T tokens (one document filling the row: the planner's
+  `flops_per_token`). Packed rows of ~92-token documents in 512-token rows keep 1/5 of the T² pairs;
+  counting T² would inflate MFU with work nobody needs.
 - No halving for the causal mask (the torchtitan/PaLM convention, so numbers compare with theirs);
   MFU with the causal half only is reported beside it (MaxText halves).
 
@@ -33,8 +36,8 @@ from torch import nn
 
 from shardline.hardware import match_device
 
-FORMULA = ("(6·N_trainable + 4·N_frozen)·tokens + 12·L·d·Σ len² over documents "
-           "(PaLM/torchtitan, no causal halving)")
+FORMULA = ("(6·N_trainable + 4·N_frozen)·tokens + 12·(heads·head_dim)·Σ layers Σ documents len² (the band "
+           "|i − j| < window on sliding-window layers) (PaLM/torchtitan, no causal halving)")
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,27 @@ def count_params(model: nn.Module) -> ParamCounts:
     return ParamCounts(trainable=trainable, frozen=frozen, embedding=embed.numel(), tied=tied)
 
 
-def flops_per_token(counts: ParamCounts, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Per token when every document fills its `seq_len`-token row (the planner's estimate)."""
-    return 6.0 * counts.trainable + 4.0 * counts.frozen + 12.0 * num_layers * hidden * seq_len
+def window_causal_pairs(length: int, window: int | None) -> int:
+    """Causal query-key pairs of one `length`-token document: Σ over queries of the keys they see,
+    min(i + 1, window) with a sliding `window`."""
+    if not window or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def window_pairs(length: int, window: int | None) -> int:
+    """The same without causal halving, the band |i − j| < window of the len × len square: len² without a
+    window (2·causal − len, the diagonal counted once)."""
+    return 2 * window_causal_pairs(length, window) - length
+
+
+def flops_per_token(counts: ParamCounts, num_layers: int, width: int, seq_len: int,
+                    windows: tuple[int | None, ...] = ()) -> float:
+    """Per token when every document fills its `seq_len`-token row (the planner's estimate); `width` is the
+    attention width (heads × head_dim), `windows` each layer's sliding window (empty: all global)."""
+    layers = windows or (None,) * num_layers
+    context = sum(window_pairs(seq_len, w) for w in layers) / seq_len
+    return 6.0 * counts.trainable + 4.0 * counts.frozen + 12.0 * width * context
 
 
 @dataclass(frozen=True)
@@ -86,29 +107,45 @@ class StepWork:
     pairs: int  # Σ len² over documents
     causal_pairs: int  # Σ len·(len+1)/2 over documents
     executed_pairs: int  # query-key pairs the attention kernel computes
+    window_pairs: int = 0  # the same as `pairs` on a sliding-window layer (`FlopsModel.window`)
+    window_causal_pairs: int = 0
 
 
 @dataclass(frozen=True)
 class FlopsModel:
     counts: ParamCounts
     num_layers: int
-    hidden: int
+    width: int
+    """Attention width, heads × head_dim."""
     recompute_fraction: float = 0.0
     """Share of the decoder blocks whose forward activation checkpointing runs twice."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (empty: every layer global); the families have one window size."""
+
+    @property
+    def window(self) -> int | None:
+        return max((w for w in self.windows if w), default=None)
+
+    @property
+    def windowed_layers(self) -> int:
+        return sum(1 for w in self.windows if w)
 
     def model(self, work: StepWork, causal: bool = False) -> float:
         """The headline's FLOPs (`causal`: with the causal half of attention only)."""
         dense = 6.0 * self.counts.trainable + 4.0 * self.counts.frozen
         pairs = work.causal_pairs if causal else work.pairs
-        return dense * work.tokens + 12.0 * self.num_layers * self.hidden * pairs
+        banded = work.window_causal_pairs if causal else work.window_pairs
+        global_layers = self.num_layers - self.windowed_layers
+        return dense * work.tokens + 12.0 * self.width * (global_layers * pairs + self.windowed_layers * banded)
 
     def hardware(self, work: StepWork) -> float:
-        """FLOPs the kernels execute: padding slots, the attention pairs computed, recomputed forwards."""
+        """FLOPs the kernels execute: padding slots, the attention pairs computed (a windowed per-document
+        kernel still computes its whole causal span), recomputed forwards."""
         weights = self.counts.trainable + self.counts.frozen
         dense = (6.0 * self.counts.trainable + 4.0 * self.counts.frozen) * work.slots
-        attention = 12.0 * self.num_layers * self.hidden * work.executed_pairs
+        attention = 12.0 * self.num_layers * self.width * work.executed_pairs
         recompute = self.recompute_fraction * (2.0 * weights * work.slots
-                                               + 4.0 * self.num_layers * self.hidden * work.executed_pairs)
+                                               + 4.0 * self.num_layers * self.width * work.executed_pairs)
         return dense + attention + recompute
 
 

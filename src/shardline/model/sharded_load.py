@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardline.errors import SpecError
+from shardline.model.families import is_multimodal_checkpoint, language_model_key
 from shardline.spec import ModelSpec
 
 INIT_BLOCK_ELEMENTS = 1 << 22
@@ -179,7 +180,22 @@ def _fill_random(p: _Param, seed: int, std: float) -> None:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
-def _checkpoint_files(path: str) -> dict[str, Path]:
+@dataclass(frozen=True)
+class _Stored:
+    file: Path
+    key: str
+    """The tensor's name in the file (a multimodal checkpoint's `model.language_model.…`)."""
+
+
+def _checkpoint_files(path: str) -> dict[str, _Stored]:
+    """Model parameter name → where its tensor is stored; a multimodal checkpoint's language model only."""
+    stored = _stored_keys(path)
+    if not is_multimodal_checkpoint(stored):
+        return {key: _Stored(file, key) for key, file in stored.items()}
+    return {name: _Stored(file, key) for key, file in stored.items() if (name := language_model_key(key))}
+
+
+def _stored_keys(path: str) -> dict[str, Path]:
     """Checkpoint key → safetensors file, from `model.safetensors.index.json` or a single `model.safetensors`."""
     root = Path(path)
     if not root.is_dir():
@@ -222,27 +238,27 @@ def _load_checkpoint(params: list[_Param], path: str) -> None:
         step = max(1, READ_CHUNK_BYTES // (math.prod(p.param.shape[1:]) * dst.element_size()))
         for a in range(rows.start, rows.stop, step):
             b = min(a + step, rows.stop)
-            dst[a - rows.start : b - rows.start].copy_(_read(files[key], key, (slice(a, b), *rest)))
+            dst[a - rows.start : b - rows.start].copy_(_read(files[key], (slice(a, b), *rest)))
 
 
-def _check_shapes(source: dict[str, _Param], files: dict[str, Path]) -> None:
+def _check_shapes(source: dict[str, _Param], stored: dict[str, _Stored]) -> None:
     """Every checkpoint tensor has its parameter's shape (reads only the files' headers)."""
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in source:
-        by_file[files[key]].append(key)
+        by_file[stored[key].file].append(key)
     for file, keys in by_file.items():
         with safe_open(file, "pt") as f:
             for key in keys:
-                shape, expected = tuple(f.get_slice(key).get_shape()), tuple(source[key].param.shape)
+                shape, expected = tuple(f.get_slice(stored[key].key).get_shape()), tuple(source[key].param.shape)
                 if shape != expected:
                     raise SpecError("model.path", f"{file.name}: {key} has shape {shape}, the model expects "
                                     f"{expected}", "check that config.json belongs to these weights")
 
 
-def _read(file: Path, key: str, region: tuple[slice, ...]) -> torch.Tensor:
-    """`region` of tensor `key`; the file is mapped only meanwhile (mapped pages count in the RSS)."""
-    with safe_open(file, "pt") as f:
-        return f.get_slice(key)[region]
+def _read(stored: _Stored, region: tuple[slice, ...]) -> torch.Tensor:
+    """`region` of a stored tensor; the file is mapped only meanwhile (mapped pages count in the RSS)."""
+    with safe_open(stored.file, "pt") as f:
+        return f.get_slice(stored.key)[region]
 
 
 def _few(names: list[str], n: int = 8) -> str:

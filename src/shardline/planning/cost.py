@@ -105,7 +105,7 @@ def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     matmul = pb.total - embedding + (embedding if shape.tie else 0)  # lm_head counts even when tied
     trainable = pb.trainable if spec.model.lora.enabled else matmul
     counts = ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie)
-    per_token = flops_per_token(counts, shape.layers, shape.hidden, spec.train.seq_len)
+    per_token = flops_per_token(counts, shape.layers, shape.heads * shape.hd, spec.train.seq_len, shape.windows)
     tokens = spec.train.global_batch_size * spec.train.seq_len
     return per_token * tokens / (spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu)
 

@@ -31,6 +31,15 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from shardline.errors import SpecError
+from shardline.model.families import (
+    BY_MODEL_TYPE,
+    LLAMA,
+    MULTIMODAL_LANGUAGE_MODELS,
+    Family,
+    family_of,
+    language_model_config,
+    layer_windows,
+)
 from shardline.planning.devices import (
     CPU_RETAINED_BLOCKS_PLAIN,
     CPU_RETAINED_BLOCKS_RECOMPUTE,
@@ -54,10 +63,18 @@ class ModelShape:
     vocab: int
     tie: bool = False
     head_dim: int | None = None
+    family: Family = LLAMA
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: global); empty: every layer global."""
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def norms_per_block(self) -> int:
+        """RMSNorms over the hidden size in one block: 2, or 4 with Gemma's norms after attention and MLP."""
+        return 4 if self.family.sandwich_norms else 2
 
 
 # Hub models the planner knows offline (config.json values; Instruct variants share the base shape).
@@ -65,13 +82,22 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "meta-llama/llama-3.1-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),
     "meta-llama/llama-3.1-70b": ModelShape(8192, 28672, 80, 64, 8, 128256),
     "meta-llama/llama-3.1-405b": ModelShape(16384, 53248, 126, 128, 8, 128256),
+    "qwen/qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 151936, head_dim=128, family=BY_MODEL_TYPE["qwen3"]),
+    "mistralai/mistral-7b-v0.3": ModelShape(4096, 14336, 32, 32, 8, 32768, head_dim=128,
+                                            family=BY_MODEL_TYPE["mistral"]),  # v0.3: no sliding window
+    # Gemma 3 12B's language model (the checkpoint's `text_config`): 5 local layers (window 1024) per global one
+    "google/gemma-3-12b": ModelShape(3840, 15360, 48, 16, 8, 262208, tie=True, head_dim=256,
+                                     family=BY_MODEL_TYPE["gemma3_text"],
+                                     windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))),
 }
 
 
 def _from_config(cfg: dict) -> ModelShape:
-    return ModelShape(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
-                      cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                      cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"))
+    family = family_of(cfg)
+    heads = cfg["num_attention_heads"]
+    return ModelShape(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
+                      cfg.get("num_key_value_heads") or heads, cfg["vocab_size"],
+                      bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"), family, layer_windows(cfg))
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -83,10 +109,17 @@ def model_shape(spec: ModelSpec) -> ModelShape:
     config = Path(spec.path).expanduser() / "config.json"
     if config.is_file():
         try:
-            return _from_config(json.loads(config.read_text()))
+            raw = json.loads(config.read_text())
+            if raw.get("model_type") in MULTIMODAL_LANGUAGE_MODELS:  # its text_config lists only non-defaults
+                from transformers import AutoConfig
+
+                raw = language_model_config(AutoConfig.from_pretrained(config.parent)).to_dict()
+            return _from_config(raw)
         except (KeyError, ValueError) as e:
-            raise SpecError("model.path", f"{config} lacks a Llama field ({e})", "point at a Llama checkpoint") from e
-    name = spec.path.lower().removesuffix("-instruct").replace("meta-llama-3.1", "llama-3.1")
+            raise SpecError("model.path", f"{config} lacks a decoder field ({e})",
+                            "point at a decoder-only causal LM checkpoint") from e
+    name = spec.path.lower().removesuffix("-instruct").removesuffix("-it").removesuffix("-pt")
+    name = name.replace("meta-llama-3.1", "llama-3.1").replace("-instruct-", "-")
     if name in KNOWN_MODELS:
         return KNOWN_MODELS[name]
     try:  # a hub name already in the local Hugging Face cache
@@ -100,23 +133,37 @@ def model_shape(spec: ModelSpec) -> ModelShape:
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def block_linears(s: ModelShape) -> tuple[str, ...]:
+    return FUSED_LINEARS if s.family.fused else LINEARS
 
 
 def linear_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each projection of a block, and of the output head."""
+    """(in, out) features of each projection of a block (fused where the family fuses them), and of the head."""
     d, q, kv, i = s.hidden, s.heads * s.hd, s.kv_heads * s.hd, s.intermediate
+    if s.family.fused:
+        return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * i), "down_proj": (i, d),
+                "lm_head": (d, s.vocab)}
     return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
             "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d), "lm_head": (d, s.vocab)}
 
 
 def lora_targets(shape: ModelShape, lora: LoraSpec) -> list[str]:
+    """The adapted modules: `target_modules`, or the family's default (its attention projections)."""
     if not lora.enabled:
         return []
-    unknown = [m for m in lora.target_modules if m not in linear_dims(shape)]
+    targets = list(lora.target_modules or shape.family.lora_targets)
+    unknown = [m for m in targets if m not in linear_dims(shape)]
     if unknown:
         raise SpecError("model.lora.target_modules", f"{unknown} are not modules of this model",
                         f"choose from {sorted(linear_dims(shape))}")
-    return list(lora.target_modules)
+    return targets
+
+
+def head_trainable(lora: LoraSpec) -> bool:
+    return not lora.enabled or "lm_head" in (lora.target_modules or ())
 
 
 @dataclass(frozen=True)
@@ -137,12 +184,15 @@ class ParamBudget:
 
 
 def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
-    """Analytic parameter counts (no biases, as in Llama); LoRA adds r·(in + out) per target module."""
+    """Analytic parameter counts: the block's projections, its norms (Gemma: four; QK-norm: two over head_dim),
+    q/k/v biases (Qwen2); LoRA adds r·(in + out) per target module."""
     dims = linear_dims(s)
-    block = sum(i * o for name, (i, o) in dims.items() if name in LINEARS) + 2 * s.hidden
+    block = sum(i * o for name, (i, o) in dims.items() if name in block_linears(s)) + s.norms_per_block * s.hidden
+    block += 2 * s.hd if s.family.qk_norm else 0
+    block += (s.heads + 2 * s.kv_heads) * s.hd if s.family.qkv_bias else 0
     root = s.vocab * s.hidden * (1 if s.tie else 2) + s.hidden
     adapters = {m: lora.r * sum(dims[m]) for m in lora_targets(s, lora)}
-    block_lora = sum(n for m, n in adapters.items() if m in LINEARS)
+    block_lora = sum(n for m, n in adapters.items() if m in block_linears(s))
     root_lora = adapters.get("lm_head", 0)
     if lora.enabled:
         return ParamBudget(block + block_lora, block_lora, root + root_lora, root_lora, s.layers)
@@ -169,17 +219,20 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     # Packed rows: eager gets a dense block-diagonal mask and repeats GQA heads; shardline's sdpa runs per
     # document with no mask and native GQA; flash-attention reads the document offsets.
     kv_saved = q if (attn == "eager" and kv < q) else kv
-    b = 2 * (4 * d + (c * d if full else 0) + 4)  # 2 RMSNorms: fp32 input, normalized (weight grad), rsqrt
-    b += inputs(("q_proj", "k_proj", "v_proj"), d)
+    fused = s.family.fused
+    # RMSNorms (2, Gemma's 4): fp32 input, normalized (weight grad), rsqrt; QK-norm the same over q and k
+    b = s.norms_per_block * (4 * d + (c * d if full else 0) + 4)
+    b += (4 + (c if full else 0)) * (q + kv) + 4 * (h + s.kv_heads) if s.family.qk_norm else 0
+    b += inputs(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"), d)
     # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
     b += inputs(("o_proj",), q, shared=attn == "flash_attention_2")
     if attn == "eager":  # q, repeated k and v, fp32 softmax output and (bf16) its cast: a T² term
         b += c * (q + 2 * kv_saved) + h * seq_len * (4 + (c if c < 4 else 0))
     else:  # SDPA / flash: q, k, v, output and logsumexp
         b += c * (2 * q + 2 * kv_saved) + 4 * h
-    b += inputs(("gate_proj", "up_proj"), d) + 3 * c * i  # gate out (SiLU), SiLU out and up out (product)
+    b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d) + 3 * c * i  # gate, act(gate), up
     b += inputs(("down_proj",), i)
-    b += sum(c * lora.r for m in targets if m in LINEARS)  # lora_A outputs
+    b += sum(c * lora.r for m in targets if m in block_linears(s))  # lora_A outputs
     return b
 
 
@@ -188,7 +241,7 @@ def selective_saved_bytes(s: ModelShape, c: int, lora: LoraSpec) -> float:
     d, i = s.hidden, s.intermediate
     q, kv = s.heads * s.hd, s.kv_heads * s.hd
     dims = linear_dims(s)
-    adapters = sum(c * (lora.r + dims[m][1]) for m in lora_targets(s, lora) if m in LINEARS)
+    adapters = sum(c * (lora.r + dims[m][1]) for m in lora_targets(s, lora) if m in block_linears(s))
     return c * (d + 2 * q + 2 * kv + d + 2 * i + d) + 4 * s.heads + adapters
 
 
@@ -213,6 +266,8 @@ class MemoryPlan:
     trainable_params: int
     dp_shard: int
     saved_activations: int  # all blocks' activations at the start of backward (whatever moment peaks)
+    family: Family = LLAMA
+    """The decoder family the shape was read as (`shardline.model.families`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -245,8 +300,7 @@ def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[f
     block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind) * n
     n_ckpt = 0 if p.activation_checkpointing == "none" else math.ceil(shape.layers / p.activation_checkpointing_every)
     kept = c * d * n if p.activation_checkpointing == "full" else selective_saved_bytes(shape, c, lora) * n
-    head_trainable = not lora.enabled or "lm_head" in lora.target_modules
-    final_norm = (4 * d + (0 if lora.enabled else c * d) + (c * d if head_trainable else 0)) * n
+    final_norm = (4 * d + (0 if lora.enabled else c * d) + (c * d if head_trainable(lora) else 0)) * n
     saved = n_ckpt * kept + (shape.layers - n_ckpt) * block + (block if n_ckpt else 0) + final_norm
     if spec.model.attn_implementation == "eager":
         saved += c * t.seq_len * n  # one additive mask shared by all blocks
@@ -274,8 +328,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
 
     saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
-    head_trainable = not lora.enabled or "lm_head" in lora.target_modules
-    head_grad = c * v * d if head_trainable else 0
+    head_grad = c * v * d if head_trainable(lora) else 0
     block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
     gathers = c * (pb.root + 2 * pb.block)
     # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
@@ -315,7 +368,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
         params=int(params), optimizer=int(opt), **parts,
         allocator=allocator, runtime=dev.runtime_bytes, phase=phase, device=dev, capacity_bytes=capacity,
         host_offload_bytes=int(host), total_params=pb.total, trainable_params=pb.trainable, dp_shard=shard,
-        saved_activations=int(saved),
+        saved_activations=int(saved), family=shape.family,
     )
 
 

@@ -58,4 +58,4 @@ def plan_tpu_memory(spec: JobSpec) -> MemoryPlan:
         gather_buffers=int(c * 2 * pb.block / tp), activations=int(saved), logits=int(12 * n * shape.vocab / tp),
         temporaries=int(grads_accum), allocator=0, runtime=XLA_RUNTIME_BYTES, phase="start of backward", device=dev,
         capacity_bytes=dev.memory_bytes, host_offload_bytes=0, total_params=pb.total, trainable_params=pb.trainable,
-        dp_shard=s, saved_activations=int(saved))
+        dp_shard=s, saved_activations=int(saved), family=shape.family)

@@ -59,7 +59,8 @@ class LoraSpec(Section):
     r: int = Field(16, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    target_modules: list[str] | None = None
+    """Module names to adapt; None: the family's attention projections (q/k/v/o_proj; Phi-3's qkv_proj, o_proj)."""
 
 
 class ModelSpec(Section):

@@ -28,6 +28,7 @@ from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET
+from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
     FORMULA,
     FlopsModel,
@@ -93,9 +94,11 @@ class Trainer:
             model = apply_lora(model, spec.model.lora)
         self.params = count_params(model)
         cfg = model.config
-        self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, cfg.hidden_size,
-                                               spec.train.seq_len)
-        self.flops = FlopsModel(self.params, cfg.num_hidden_layers, cfg.hidden_size, _recompute_fraction(spec))
+        self.family = family_of(cfg)
+        width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        windows = layer_windows(cfg)
+        self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
+        self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
         self.mesh = data_parallel_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
@@ -154,7 +157,7 @@ class Trainer:
     def describe(self) -> None:
         p, t = self.params, self.spec.train
         self._say(
-            f"model: {p.total / 1e6:.2f}M params ({p.trainable / 1e6:.3f}M trainable matmul, "
+            f"model ({self.family.name}): {p.total / 1e6:.2f}M params ({p.trainable / 1e6:.3f}M trainable matmul, "
             f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
@@ -173,7 +176,7 @@ class Trainer:
         self.planned_peak = _planned_peak(self.spec)
         if self.planned_peak:
             self._say(f"memory plan: peak {self.planned_peak / 2**30:.2f} GiB per device (shardline plan)")
-        self._event(event="setup", flops_per_token=self.flops_per_token, formula=FORMULA,
+        self._event(event="setup", family=self.family.name, flops_per_token=self.flops_per_token, formula=FORMULA,
                     planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, dataset_version=self.data.version,
@@ -296,7 +299,10 @@ class Trainer:
             counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
                                    sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
                                    sum(b.spans.causal_pairs for b in batches),
-                                   sum(self._executed_pairs(b) for b in batches)], dtype=torch.float64,
+                                   sum(self._executed_pairs(b) for b in batches),
+                                   *([sum(b.spans.window_pairs(window, causal) for b in batches)
+                                      for causal in (False, True)] if (window := self.flops.window) else [])],
+                                  dtype=torch.float64,
                                   device=ctx.device)
             arrived = time.perf_counter()
             dist.all_reduce(counts)
