@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
 
 NAME = "shardline_document_sdpa"
@@ -94,6 +95,12 @@ def _plan(lengths: tuple[int, ...], device: torch.device, window: int | None = N
                        for span, n, g, r in buckets), move(order))
 
 
+def prepare(spans: DocumentSpans, device: torch.device) -> None:
+    """Build (and cache) the index plan of these spans now, on real tensors: the dry run's step on fake tensors
+    (`shardline.training.step_memory`) cannot compute indices, and finds them cached."""
+    _plan(tuple(spans.lengths), device, None)  # the key document_sdpa asks for
+
+
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
                   scaling: float | None, gqa: bool, window: int | None = None) -> torch.Tensor:
@@ -131,7 +138,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise SpecError("model.attn_implementation", f"{type(module).__name__} caps its attention logits or adds "
                         "attention sinks, which per-document SDPA cannot compute", "set model.attn_implementation="
                         "eager (or flash_attention_2 on a GPU) for this model")
-    lengths = (cu[1:] - cu[:-1]).tolist()  # spans stay on the CPU for this path: no device sync
+    bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake
+    lengths = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]  # step reads them too)
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")  # Mistral, Qwen2, Gemma's local layers: honoured, never dropped
     return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None), None
