@@ -53,7 +53,9 @@ def one_document_rows(spec: TrainSpec, vocab: int) -> Batch:
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
           mark: Callable[[str], None]) -> None:
     for i, batch in enumerate(batches):
-        (token_loss_sum(model, batch) / batch.n_loss_tokens).backward()
+        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        mark("forward and loss")
+        loss.backward()
         mark("backward" if i == len(batches) - 1 else f"micro-batch {i + 1}")
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.max_grad_norm)
     mark("gradient clipping")
@@ -89,6 +91,8 @@ def _run(model: nn.Module, spec: TrainSpec, batches: list[Batch], progress: Call
     def mark(stage: str) -> None:
         reached.append((stage, _total(tracker.get_tracker_snapshot("peak"))))
         progress(stage)
+        if stage.startswith("micro-batch"):  # the tracker refuses a second forward of its modules otherwise
+            tracker.reset_mod_stats()
 
     with tracker:
         _step(model, optimizer, spec, batches, mark)
@@ -108,12 +112,12 @@ def _breakdown(snapshot: dict) -> dict[str, int]:
 
 
 def _where(tracker, stage: str, peak: int) -> str:
-    """`stage`, and in forward/backward the innermost FSDP module whose own peak is the step's."""
+    """`stage`; in backward, the FSDP module whose own peak is the step's, else the loss's backward (cross-entropy
+    and the logits' gradients, before any module's backward)."""
     if stage != "backward" and not stage.startswith("micro-batch"):
         return stage
-    for state, label in (("Peak-Backward", "backward"), ("Peak-Forward", "forward")):
-        for stats in reversed(list(tracker.memory_tracking.values())):
-            snaps = [s for key, value in stats.snapshots.items() if str(key.value) == state for s in value]
-            if any(_total(s) >= peak for s in snaps) and stats.mod_fqn.count(".") > 0:
-                return f"{label} of {stats.mod_fqn}"
-    return stage
+    for stats in reversed(list(tracker.memory_tracking.values())):
+        snaps = [s for key, value in stats.snapshots.items() if str(key.value) == "Peak-Backward" for s in value]
+        if any(_total(s) >= peak for s in snaps):
+            return f"backward of {stats.mod_fqn.partition('.')[2] or 'the root (output projection)'}"
+    return "backward of the loss (cross-entropy, logits gradients)"
