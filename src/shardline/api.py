@@ -202,7 +202,9 @@ def dry_run(spec: JobSpec, *, rank: int = 0, world: int | None = None, step: boo
     except ValueError:
         raise RuntimeError("the dry run failed:\n" + "\n".join(lines[-30:])) from None
     if "error" in result:
-        raise ShardlineError(result["error"]["where"], result["error"]["problem"], result["error"]["fix"])
+        error = result["error"]
+        kind = SpecError if error.get("type") == "SpecError" else ShardlineError
+        raise kind(error["where"], error["problem"], error["fix"])
     return DryRun(result)
 
 

@@ -40,7 +40,7 @@ def run(case: dict, tmp: Path) -> dict:
     try:
         return dry_run(spec, device, step=case["step"])
     except ShardlineError as e:
-        return {"error": {"where": e.where, "problem": e.problem, "fix": e.fix}}
+        return {"error": {"type": type(e).__name__, "where": e.where, "problem": e.problem, "fix": e.fix}}
 
 
 if __name__ == "__main__":

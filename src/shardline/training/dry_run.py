@@ -110,8 +110,7 @@ def at_world(spec: JobSpec, world: int | None) -> JobSpec:
         raise SpecError("--world", f"{world} is not a multiple of parallel.nproc_per_node ({per_node})",
                         f"use a multiple of {per_node}")
     data = spec.model_dump(mode="json")
-    data["launch"]["nnodes"] = data["launch"]["min_nnodes"] = world // per_node
-    data["launch"]["max_nnodes"] = None
+    data["launch"]["nnodes"], data["launch"]["min_nnodes"] = world // per_node, None
     data["parallel"]["dp_shard"] = None if spec.parallel.dp_shard is None else world // spec.parallel.dp_replicate
     data["train"]["global_batch_size"] = world * spec.train.micro_batch_size * spec.grad_accum_steps
     return JobSpec.model_validate(data)
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         result = dry_run(spec, device, args.rank, not args.no_step, lambda line: print(line, file=sys.stderr,
                                                                                           flush=True))
     except ShardlineError as e:
-        print(json.dumps({"error": {"where": e.where, "problem": e.problem, "fix": e.fix}}))
+        print(json.dumps({"error": {"type": type(e).__name__, "where": e.where, "problem": e.problem, "fix": e.fix}}))
         return EXIT_BAD_INPUT
     print(json.dumps(result))
     return 0
