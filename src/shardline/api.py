@@ -162,10 +162,10 @@ class DryRun:
         """(what, simulated, planned for the simulated kernels, planned for the device) per rank, in bytes."""
         shards, cpu, dev = self.result["sharding"], self.result["planned_cpu_kernels"], self.result["planned"]
         rows = [(label, shards[key], cpu[key], dev[key]) for key, label in (
-            ("params", "parameters (fp32 shards, padded)"), ("grads", "gradients (fp32 shards)"),
-            ("optimizer", "AdamW state"), ("gather_buffers", "gather buffers (root + 2 blocks)"))]
+            ("params", "parameters (fp32, padded)"), ("grads", "gradients (fp32)"), ("optimizer", "AdamW state"),
+            ("gather_buffers", "gather buffers"))]
         if self.simulated_peak is not None:
-            rows.append(("step peak (tensors)", self.simulated_peak, cpu["peak"], dev["peak"]))
+            rows.append(("step peak", self.simulated_peak, cpu["peak"], dev["peak"]))
         return rows
 
     def difference(self) -> float | None:
@@ -190,6 +190,7 @@ def dry_run(spec: JobSpec, *, rank: int = 0, world: int | None = None, step: boo
                    "--device", target.name, str(target.memory_bytes), target.kind]
         command += ([] if world is None else ["--world", str(world)]) + ([] if step else ["--no-step"])
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stderr is not None
         lines: list[str] = []
         for line in child.stderr:  # progress, then (on a bug) a traceback
             lines.append(line.rstrip())

@@ -29,8 +29,9 @@ def print_dry_run(run: DryRun, console: Console) -> None:
                   f"sharded in {r['sharding_seconds']:.1f} s" + (f", step simulated in {r['step_seconds']:.0f} s"
                                                                    if "step" in r else ""), highlight=False)
     device = r["planned"]["device"]
-    table = Table(title="per-rank memory, GiB", title_justify="left")
-    for col in ("", "simulated", "planned (same kernels)", "diff", f"planned ({device})", "diff"):
+    table = Table(title="per-rank memory, GiB (gather buffers: root + 2 blocks; plan (CPU): for the kernels simulated)",
+                  title_justify="left")
+    for col in ("", "simulated", "plan (CPU)", "diff", f"plan ({device})", "diff"):
         table.add_column(col, justify="left" if not col else "right")
     for label, sim, same, dev in run.rows():
         table.add_row(label, gib(sim), gib(same), _pct(same, sim), gib(dev), _pct(dev, sim))

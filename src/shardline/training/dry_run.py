@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
-from shardline.model.build import hf_attention, llama_config, model_config
+from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora
 from shardline.planning.devices import Device
@@ -82,7 +82,8 @@ def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
     params = grads = padding = groups = 0
     gathers: list[int] = []
     notes: list[str] = []
-    for name, group in fsdp_param_groups(model):
+    names = {id(m): n for n, m in causal_lm(model).named_modules()}
+    for _, group in fsdp_param_groups(model):
         groups += 1
         gathered = 0
         for fp in group.fsdp_params:
@@ -94,7 +95,8 @@ def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
             gathered += compute_bytes * padded * shards
             rows = fp._orig_size[0]
             if rows < shards:
-                notes.append(f"{name}.{fp._module_info.param_name}: {rows} rows over {shards} shards "
+                where = f"{names[id(fp._module_info.module)]}.{fp._module_info.param_name}"
+                notes.append(f"{where}: {rows} rows over {shards} shards "
                              f"({shards - rows} ranks hold only padding)")
         gathers.append(gathered)
     root, blocks = gathers[-1], sorted(gathers[:-1], reverse=True)
