@@ -90,7 +90,7 @@ LAYERS = {
     "shardline.ops": 5,
     "shardline.engines": 6,
     "shardline.api": 7,
-    "shardline.cli": 8, "shardline.cli_launch": 8,
+    "shardline.cli": 8, "shardline.cli_launch": 8, "shardline.cli_dry_run": 8,
     "shardline": 9,  # the package's face: `import shardline` offers the API (lazily); nothing imports it
 }
 # docs/architecture.md §1.1: upward imports that are allowed, each with its reason there.

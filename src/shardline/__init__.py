@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from shardline.api import (
         ClusterError,
         DataError,
+        DryRun,
         Plan,
         Rendered,
         Run,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
         ShardlineError,
         Spec,
         SpecError,
+        dry_run,
         launch,
         plan,
         render,
@@ -29,8 +31,8 @@ if TYPE_CHECKING:
         train,
     )
 
-__all__ = ["ClusterError", "DataError", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
-           "Spec", "SpecError", "__version__", "launch", "plan", "render", "runs", "train"]
+__all__ = ["ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
+           "Spec", "SpecError", "__version__", "dry_run", "launch", "plan", "render", "runs", "train"]
 
 
 def __getattr__(name: str) -> Any:

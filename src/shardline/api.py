@@ -14,6 +14,9 @@ The walk-through in docs/python-api.md is executed by the tests.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +47,8 @@ from shardline.rundir import with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, resolve_data, spec_to_yaml
 
-__all__ = ["ClusterError", "DataError", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
-           "Spec", "SpecError", "launch", "plan", "render", "runs", "train"]
+__all__ = ["ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
+           "Spec", "SpecError", "dry_run", "launch", "plan", "render", "runs", "train"]
 
 
 class Spec(JobSpec):
@@ -141,6 +144,69 @@ def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = Non
     target = planning_device(spec, device, memory_gb)
     planned = memory.plan_memory(spec, target)
     return Plan(planned, None if planned.fits else memory.suggest(spec, target))
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """`shardline plan --dry-run`: what the real sharding code and one simulated step (CPU kernels, fake tensors,
+    one rank of a fake process group) hold per rank, beside the plan (the JSON of `shardline.training.dry_run`)."""
+
+    result: dict[str, Any]
+
+    @property
+    def simulated_peak(self) -> int | None:
+        step = self.result.get("step")
+        return None if step is None else step["peak_bytes"]
+
+    def rows(self) -> list[tuple[str, int, int | None, float | None]]:
+        """(what, simulated, planned for the simulated kernels, planned for the device) per rank, in bytes."""
+        shards, cpu, dev = self.result["sharding"], self.result["planned_cpu_kernels"], self.result["planned"]
+        rows = [(label, shards[key], cpu[key], dev[key]) for key, label in (
+            ("params", "parameters (fp32, padded)"), ("grads", "gradients (fp32)"), ("optimizer", "AdamW state"),
+            ("gather_buffers", "gather buffers"))]
+        if self.simulated_peak is not None:
+            rows.append(("step peak", self.simulated_peak, cpu["peak"], dev["peak"]))
+        return rows
+
+    def difference(self) -> float | None:
+        """Planned (for the simulated kernels) minus simulated peak, as a fraction of the simulated peak."""
+        peak = self.simulated_peak
+        return None if peak is None else self.result["planned_cpu_kernels"]["peak"] / peak - 1
+
+
+def dry_run(spec: JobSpec, *, rank: int = 0, world: int | None = None, step: bool = True, device: str | None = None,
+            memory_gb: float | None = None, progress: Callable[[str], None] | None = None) -> DryRun:
+    """Build the spec's model at its world size (or `world`) with shardline's own sharding code as rank `rank` of a
+    fake process group, in a child process (the group is process-global); `step` also simulates one training
+    step. Raises `ShardlineError` for a sharding the real run would refuse, naming the module and the fix."""
+    if spec.train.engine != "torch":
+        raise SpecError("train.engine", f"{spec.train.engine} trains with its own (JAX) code: there is no torch model "
+                        "to build, so a dry run does not apply", "plan it without --dry-run (shardline plan SPEC)")
+    target = planning_device(spec, device, memory_gb)
+    with tempfile.TemporaryDirectory(prefix="shardline-dry-run-") as tmp:
+        path = Path(tmp) / "spec.yaml"
+        path.write_text(spec_to_yaml(spec))
+        command = [sys.executable, "-m", "shardline.training.dry_run", str(path), "--rank", str(rank),
+                   "--device", target.name, str(target.memory_bytes), target.kind]
+        command += ([] if world is None else ["--world", str(world)]) + ([] if step else ["--no-step"])
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stderr is not None
+        lines: list[str] = []
+        for line in child.stderr:  # progress, then (on a bug) a traceback
+            lines.append(line.rstrip())
+            if progress is not None and not line.startswith((" ", "[rank", "Traceback")) and "Warning" not in line:
+                progress(line.rstrip())
+        out = child.stdout.read()
+        child.wait()
+    try:
+        result = json.loads(out)
+    except ValueError:
+        raise RuntimeError("the dry run failed:\n" + "\n".join(lines[-30:])) from None
+    if "error" in result:
+        error = result["error"]
+        kind = SpecError if error.get("type") == "SpecError" else ShardlineError
+        raise kind(error["where"], error["problem"], error["fix"])
+    return DryRun(result)
 
 
 # ---- render and launch ---------------------------------------------------------------------------------

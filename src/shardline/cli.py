@@ -146,6 +146,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.precision import choose_precision
 
     spec = _resolve(args)
+    if not args.dry_run and (args.no_step or args.json or args.world is not None or args.rank):
+        raise SpecError("plan", "--rank, --world, --no-step and --json belong to --dry-run", "add --dry-run")
+    if args.dry_run:
+        from shardline.cli_dry_run import cmd_dry_run
+
+        return cmd_dry_run(args, spec, console)
     planned = plan_spec(spec, args.device, args.memory_gb)
     plan, device = planned.memory, planned.device
     p, t = spec.parallel, spec.train
@@ -273,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "device)")
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table)")
     p.add_argument("--from-run", metavar="RUN_DIR", help="project the cost from this run's measured throughput")
+    p.add_argument("--dry-run", action="store_true", help="build the real model at the spec's world size with "
+                   "shardline's sharding code (one rank of a fake process group) and simulate one step")
+    p.add_argument("--rank", type=int, default=0, help="with --dry-run: the rank to simulate (default 0)")
+    p.add_argument("--world", type=int, help="with --dry-run: simulate this world size instead of the spec's")
+    p.add_argument("--no-step", action="store_true", help="with --dry-run: the sharding check only (seconds)")
+    p.add_argument("--json", metavar="FILE", help="with --dry-run: write its result as JSON")
     p.set_defaults(func=cmd_plan)
     p = verbs.add_parser("report", help="write RUN_DIR/report/: one HTML page with plots, manifest and evaluation")
     p.add_argument("run_dir")

@@ -12,26 +12,44 @@ from rich.table import Table
 
 from shardline.api import Run, RunState, launch, render
 from shardline.api import runs as list_runs
+from shardline.cli_dry_run import sharding_check
 from shardline.clock import format_duration
 from shardline.engines.backend import EXIT_BY_PHASE, EXIT_TIMEOUT, record_path
 from shardline.engines.registry import BACKENDS
-from shardline.errors import EXIT_OK
+from shardline.errors import EXIT_OK, ShardlineError
 
 TASKS = ("train", "eval", "netcheck", "gpucheck")
 
 
+def _checks_sharding(args: argparse.Namespace) -> bool:
+    """Cluster targets, tasks that build the model: the sharding check of `plan --dry-run --no-step` first."""
+    return not args.skip_dry_run and args.target != "local" and args.task in ("train", "eval")
+
+
 def cmd_render(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
-    rendered = render(resolve(args), args.target, args.task, args.out)
+    spec = resolve(args)
+    rendered = render(spec, args.target, args.task, args.out)
     if args.out is None:
         for text in rendered.files.values():
             console.print(text, end="", highlight=False, markup=False)
     for path in rendered.written:
         console.print(f"wrote {path}", highlight=False)
+    if _checks_sharding(args):
+        try:  # on stderr: the rendered files on stdout stay valid YAML/JSON
+            note = sharding_check(spec)
+        except ShardlineError as e:
+            note = f"sharding check FAILED (launch will refuse it): {e}"
+        Console(stderr=True).print(note, highlight=False, markup=False)
     return EXIT_OK
 
 
 def cmd_launch(args: argparse.Namespace, resolve: Callable, console: Console) -> int:
     spec = resolve(args)
+    if _checks_sharding(args) and not args.dry_run:
+        try:
+            console.print(sharding_check(spec), highlight=False)
+        except ShardlineError as e:
+            raise ShardlineError(e.where, e.problem, f"{e.fix} (or launch anyway with --skip-dry-run)") from e
     if args.dry_run:
         for name, text in render(spec, args.target, args.task).files.items():
             console.print(f"# {name}", highlight=False, markup=False)
@@ -130,6 +148,9 @@ def add_launch_verbs(verbs, add_spec_args: Callable, resolve: Callable, console:
         add_spec_args(p)
         p.add_argument("--target", required=True, choices=targets)
         p.add_argument("--task", choices=TASKS, default="train", help="what the worker runs (default train)")
+        p.add_argument("--skip-dry-run", action="store_true", help="cluster targets: skip the sharding check "
+                       "(`plan --dry-run --no-step`) that runs first" + (" and refuses a spec that fails it"
+                                                                      if verb == "launch" else ""))
         if verb == "render":
             p.add_argument("--out", help="directory for the files (default: print)")
             p.set_defaults(func=lambda a: cmd_render(a, resolve, console))

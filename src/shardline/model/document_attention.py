@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
 
 NAME = "shardline_document_attention"
@@ -117,6 +118,14 @@ def _causal_keep(queries: int, keys: int, window: int | None, device: torch.devi
     return (j <= i) & (i - j < window) if window else j <= i
 
 
+def prepare(spans: DocumentSpans, device: torch.device, windows: tuple[int | None, ...] = (None,)) -> None:
+    """Build (and cache) the index plans of these spans now, on real tensors, for each of the model's layer
+    windows: the dry run's step on fake tensors (`shardline.training.step_memory`) cannot compute indices, and
+    finds them cached."""
+    for window in set(windows) or {None}:
+        _plan(tuple(spans.lengths), device, window)  # the keys document_sdpa asks for
+
+
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
 def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
                   scaling: float | None, gqa: bool, window: int | None = None,
@@ -167,7 +176,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise SpecError("model.attn_implementation", f"{type(module).__name__} adds attention sinks, which "
                         "per-document attention does not compute", "set model.attn_implementation=eager (or "
                         "flash_attention_2 on a GPU) for this model")
-    lengths = (cu[1:] - cu[:-1]).tolist()  # spans stay on the CPU for this path: no device sync
+    bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake
+    lengths = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]  # step reads them too)
     gqa = key.shape[1] != query.shape[1]
     # Mistral, Qwen2, Gemma's local layers: the window is honoured, never dropped; Gemma 2's soft-capping too
     return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None,

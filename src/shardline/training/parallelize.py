@@ -9,9 +9,10 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from shardline.errors import ShardlineError
 from shardline.model.build import causal_lm, decoder_layers
 from shardline.spec import ParallelSpec, Precision
 
@@ -70,12 +71,32 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
             layer.compile()
     shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(precision),
                     offload_policy=_offload_policy(spec, mesh.device_type))
-    for layer in layers:
-        shard(layer, reshard_after_forward=spec.reshard_after_forward)
+    for i, layer in enumerate(layers):
+        _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in
     # forward and first in backward, so resharding it after forward would only add an all-gather.
     # With LoRA the root is the causal LM inside the peft wrapper, not the wrapper: peft's `generate` calls
     # the inner model's `generate`, which never enters the wrapper's forward, so FSDP hooks on the wrapper
     # would leave the embedding sharded during generation. Parameter names are unchanged either way.
-    shard(causal_lm(model), reshard_after_forward=False)
+    _shard_named(shard, causal_lm(model), "the root (embeddings, final norm, lm_head)", reshard_after_forward=False)
     return model
+
+
+def _shard_named(shard, module: nn.Module, name: str, reshard_after_forward: bool) -> None:
+    """`fully_shard`, its refusals named by the module (mixed dtypes, parameters FSDP cannot place)."""
+    try:
+        shard(module, reshard_after_forward=reshard_after_forward)
+    except (ValueError, AssertionError, NotImplementedError, RuntimeError) as e:
+        raise ShardlineError(f"parallel (fully_shard of {name})", f"FSDP2 cannot shard {type(module).__name__}: "
+                             f"{str(e)[:300]}", "give every parameter of the block one dtype and device, or "
+                             "keep the module out of parallel.* sharding (report it: shardline wraps every "
+                             "decoder block)") from e
+
+
+def fsdp_param_groups(model: nn.Module) -> list[tuple[str, object]]:
+    """(name, FSDPParamGroup) of every sharded module holding parameters: the blocks in order, the root last."""
+    root = causal_lm(model)
+    groups = [(name, m._get_fsdp_state()._fsdp_param_group) for name, m in root.named_modules()
+              if isinstance(m, FSDPModule) and m is not root]
+    groups.append(("root", root._get_fsdp_state()._fsdp_param_group))
+    return [(name, g) for name, g in groups if g is not None]

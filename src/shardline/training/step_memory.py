@@ -1,0 +1,124 @@
+"""One simulated training step of a sharded model on fake tensors: its per-rank memory peak, the phase where it
+happens, and the FLOPs its kernels execute.
+
+The step is the trainer's: `token_loss_sum` (forward with the document spans, summed cross-entropy in fp32),
+backward, gradient clipping, AdamW, zero_grad; on micro-batches of random tokens, one document per row (two
+micro-batches when the spec accumulates gradients). A first step runs untracked: it creates AdamW's state (as
+every later step finds it) and lets DTensor cache its shape propagation, which the tracker would otherwise count
+as memory. CPU kernels run: shardline's per-document SDPA on the CPU flash kernel (FlopCounterMode counts no
+FLOPs for it), CPU dropout (a noise tensor in the compute dtype where CUDA keeps a bool mask) and unfused
+(foreach) AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardline.data.loader import Batch
+from shardline.data.spans import document_spans
+from shardline.model import document_attention
+from shardline.model.build import causal_lm
+from shardline.model.families import layer_windows
+from shardline.spec import TrainSpec
+from shardline.training.evaluate import token_loss_sum
+from shardline.training.fake_world import fake_tensor_mode, mem_tracker_class
+from shardline.training.optim import build_optimizer
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    peak_bytes: int
+    phase: str  # where the peak is: "forward", "backward (model.layers.3)", "optimizer step", …
+    breakdown: dict[str, int]  # the tracker's categories at the peak (Sharded Param, Activation, OptState, …)
+    flops: int  # counted by FlopCounterMode over the untracked step (CPU SDPA counts none)
+
+
+def one_document_rows(spec: TrainSpec, vocab: int) -> Batch:
+    """A micro-batch of random tokens, one document per row, every position carrying loss (real tensors: the
+    spans are read on the host, as the trainer reads them)."""
+    shape = (spec.micro_batch_size, spec.seq_len)
+    tokens = torch.randint(0, vocab, shape)
+    positions = torch.arange(spec.seq_len).expand(shape).contiguous()
+    n = tokens.numel()
+    return Batch(tokens, tokens.clone(), positions, n, n,
+                 document_spans(positions, torch.full((spec.micro_batch_size,), spec.seq_len)))
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
+          mark: Callable[[str], None]) -> None:
+    for i, batch in enumerate(batches):
+        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        mark("forward and loss")
+        loss.backward()
+        mark("backward" if i == len(batches) - 1 else f"micro-batch {i + 1}")
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.max_grad_norm)
+    mark("gradient clipping")
+    optimizer.step()
+    mark("optimizer step")
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _total(snapshot: dict) -> int:
+    return sum(s.get("Total", 0) for s in snapshot.values())
+
+
+def simulate_step(model: nn.Module, spec: TrainSpec, vocab: int, micro_batches: int,
+                  progress: Callable[[str], None] = lambda _: None) -> StepMemory:
+    """Run the step twice on `model` (sharded on the meta device), its storage fake."""
+    batches = [one_document_rows(spec, vocab) for _ in range(micro_batches)]
+    document_attention.prepare(batches[0].spans, CPU, layer_windows(causal_lm(model).config))
+    with fake_tensor_mode():
+        model.to_empty(device=CPU)
+        return _run(model, spec, batches, progress)
+
+
+def _run(model: nn.Module, spec: TrainSpec, batches: list[Batch], progress: Callable[[str], None]) -> StepMemory:
+    optimizer = build_optimizer(model, spec, CPU)
+    progress("warm-up step (untracked, FLOPs counted)")
+    with FlopCounterMode(display=False) as counter:
+        _step(model, optimizer, spec, batches, lambda _: None)
+    progress("tracked step")
+    tracker = mem_tracker_class()(causal_lm(model), optimizer)  # the FSDP root, inside a peft wrapper
+    tracker.track_inputs(tuple(b.input_ids for b in batches))
+    reached: list[tuple[str, int]] = []
+
+    def mark(stage: str) -> None:
+        reached.append((stage, _total(tracker.get_tracker_snapshot("peak"))))
+        progress(stage)
+        if stage.startswith("micro-batch"):  # the tracker refuses a second forward of its modules otherwise
+            tracker.reset_mod_stats()
+
+    with tracker:
+        _step(model, optimizer, spec, batches, mark)
+    peak_snap = tracker.get_tracker_snapshot("peak")
+    peak = _total(peak_snap)
+    stage = next(name for name, value in reached if value >= peak)
+    return StepMemory(peak, _where(tracker, stage, peak), _breakdown(peak_snap), counter.get_total_flops())
+
+
+def _breakdown(snapshot: dict) -> dict[str, int]:
+    parts: dict[str, int] = {}
+    for per_device in snapshot.values():
+        for kind, value in per_device.items():
+            if kind != "Total" and value:
+                parts[kind] = parts.get(kind, 0) + value
+    return parts
+
+
+def _where(tracker, stage: str, peak: int) -> str:
+    """`stage`; in backward, the FSDP module whose own peak is the step's, else the loss's backward (cross-entropy
+    and the logits' gradients, before any module's backward)."""
+    if stage != "backward" and not stage.startswith("micro-batch"):
+        return stage
+    for stats in reversed(list(tracker.memory_tracking.values())):
+        snaps = [s for key, value in stats.snapshots.items() if str(key.value) == "Peak-Backward" for s in value]
+        if any(_total(s) >= peak for s in snaps):
+            return f"backward of {stats.mod_fqn.partition('.')[2] or 'the root (output projection)'}"
+    return "backward of the loss (cross-entropy, logits gradients)"

@@ -1,0 +1,49 @@
+"""Dry runs of several specs in one child process (one torch import for all; the fake process group is set up and
+torn down per case): `python -m tests.train.dry_run_cases` reads cases as JSON on stdin, writes one result per case.
+
+A case: {"preset", "world" (or null), "values" (dotted fields set after the world), "layers" (or null: a local
+config.json of the preset's hub model with this many layers, read by planner and simulation alike), "step"}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from shardline.api import planning_device
+from shardline.errors import ShardlineError
+from shardline.planning.memory import model_shape
+from shardline.spec.resolve import load_spec, resolve_data
+from shardline.training.dry_run import at_world, dry_run
+
+
+def with_layers(spec, layers: int, directory: Path):
+    """The same spec over a local copy of its hub model's config with `layers` decoder blocks."""
+    s = model_shape(spec.model)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": s.vocab, "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate, "num_hidden_layers": layers, "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads, "tie_word_embeddings": s.tie}))
+    return resolve_data(spec.model_dump(mode="json"), values={"model.path": str(directory)})
+
+
+def run(case: dict, tmp: Path) -> dict:
+    spec = at_world(load_spec(case["preset"]), case.get("world"))
+    if case.get("values"):
+        spec = resolve_data(spec.model_dump(mode="json"), values=case["values"])
+    device = planning_device(spec)  # the hub model's GPU, before its path becomes a local directory
+    if case.get("layers"):
+        spec = with_layers(spec, case["layers"], tmp / f"{case['preset']}-{case['layers']}")
+    try:
+        return dry_run(spec, device, step=case["step"])
+    except ShardlineError as e:
+        return {"error": {"type": type(e).__name__, "where": e.where, "problem": e.problem, "fix": e.fix}}
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in json.load(sys.stdin):
+            print(json.dumps(run(case, Path(tmp))), flush=True)
