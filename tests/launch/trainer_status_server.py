@@ -7,6 +7,7 @@ request model both accept. Binds loopback; records every accepted post."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import secrets
 import ssl
@@ -44,9 +45,7 @@ def _certificates(directory: Path) -> tuple[Path, Path, Path]:
           .public_key(ca_key.public_key()).serial_number(1).not_valid_before(now)
           .not_valid_after(now + datetime.timedelta(hours=1))
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    import ipaddress
-
-    cert = (x509.CertificateBuilder().subject_name(name("kubeflow-trainer-controller-manager")).issuer_name(name("trainer-ca"))
+    cert = (x509.CertificateBuilder().subject_name(name("trainer-status")).issuer_name(name("trainer-ca"))
             .public_key(key.public_key()).serial_number(2).not_valid_before(now)
             .not_valid_after(now + datetime.timedelta(hours=1))
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
