@@ -9,7 +9,7 @@
 
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04@sha256:24c8e3581ea6330038b0d374920721983312627f8adbfcf390bdb4b399d280ed AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
-ARG EXTRAS=gpu,cloud,hub,observe,ray
+ARG EXTRAS=gpu,cloud,hub,observe,ray,kubeflow
 ARG FLASH_ATTN=false
 # flash-attn compiles with this many jobs where no prebuilt wheel matches (each takes several GB of memory).
 ARG MAX_JOBS=8

@@ -205,7 +205,12 @@ def cmd_cluster_bootstrap(args: argparse.Namespace) -> int:
     opts = BootstrapOptions(gpus=args.gpus, cpu=args.cpu, memory=args.memory, dws=args.dws, spot=args.spot,
                             priority_classes=args.priority_classes, cluster_queue=args.cluster_queue,
                             bind_launcher=tuple(args.bind_launcher), managed_prometheus=args.managed_prometheus)
-    path = write_bootstrap(spec, opts, Path(args.out))
+    runtime = []
+    if args.trainer_runtime:  # engines/ builds it (ops/ may not import engines/); the file keeps one apply order
+        from shardline.engines.kubernetes.runtime import training_runtime
+
+        runtime = [training_runtime(spec, args.trainer_runtime)]
+    path = write_bootstrap(spec, opts, Path(args.out), runtime)
     console.print(f"wrote {path}; apply with: kubectl apply --server-side -f {path}", highlight=False)
     if spec.launch.kubernetes.queue is None:
         console.print(f"jobs use this queue once the spec says launch.kubernetes.queue: {local_queue_name(spec)}",
@@ -330,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bind the shardline-launcher Role: user:NAME, group:NAME, serviceaccount:[NS/]NAME")
     p.add_argument("--managed-prometheus", action="store_true",
                    help="GKE Managed Prometheus PodMonitoring that scrapes rank 0's /metrics")
+    p.add_argument("--trainer-runtime", choices=["cluster", "namespaced"],
+                   help="also write shardline's Kubeflow Trainer runtime (ClusterTrainingRuntime, or a TrainingRuntime "
+                        "in the spec's namespace) that --target trainjob and the Kubeflow SDK run on")
     p.set_defaults(func=cmd_cluster_bootstrap)
     plan = cluster.add_parser("plan", help="reviewable scripts that create a cluster")
     p = plan.add_subparsers(dest="plan_target", required=True).add_parser(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from shardline.failures import REPORTER_ENV
 from shardline.jsonl import read_jsonl
+from shardline.observe.kubeflow_progress import SERVER_URL_ENV
 from shardline.planning.cost import CostMeter, previous_cost_usd, process_started_monotonic, resolve_price
 from shardline.rundir import read_manifest, update_manifest
 from shardline.spec.resolve import spec_hash
@@ -54,6 +55,7 @@ class ObserveSession:
         self.spec, self.run_dir, self.console = spec, run_dir, console
         self.closers: list = []
         self.prometheus = None
+        self.progress = None
         self.linger_s = 0.0
         writer = trainer.metrics
         metrics_file = run_dir / "metrics.jsonl"
@@ -69,6 +71,8 @@ class ObserveSession:
             self._add_tracker(writer, "TensorBoard", lambda: _tensorboard(run_dir))
         if o.wandb_project:
             self._add_tracker(writer, "W&B", lambda: _wandb(spec, run_dir))
+        if os.environ.get(SERVER_URL_ENV):  # a TrainJob whose controller takes status (Trainer's TrainJobStatus)
+            self._start_progress(writer, spec, run_dir, trainer.ctx.world)
 
     def _say(self, message: str) -> None:
         log.info(message)
@@ -98,6 +102,16 @@ class ObserveSession:
         update_manifest(self.run_dir, metrics_url=endpoint.url)
         self._say(f"metrics: {endpoint.url} (Prometheus, rank 0)")
 
+    def _start_progress(self, writer, spec: JobSpec, run_dir: Path, world: int) -> None:
+        from shardline.observe.kubeflow_progress import KubeflowProgressSink, sdk_poster
+
+        if (post := sdk_poster()) is None:
+            self._say("warning: TrainJob progress not reported: the Kubeflow SDK is not installed")
+            return
+        self.progress = KubeflowProgressSink(post, spec.train.max_steps, world, run_dir)
+        writer.sinks.append(self.progress)
+        self._say("TrainJob progress: reported to the Kubeflow Trainer controller (rank 0)")
+
     def _add_tracker(self, writer, name: str, make) -> None:
         try:
             sink = make()
@@ -115,6 +129,11 @@ class ObserveSession:
 
         if self.prometheus is not None:
             self.prometheus.set_status(status)
+        if self.progress is not None:
+            try:
+                self.progress.close(status)
+            except Exception:  # noqa: BLE001 - the last progress report never costs the run
+                log.exception("final TrainJob status not reported")
         if self.spec.observe.report and not (status == "failed" and os.environ.get(REPORTER_ENV)):
             from shardline.observe.report import write_report_safely  # after a failure the launcher writes it
 

@@ -263,8 +263,9 @@ class KubernetesSpec(Section):
     @property
     def restarts_in_place(self) -> bool:
         return self.restart_strategy == "InPlaceRestart"
-    trainjob_runtime: str = "torch-distributed"
-    """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references."""
+    trainjob_runtime: str = "shardline"
+    """Kubeflow Trainer (Cluster)TrainingRuntime the TrainJob references: by default shardline's own, which
+    `cluster bootstrap --trainer-runtime` writes (engines/kubernetes/runtime.py; docs/kubeflow.md)."""
 
 
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
