@@ -186,6 +186,7 @@ def test_unsupported_architectures_are_named_errors_listing_the_supported_famili
             family_of(config)
         assert e.value.where == "model.path"
     with pytest.raises(SpecError, match="multimodal"):
-        family_of({"model_type": "gemma3", "text_config": {}, "vision_config": {}})
+        family_of({"model_type": "llava", "text_config": {}, "vision_config": {}})
+    assert family_of({"model_type": "gemma3", "text_config": {}, "vision_config": {}}).name == "Gemma 3"
     assert not family_of({"model_type": "olmo2"}).tested
     assert sorted(CONFIGS) == sorted(FAMILIES)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from shardline.api import planning_device
 from shardline.errors import ShardlineError
-from shardline.planning.memory import model_shape
+from shardline.planning.memory import model_shape, shape_config
 from shardline.spec.resolve import load_spec, resolve_data
 from shardline.training.dry_run import at_world, dry_run
 
@@ -22,11 +23,7 @@ from shardline.training.dry_run import at_world, dry_run
 def with_layers(spec, layers: int, directory: Path):
     """The same spec over a local copy of its hub model's config with `layers` decoder blocks."""
     s = model_shape(spec.model)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": s.vocab, "hidden_size": s.hidden,
-        "intermediate_size": s.intermediate, "num_hidden_layers": layers, "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads, "tie_word_embeddings": s.tie}))
+    shape_config(replace(s, layers=layers, windows=s.windows[:layers])).save_pretrained(directory)
     return resolve_data(spec.model_dump(mode="json"), values={"model.path": str(directory)})
 
 

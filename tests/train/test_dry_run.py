@@ -28,10 +28,11 @@ from tests.conftest import REPO
 
 UNDER, OVER = 0.10, 0.25  # the planner may be at most 10 % below the simulated peak, 25 % above it
 HUB = ("llama-3.1-8b-lora", "llama-3.1-70b-fsdp")
+FAMILY_PRESETS = ("qwen3-8b-lora", "mistral-7b-lora", "gemma-3-12b-lora")  # step simulations at reduced depth
 DEPTH = 4  # decoder blocks of the step simulations of the hub presets
 WORLDS = (8, 64, 256)
 CASES = ([{"preset": "tiny", "step": True}]
-         + [{"preset": p, "layers": DEPTH, "step": True} for p in HUB]
+         + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS)]
          + [{"preset": p, "world": w, "step": False} for p in HUB for w in WORLDS]
          + [{"preset": "llama-3.1-70b-fsdp", "world": 256, "step": False,
              "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}])
@@ -39,7 +40,7 @@ CASES = ([{"preset": "tiny", "step": True}]
 
 def test_every_preset_is_covered():
     torch_presets = {n for n in preset_names() if load_spec(n).train.engine == "torch"}
-    assert torch_presets == {"tiny", *HUB}, "a new preset needs its case in CASES"
+    assert torch_presets == {"tiny", *HUB, *FAMILY_PRESETS}, "a new preset needs its case in CASES"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_tiny_simulated_step_is_within_bounds_of_the_plan(results):
     assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r
 
 
-@pytest.mark.parametrize("preset", HUB)
+@pytest.mark.parametrize("preset", [*HUB, *FAMILY_PRESETS])
 def test_hub_preset_simulated_peak_is_within_bounds_of_the_plan_at_reduced_depth(results, preset):
     r = result(results, preset=preset, layers=DEPTH, step=True)
     assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r

@@ -27,6 +27,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -51,6 +52,9 @@ from shardline.planning.devices import (
 )
 from shardline.precision import choose_precision
 from shardline.spec import JobSpec, LoraSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,20 @@ def model_shape(spec: ModelSpec) -> ModelShape:
         pass
     raise SpecError("model.path", f"{spec.path!r} is neither a local directory with config.json nor a model "
                     "the planner knows offline", f"download it, or use one of {', '.join(KNOWN_MODELS)}")
+
+
+def shape_config(s: ModelShape) -> PretrainedConfig:
+    """A transformers config of the shape's family (the model a hub name stands for, offline)."""
+    from transformers import AutoConfig
+
+    window = max((w for w in s.windows if w), default=None)
+    windows = {"sliding_window": window} if window else {}
+    if window and s.family.model_types[0] not in ("mistral", "phi3"):  # they window every layer
+        windows["layer_types"] = ["sliding_attention" if w else "full_attention" for w in s.windows]
+    return AutoConfig.for_model(
+        s.family.model_types[0] if s.family.tested else "llama", vocab_size=s.vocab, hidden_size=s.hidden,
+        intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False, **windows)
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

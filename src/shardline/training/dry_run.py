@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora
 from shardline.planning.devices import Device
-from shardline.planning.memory import COMPONENTS, ModelShape, model_shape, param_budget, plan_memory
+from shardline.planning.memory import COMPONENTS, model_shape, param_budget, plan_memory, shape_config
 from shardline.precision import choose_precision
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
@@ -53,10 +53,7 @@ def simulation_config(spec: JobSpec) -> PretrainedConfig:
     if spec.model.path is None or (Path(spec.model.path).expanduser() / "config.json").is_file():
         return model_config(spec.model, spec.model.arch.vocab_size, {}) if spec.model.path else \
             llama_config(spec.model, spec.model.arch.vocab_size, {})
-    s: ModelShape = model_shape(spec.model)
-    return LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                       num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                       head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False)
+    return shape_config(model_shape(spec.model))
 
 
 def simulated_attention(name: str) -> str:
