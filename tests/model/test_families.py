@@ -190,3 +190,19 @@ def test_unsupported_architectures_are_named_errors_listing_the_supported_famili
     assert family_of({"model_type": "gemma3", "text_config": {}, "vision_config": {}}).name == "Gemma 3"
     assert not family_of({"model_type": "olmo2"}).tested
     assert sorted(CONFIGS) == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_generation_with_left_padding_and_a_cache_equals_transformers_eager(name, checkpoints):
+    """The evaluation path (no spans: padding masks, a KV cache, one query at a time), Gemma 2's capped scores
+    included: shardline's greedy continuations of left-padded prompts are transformers' eager ones."""
+    from shardline.training.evaluate import _generate
+
+    ours = build_model(ModelSpec(path=str(checkpoints[name])), 0, {}).eval()
+    theirs = eager(checkpoints[name]).eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 400, (n,), generator=gen).tolist() for n in (5, 19, 12)]
+    with torch.no_grad():
+        got = _generate(ours, prompts, 0, [], 8, torch.device("cpu"), False)
+        want = _generate(theirs, prompts, 0, [], 8, torch.device("cpu"), False)
+    assert got == want and all(len(c) == 8 for c in got)

@@ -2,7 +2,7 @@
 hidden/heads, scaled tied embeddings, a 262,144-token vocabulary), fine-tuned on 2 ranks with LoRA and fully on
 a user's text-to-SQL file: its first loss is transformers' own on the same documents one at a time and a
 pretrained model's (a random one reads ln V ≈ 12.5), training lowers the validation loss, and the export loads
-in transformers (and peft) with shardline's validation loss."""
+in transformers (and peft) with shardline's validation loss, the full one still tied."""
 
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ def _pretrained(real: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize(("lora", "lr"), [(True, "2e-3"), (False, "1e-4")], ids=["lora", "full"])
+@pytest.mark.parametrize(("lora", "lr"), [(True, "3e-3"), (False, "5e-5")], ids=["lora", "full"])
 def test_gemma3_fine_tunes_on_two_ranks_from_its_pretrained_loss_and_exports(real, user_file, tmp_path, lora, lr):
-    run_dir = train_run(real, user_file, tmp_path, 2, "train.precision=fp32", "train.max_steps=4",
+    run_dir = train_run(real, user_file, tmp_path, 2, "train.precision=fp32", "train.max_steps=2",
                         "train.warmup_steps=0", f"train.lr={lr}", f"model.lora.enabled={str(lora).lower()}",
                         "model.lora.r=8")
     train = read_metrics(run_dir, "train")
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in train] == [1, 2]
     data = prepared_of(run_dir)
     rows = [r for rank in range(2)
             for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
@@ -62,6 +62,12 @@ def test_gemma3_fine_tunes_on_two_ranks_from_its_pretrained_loss_and_exports(rea
     exported = tmp_path / "export"
     cli("export", str(run_dir), "--out", str(exported))
     model = PeftModel.from_pretrained(base, exported).eval() if lora else _pretrained(exported)
+    if not lora:
+        from safetensors import safe_open
+
+        with safe_open(exported / "model.safetensors", "pt") as f:
+            assert "lm_head.weight" not in list(f.keys())  # still tied after FSDP2 training and export
+        assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)  # it trained
     exported_val = unpacked_loss(model, data)
-    print(f"validation {shardline_val:.4f} after 4 steps, exported {exported_val:.4f}")
+    print(f"validation {shardline_val:.4f} after 2 steps, exported {exported_val:.4f}")
     assert exported_val == pytest.approx(shardline_val, rel=1e-4)
