@@ -1,0 +1,68 @@
+"""Next-token cross-entropy that never holds the whole logits: the decoder body runs once, then the LM head, the
+family's final-logit soft-capping and the fp32 cross-entropy run over chunks of the loss-bearing tokens only, each
+chunk recomputed in backward, so one chunk's logits and their gradient exist at a time.
+
+Under FSDP2 the LM head belongs to the root unit, whose parameters are all-gathered by the root's forward hooks;
+the loss is therefore registered as a forward method of the root (`register_fsdp_forward_method`), so the head is
+unsharded while it is used and its gradient is reduce-scattered after backward, as with `model(...).logits`.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
+
+from shardline.data.loader import IGNORE_INDEX
+
+LOSS_METHOD = "shardline_chunked_loss"
+
+
+def chunked_cross_entropy_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                              softcap: float | None, chunk_tokens: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `head(hidden)` ([N, d] → [N, V]), soft-capped as transformers does
+    (`tanh(logits / cap) * cap`), against `labels` [N], in chunks of `chunk_tokens` rows. With gradients on and
+    more than one chunk, each chunk keeps only its input for backward and recomputes its logits there."""
+    recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_tokens
+    total = None
+    # An empty batch still runs one (empty) chunk: every rank must produce a head gradient for FSDP's reduce-scatter.
+    for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
+        part = (checkpoint(_chunk_loss, h, y, head, softcap, use_reentrant=False) if recompute
+                else _chunk_loss(h, y, head, softcap))
+        total = part if total is None else total + part
+    return total
+
+
+def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:  # the same three ops, in the same dtype, as the families' own forward
+        logits = logits / softcap
+        logits = torch.tanh(logits)
+        logits = logits * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _loss_forward(self: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int,
+                  **model_kwargs) -> torch.Tensor:
+    """The causal LM's forward with the chunked loss in place of the logits (bound to the causal LM)."""
+    hidden = self.model(**model_kwargs).last_hidden_state.flatten(0, 1)
+    targets = labels.flatten()
+    if loss_tokens < targets.numel():  # only loss-bearing positions need logits; a static size keeps the host out
+        keep = torch.nonzero_static(targets != IGNORE_INDEX, size=loss_tokens).squeeze(1)
+        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    return chunked_cross_entropy_sum(hidden, targets, self.get_output_embeddings(), softcap, chunk_tokens)
+
+
+def chunked_loss_method(lm: nn.Module):
+    """`lm`'s chunked-loss forward (installed once, after sharding): FSDP's root hooks run around it."""
+    method = lm.__dict__.get(LOSS_METHOD)
+    if method is None:
+        setattr(lm, LOSS_METHOD, MethodType(_loss_forward, lm))
+        register_fsdp_forward_method(lm, LOSS_METHOD)  # a no-op on an unsharded model
+        method = lm.__dict__[LOSS_METHOD]
+    return method
