@@ -1,5 +1,9 @@
 """The chunked cross-entropy equals the whole-logits loss (and transformers' own) in value and in every gradient."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +15,10 @@ from shardline.model.lora import apply_lora
 from shardline.spec import LoraSpec
 from shardline.training.chunked_loss import chunked_cross_entropy_sum
 from shardline.training.evaluate import token_loss_sum
+from tests.conftest import REPO
 from tests.model.families import COMMON, CONFIGS
+
+WORKER = Path(__file__).with_name("chunked_loss_worker.py")
 
 SEQ = 64
 
@@ -106,3 +113,19 @@ def test_only_one_chunk_of_logits_is_saved_for_backward():
     chunked, loss_chunked = saved_elements(64)
     assert whole >= 300 * 1000 and chunked < 64 * 1000
     assert loss_chunked.item() == pytest.approx(loss_whole.item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logits(tmp_path):
+    """FSDP2 on 2 ranks: the LM head is the root's, all-gathered for the chunked loss and reduce-scattered after."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(tmp_path / "results.pt")
+    for layout in ("plain", "tied+lora+ac"):
+        (full_loss, full_state), (loss, state) = results[(layout, None)], results[(layout, 7)]
+        assert loss == pytest.approx(full_loss, rel=1e-6), layout
+        assert state.keys() == full_state.keys() and state
+        for name, p in state.items():
+            torch.testing.assert_close(p, full_state[name], rtol=0, atol=1e-6, msg=f"{layout}: {name}")
