@@ -3,23 +3,22 @@ family's final-logit soft-capping and the fp32 cross-entropy run over chunks of 
 chunk recomputed in backward, so one chunk's logits and their gradient exist at a time.
 
 Under FSDP2 the LM head belongs to the root unit, whose parameters are all-gathered by the root's forward hooks;
-the loss is therefore registered as a forward method of the root (`register_fsdp_forward_method`), so the head is
-unsharded while it is used and its gradient is reduce-scattered after backward, as with `model(...).logits`.
+the loss therefore runs as the root's forward for the call (`chunked_loss`): the causal LM is called as a module, so
+FSDP's hooks unshard the head while it is used and reduce-scatter its gradient after backward, as with
+`model(...).logits`, and module trackers (the dry run's `FSDPMemTracker`) see an ordinary forward.
 """
 
 from __future__ import annotations
 
 from types import MethodType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
 from shardline.data.loader import IGNORE_INDEX
-
-LOSS_METHOD = "shardline_chunked_loss"
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
@@ -58,11 +57,15 @@ def _loss_forward(self: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk
     return chunked_cross_entropy_sum(hidden, targets, self.get_output_embeddings(), softcap, chunk_tokens)
 
 
-def chunked_loss_method(lm: nn.Module):
-    """`lm`'s chunked-loss forward (installed once, after sharding): FSDP's root hooks run around it."""
-    method = lm.__dict__.get(LOSS_METHOD)
-    if method is None:
-        setattr(lm, LOSS_METHOD, MethodType(_loss_forward, lm))
-        register_fsdp_forward_method(lm, LOSS_METHOD)  # a no-op on an unsharded model
-        method = lm.__dict__[LOSS_METHOD]
-    return method
+def chunked_loss(lm: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int,
+                 **model_kwargs: Any) -> torch.Tensor:
+    """Call the causal LM `lm` with the chunked loss as its forward: summed fp32 cross-entropy of its next-token
+    logits against `labels` ([B, T]; `loss_tokens` of them not IGNORE_INDEX), the body called with `model_kwargs`."""
+    before = lm.__dict__.get("forward")
+    lm.forward = MethodType(_loss_forward, lm)  # this call only: module hooks (FSDP's root unshard) run around it
+    try:
+        return lm(labels=labels, loss_tokens=loss_tokens, chunk_tokens=chunk_tokens, **model_kwargs)
+    finally:
+        del lm.forward
+        if before is not None:
+            lm.forward = before

@@ -19,7 +19,7 @@ from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
-from shardline.training.chunked_loss import chunked_loss_method
+from shardline.training.chunked_loss import chunked_loss
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -33,9 +33,8 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = batch.spans.model_kwargs(batch.input_ids.device if flash else torch.device("cpu"))
     if chunk_tokens:
-        loss = chunked_loss_method(causal_lm(model))
-        return loss(labels=batch.labels, loss_tokens=batch.n_loss_tokens, chunk_tokens=chunk_tokens,
-                    input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
+        return chunked_loss(causal_lm(model), batch.labels, batch.n_loss_tokens, chunk_tokens,
+                            input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
