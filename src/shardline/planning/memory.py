@@ -14,7 +14,9 @@ I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
   linear does not save its input). AC `full` keeps only block inputs (c·d), `selective` the matmul and
   attention outputs; a checkpointed block is recomputed once in backward (+1 block). Every k-th block
   only with `activation_checkpointing_every`.
-- logits and loss: 12·N·V (fp32 log-softmax output, its gradient and the logits gradient).
+- logits and loss: 12·N·V (fp32 log-softmax output, its gradient and the logits gradient); with
+  `train.loss_chunk_tokens` = k the same for one chunk, 12·min(N, k)·V, plus the loss-bearing hidden states
+  the chunks read and their gradient, 2·c·N·d.
 - temporaries: the unsharded lm_head gradient c·V·d (held through backward), block backward
   intermediates, the root's fp32 reduce-scatter buffer, AdamW's foreach temporaries (CPU, unfused).
 The peak is the largest of five moments: start of backward, first block reduce-scatter, end of backward,
@@ -51,7 +53,7 @@ from shardline.planning.devices import (
     get_device,
 )
 from shardline.precision import choose_precision
-from shardline.spec import JobSpec, LoraSpec, ModelSpec
+from shardline.spec import JobSpec, LoraSpec, ModelSpec, TrainSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -355,7 +357,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
 
     grads_now = grads if spec.grad_accum_steps > 1 else 0  # earlier micro-batches' gradients
     moments = {
-        "start of backward": dict(gather_buffers=gathers, activations=saved, logits=12 * n * v,
+        "start of backward": dict(gather_buffers=gathers, activations=saved, logits=_loss_bytes(t, n, v, d, c),
                                   temporaries=head_grad, grads=grads_now),
         "first block reduce-scatter": dict(gather_buffers=gathers, activations=saved - block,
                                            temporaries=head_grad + block_rs, grads=grads_now),
@@ -388,6 +390,12 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
         host_offload_bytes=int(host), total_params=pb.total, trainable_params=pb.trainable, dp_shard=shard,
         saved_activations=int(saved), family=shape.family,
     )
+
+
+def _loss_bytes(t: TrainSpec, n: int, v: int, d: int, c: int) -> int:
+    """Logits and cross-entropy of n tokens: whole, or one chunk of `train.loss_chunk_tokens` at a time."""
+    k = t.loss_chunk_tokens
+    return 12 * min(n, k) * v + 2 * c * n * d if k else 12 * n * v
 
 
 def planned_peak_bytes(spec: JobSpec) -> int:

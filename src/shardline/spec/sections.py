@@ -139,6 +139,9 @@ class TrainSpec(Section):
     """Test examples generated for at the end and scored by the task's metric (text_to_sql: execution
     accuracy); 0 skips it. A task without a generation metric (`data.task: none`) skips it always."""
     eval_max_new_tokens: int = Field(96, ge=1)
+    loss_chunk_tokens: int | None = Field(4096, ge=0)
+    """The LM head and cross-entropy over chunks of this many loss-bearing tokens, each recomputed in backward, so
+    the whole [tokens, vocab] logits never exist; 0 or null: the model's whole logits (transformers' path)."""
     engine: Literal["torch", "maxtext"] = "torch"
     """What trains: `torch` (shardline's FSDP2 worker under torchrun, on GPUs or CPU) or `maxtext` (MaxText, JAX, on
     the TPU slices of launch.tpu; shardline maps the spec to MaxText's config, engines/maxtext.py, docs/tpu.md)."""

@@ -16,29 +16,38 @@ from transformers import PreTrainedTokenizerBase
 from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.template import encode_prompt, stop_ids
+from shardline.model.build import causal_lm
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
+from shardline.training.chunked_loss import chunked_loss
 
 
-def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over loss-bearing positions, in fp32.
 
-    The batch's document spans go to the model as varlen keywords: document-masked attention reads them
-    (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the positions."""
+    `chunk_tokens` (`train.loss_chunk_tokens`): the LM head and the loss over chunks of that many loss-bearing
+    tokens (`shardline.training.chunked_loss`); None or 0: over the model's whole `.logits`, as transformers
+    computes them. The batch's document spans go to the model as varlen keywords: document-masked attention
+    reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the
+    positions."""
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = batch.spans.model_kwargs(batch.input_ids.device if flash else torch.device("cpu"))
+    if chunk_tokens:
+        return chunked_loss(causal_lm(model), batch.labels, batch.n_loss_tokens, chunk_tokens,
+                            input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device) -> float:
+def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device,
+                    chunk_tokens: int | None = None) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
         b = batch.to(device)
-        total[0] += token_loss_sum(model, b).double()
+        total[0] += token_loss_sum(model, b, chunk_tokens).double()
         total[1] += b.n_loss_tokens
     dist.all_reduce(total)
     model.train()

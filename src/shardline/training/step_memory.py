@@ -54,7 +54,7 @@ def one_document_rows(spec: TrainSpec, vocab: int) -> Batch:
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
           mark: Callable[[str], None]) -> None:
     for i, batch in enumerate(batches):
-        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        loss = token_loss_sum(model, batch, spec.loss_chunk_tokens) / batch.n_loss_tokens
         mark("forward and loss")
         loss.backward()
         mark("backward" if i == len(batches) - 1 else f"micro-batch {i + 1}")

@@ -313,7 +313,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in batches:
             with record_function("shardline.forward"):
-                micro_loss = token_loss_sum(self.model, batch)
+                micro_loss = token_loss_sum(self.model, batch, self.spec.train.loss_chunk_tokens)
             with record_function("shardline.backward"):
                 (micro_loss * (ctx.world / loss_tokens)).backward()
             loss_sum += micro_loss.detach().double()
@@ -394,7 +394,7 @@ class Trainer:
         started = time.perf_counter()
         rows = self.data.rows("validation")
         batches = eval_batches(rows, self.spec.train.micro_batch_size, self.ctx.rank, self.ctx.world)
-        loss = validation_loss(self.model, batches, self.ctx.device)
+        loss = validation_loss(self.model, batches, self.ctx.device, self.spec.train.loss_chunk_tokens)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss,
                                         "seconds": round(time.perf_counter() - started, 3)})

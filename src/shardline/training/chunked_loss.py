@@ -1,0 +1,71 @@
+"""Next-token cross-entropy that never holds the whole logits: the decoder body runs once, then the LM head, the
+family's final-logit soft-capping and the fp32 cross-entropy run over chunks of the loss-bearing tokens only, each
+chunk recomputed in backward, so one chunk's logits and their gradient exist at a time.
+
+Under FSDP2 the LM head belongs to the root unit, whose parameters are all-gathered by the root's forward hooks;
+the loss therefore runs as the root's forward for the call (`chunked_loss`): the causal LM is called as a module, so
+FSDP's hooks unshard the head while it is used and reduce-scatter its gradient after backward, as with
+`model(...).logits`, and module trackers (the dry run's `FSDPMemTracker`) see an ordinary forward.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardline.data.loader import IGNORE_INDEX
+
+
+def chunked_cross_entropy_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                              softcap: float | None, chunk_tokens: int) -> torch.Tensor:
+    """Summed fp32 cross-entropy of `head(hidden)` ([N, d] → [N, V]), soft-capped as transformers does
+    (`tanh(logits / cap) * cap`), against `labels` [N], in chunks of `chunk_tokens` rows. With gradients on and
+    more than one chunk, each chunk keeps only its input for backward and recomputes its logits there."""
+    recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_tokens
+    total = None
+    # An empty batch still runs one (empty) chunk: every rank must produce a head gradient for FSDP's reduce-scatter.
+    for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
+        part = (checkpoint(_chunk_loss, h, y, head, softcap, use_reentrant=False) if recompute
+                else _chunk_loss(h, y, head, softcap))
+        total = part if total is None else total + part
+    return total
+
+
+def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:  # the same three ops, in the same dtype, as the families' own forward
+        logits = logits / softcap
+        logits = torch.tanh(logits)
+        logits = logits * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _loss_forward(self: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int,
+                  **model_kwargs) -> torch.Tensor:
+    """The causal LM's forward with the chunked loss in place of the logits (bound to the causal LM)."""
+    hidden = self.model(**model_kwargs).last_hidden_state.flatten(0, 1)
+    targets = labels.flatten()
+    if loss_tokens < targets.numel():  # only loss-bearing positions need logits; a static size keeps the host out
+        keep = torch.nonzero_static(targets != IGNORE_INDEX, size=loss_tokens).squeeze(1)
+        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    return chunked_cross_entropy_sum(hidden, targets, self.get_output_embeddings(), softcap, chunk_tokens)
+
+
+def chunked_loss(lm: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int,
+                 **model_kwargs: Any) -> torch.Tensor:
+    """Call the causal LM `lm` with the chunked loss as its forward: summed fp32 cross-entropy of its next-token
+    logits against `labels` ([B, T]; `loss_tokens` of them not IGNORE_INDEX), the body called with `model_kwargs`."""
+    before = lm.__dict__.get("forward")
+    lm.forward = MethodType(_loss_forward, lm)  # this call only: module hooks (FSDP's root unshard) run around it
+    try:
+        return lm(labels=labels, loss_tokens=loss_tokens, chunk_tokens=chunk_tokens, **model_kwargs)
+    finally:
+        del lm.forward
+        if before is not None:
+            lm.forward = before

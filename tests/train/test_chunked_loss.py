@@ -1,0 +1,131 @@
+"""The chunked cross-entropy equals the whole-logits loss (and transformers' own) in value and in every gradient."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from shardline.data.loader import IGNORE_INDEX, make_batch
+from shardline.data.packing import Document, pack
+from shardline.model.lora import apply_lora
+from shardline.spec import LoraSpec
+from shardline.training.chunked_loss import chunked_cross_entropy_sum
+from shardline.training.evaluate import token_loss_sum
+from tests.conftest import REPO
+from tests.model.families import COMMON, CONFIGS
+
+WORKER = Path(__file__).with_name("chunked_loss_worker.py")
+
+SEQ = 64
+
+
+def _model(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+def _batch(vocab: int):
+    """Packed rows of prompt-masked documents (half of each is prompt) with padding tails."""
+    rng = np.random.default_rng(0)
+    docs = [Document(ids=rng.integers(3, vocab, n).tolist(), n_prompt=n // 2) for n in (40, 24, 17, 30, 64, 9, 33)]
+    rows = pack(docs, SEQ, pad_id=0)
+    return make_batch(rows, np.arange(len(rows.n_real)))
+
+
+def _loss_and_grads(model, batch, chunk):
+    model.zero_grad(set_to_none=True)
+    loss = token_loss_sum(model, batch, chunk)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_chunked_equals_full(model, batch, chunks):
+    full, full_grads = _loss_and_grads(model, batch, None)
+    assert 0 < batch.n_loss_tokens < batch.labels.numel()
+    for chunk in chunks:
+        loss, grads = _loss_and_grads(model, batch, chunk)
+        assert loss.item() == pytest.approx(full.item(), rel=1e-6), chunk
+        assert grads.keys() == full_grads.keys()
+        for name, g in grads.items():  # fp32 summation order: 1e-6 of the tensor's largest entry
+            ref = full_grads[name]
+            assert (g - ref).abs().max() <= 1e-6 * ref.abs().max(), f"{name}, chunk {chunk}"
+
+
+def test_chunked_loss_and_gradients_equal_the_whole_logits_for_chunks_that_do_not_divide_the_tokens():
+    model = _model(LlamaConfig(**COMMON))
+    batch = _batch(COMMON["vocab_size"])
+    assert batch.n_loss_tokens % 7 and batch.n_loss_tokens % 50  # chunks that leave a short last chunk
+    _assert_chunked_equals_full(model, batch, [7, 50, batch.n_loss_tokens, 4096])
+    # transformers' own loss (mean over its shifted labels) on the same logits: the oracle of the oracle
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                labels=torch.cat([batch.input_ids[:, :1], batch.labels], dim=1)[:, :-1])
+    assert out.loss.item() * batch.n_loss_tokens == pytest.approx(token_loss_sum(model, batch, 7).item(), rel=1e-6)
+
+
+def test_chunked_loss_with_tied_embeddings_and_with_lora():
+    tied = _model(LlamaConfig(**COMMON, tie_word_embeddings=True))
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    batch = _batch(COMMON["vocab_size"])
+    _assert_chunked_equals_full(tied, batch, [13, 64])
+    lora = apply_lora(_model(LlamaConfig(**COMMON)), LoraSpec(enabled=True, r=4))
+    for p in lora.parameters():  # nonzero adapters, so their gradients depend on the head's
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    _assert_chunked_equals_full(lora, batch, [13, 64])
+
+
+def test_chunked_loss_applies_gemma2_final_logit_softcapping():
+    cls, extra = CONFIGS["gemma2"]
+    model = _model(cls(**COMMON, **extra))
+    batch = _batch(COMMON["vocab_size"])
+    _assert_chunked_equals_full(model, batch, [11, 100])
+    uncapped = token_loss_sum(model, batch, 11).item()
+    model.config.final_logit_softcapping = None  # the cap is applied: it changes the loss here
+    assert token_loss_sum(model, batch, 11).item() != pytest.approx(uncapped, rel=1e-3)
+
+
+def test_an_empty_batch_still_reaches_the_head_with_a_zero_gradient():
+    head = torch.nn.Linear(8, 16, bias=False)
+    hidden = torch.zeros(0, 8, requires_grad=True)
+    loss = chunked_cross_entropy_sum(hidden, torch.zeros(0, dtype=torch.long), head, None, 4)
+    loss.backward()
+    assert loss.item() == 0 and head.weight.grad is not None and not head.weight.grad.any()
+
+
+def test_only_one_chunk_of_logits_is_saved_for_backward():
+    """The knob changes what autograd keeps: chunked, the saved tensors are the chunk inputs, never [N, V]."""
+    head = torch.nn.Linear(32, 1000, bias=False)
+    hidden = torch.randn(300, 32, requires_grad=True)
+    labels = torch.randint(0, 1000, (300,))
+    labels[::5] = IGNORE_INDEX
+
+    def saved_elements(chunk):
+        sizes: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            loss = chunked_cross_entropy_sum(hidden, labels, head, None, chunk)
+        return max(sizes), loss
+
+    whole, loss_whole = saved_elements(300)
+    chunked, loss_chunked = saved_elements(64)
+    assert whole >= 300 * 1000 and chunked < 64 * 1000
+    assert loss_chunked.item() == pytest.approx(loss_whole.item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logits(tmp_path):
+    """FSDP2 on 2 ranks: the LM head is the root's, all-gathered for the chunked loss and reduce-scattered after."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(tmp_path / "results.pt")
+    for layout in ("plain", "tied+lora+ac"):
+        (full_loss, full_state), (loss, state) = results[(layout, None)], results[(layout, 7)]
+        assert loss == pytest.approx(full_loss, rel=1e-6), layout
+        assert state.keys() == full_state.keys() and state
+        for name, p in state.items():
+            torch.testing.assert_close(p, full_state[name], rtol=0, atol=1e-6, msg=f"{layout}: {name}")
