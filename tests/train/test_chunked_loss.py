@@ -129,3 +129,18 @@ def test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logit
         assert state.keys() == full_state.keys() and state
         for name, p in state.items():
             torch.testing.assert_close(p, full_state[name], rtol=0, atol=1e-6, msg=f"{layout}: {name}")
+
+
+def test_a_family_outside_the_tested_ones_keeps_its_whole_logits():
+    """Granite scales its logits in its causal LM's forward: the chunked path (a linear head, Gemma 2's cap) would
+    drop that, so an untested family's loss comes from its own `.logits`."""
+    from transformers import GraniteConfig
+
+    model = _model(GraniteConfig(**COMMON, logits_scaling=4.0))
+    batch = _batch(COMMON["vocab_size"])
+    with torch.no_grad():
+        whole = token_loss_sum(model, batch)
+        assert token_loss_sum(model, batch, chunk_tokens=16) == whole
+        hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids).last_hidden_state
+        unscaled = chunked_cross_entropy_sum(hidden.flatten(0, 1), batch.labels.flatten(), model.lm_head, None, 16)
+    assert unscaled.item() != pytest.approx(whole.item(), rel=1e-3)  # the scaling matters here

@@ -110,6 +110,11 @@ def family_of(config: Any, where: str = "model.path") -> Family:
                   "not among the tested families: the planner assumes Llama's layout", tested=False)
 
 
+def is_tested(config: Any) -> bool:
+    """One of the families above (their causal LM heads are known: a linear head, Gemma 2's final-logit cap)."""
+    return getattr(config, "model_type", None) in BY_MODEL_TYPE
+
+
 def layer_windows(config: Any) -> tuple[int | None, ...]:
     """The sliding window of every decoder layer (None: global attention), as the family's attention reads it:
     `layer_types` where the config has them (Qwen2/3, Gemma 2/3), else `sliding_window` on every layer

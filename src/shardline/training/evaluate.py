@@ -17,6 +17,7 @@ from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
+from shardline.model.families import is_tested
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
@@ -27,13 +28,15 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
 
     `chunk_tokens` (`train.loss_chunk_tokens`): the LM head and the loss over chunks of that many loss-bearing
     tokens (`shardline.training.chunked_loss`); None or 0: over the model's whole `.logits`, as transformers
-    computes them. The batch's document spans go to the model as varlen keywords: document-masked attention
+    computes them, also for a family outside `shardline.model.families` (its head may do more than a linear
+    map and Gemma 2's cap). The batch's document spans go to the model as varlen keywords: document-masked attention
     reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the
     positions."""
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = batch.spans.model_kwargs(batch.input_ids.device if flash else torch.device("cpu"))
-    if chunk_tokens:
-        return chunked_loss(causal_lm(model), batch.labels, batch.n_loss_tokens, chunk_tokens,
+    lm = causal_lm(model)
+    if chunk_tokens and is_tested(lm.config):  # an untested family's forward may scale its logits: kept whole
+        return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
