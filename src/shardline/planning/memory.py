@@ -92,7 +92,7 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "mistralai/mistral-7b-v0.3": ModelShape(4096, 14336, 32, 32, 8, 32768, head_dim=128,
                                             family=BY_MODEL_TYPE["mistral"]),  # v0.3: no sliding window
     # Gemma 3 12B's language model (the checkpoint's `text_config`): 5 local layers (window 1024) per global one
-    "google/gemma-3-12b": ModelShape(3840, 15360, 48, 16, 8, 262208, tie=True, head_dim=256,
+    "google/gemma-3-12b": ModelShape(3840, 4 * 3840, 48, 16, 8, 262208, tie=True, head_dim=256,
                                      family=BY_MODEL_TYPE["gemma3_text"],
                                      windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))),
 }
