@@ -18,12 +18,13 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs
 
 import yaml
+
+from tests.launch.http_json import Served
 
 Answer = tuple[int, dict | str]
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
@@ -89,7 +90,7 @@ def prune(obj: dict, fields: list[str]) -> dict:
     return out
 
 
-class ApiServerStub:
+class ApiServerStub(Served):
     def __init__(self, answers: dict[tuple[str, str], Answer] | None = None, crds: list[dict] | None = None):
         self.answers = dict(answers or {})
         self.requests: list[tuple[str, str]] = []
@@ -150,13 +151,6 @@ class ApiServerStub:
         self.stored.append(stored)
         return 201, stored
 
-    def __enter__(self) -> ApiServerStub:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def closed_port_url() -> str:

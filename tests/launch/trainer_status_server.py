@@ -11,7 +11,6 @@ import ipaddress
 import json
 import secrets
 import ssl
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests.k8s_schemas import CRD_DIR, _strict
-from tests.launch.http_json import send_json
+from tests.launch.http_json import Served, send_json
 
 
 def _trainer_status_schema() -> dict:
@@ -58,7 +57,7 @@ def _certificates(directory: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-class TrainerStatusServer:
+class TrainerStatusServer(Served):
     """`with TrainerStatusServer(tmp, "ns", "job") as s: s.env` — the variables the controller injects."""
 
     def __init__(self, directory: Path, namespace: str, name: str) -> None:
@@ -87,10 +86,10 @@ class TrainerStatusServer:
                 server.posts.append(json.loads(body))
                 send_json(self, 200, {})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert, key)
-        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
 
     def check(self, path: str, authorization: str | None, content_type: str | None, body: bytes) -> str | None:
         from kubeflow_trainer_api import models
@@ -111,14 +110,7 @@ class TrainerStatusServer:
 
     @property
     def env(self) -> dict[str, str]:
-        port = self.httpd.server_address[1]
+        port = self.server.server_address[1]
         return {"KUBEFLOW_TRAINER_SERVER_URL": f"https://127.0.0.1:{port}{self.path}",
                 "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(self.ca), "KUBEFLOW_TRAINER_SERVER_TOKEN": str(self.token_file)}
 
-    def __enter__(self) -> TrainerStatusServer:
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
