@@ -12,6 +12,8 @@
 #   checkpoint  bench/gpu.py checkpoint (8 layers: 16.8 GB of model + AdamW state)
 #   attention-fix  the GPU tests of packed attention; shardline alone on contenders' model (30 steps)
 #   contenders  HF Trainer on shardline's rows (bench/throughput.py, a 0.8B model)
+#   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
+#               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
 set -uo pipefail
 out=$1
 shift
@@ -86,6 +88,69 @@ contenders)
     --set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 --set model.arch.num_layers=16 \
     --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 --set train.micro_batch_size=16 \
     --set train.global_batch_size=16
+  ;;
+gap)
+  model=(--set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 --set model.arch.num_layers=16
+         --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 --set train.micro_batch_size=16
+         --set train.global_batch_size=16)
+  mkdir -p "$runs/gap"
+  step hf-same-rows-only 200 python3 bench/throughput.py --nproc 1 --steps 30 --hf same-rows \
+    --json "$out/throughput-same.json" "${model[@]}"
+  # The 0.8B model's final checkpoint (9.8 GB with AdamW) takes ~33 s on these disks: each run below is
+  # killed (SIGKILL, its own process group) once its final validation is recorded, and its directory removed.
+  until_validated() {  # until_validated NAME SECONDS DIR COMMAND...
+    local name=$1 limit=$2 dir=$3 start pid
+    shift 3
+    echo "=== $name: $*" | tee -a "$log"
+    start=$SECONDS
+    setsid "$@" >>"$log" 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - start)) -lt "$limit" ]; do
+      if grep -qs '"kind": "eval"' "$dir"/*/metrics.jsonl "$dir"/metrics.jsonl; then sleep 1; break; fi
+      sleep 1
+    done
+    kill -9 -- "-$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    echo "=== $name: stopped after $((SECONDS - start)) s" | tee -a "$log"
+  }
+  until_validated profiled 100 "$runs/gap/profiled" python3 -m shardline.cli train bench/throughput.yaml --nproc 1 \
+    "${model[@]}" --set "run.dir=$runs/gap/profiled" --set train.max_steps=10 --set observe.profile_steps=5
+  find "$runs/gap/profiled" -name ops-rank-0.txt -exec cp {} "$out/gap-ops.txt" \; -quit
+  find "$runs/gap/profiled" -name trace-rank-0.json -exec sh -c 'gzip -c "$1" > "$2"' _ {} "$out/gap-trace.json.gz" \; -quit
+  rm -rf "$runs/gap/profiled"
+  variant() {  # variant NAME SECONDS [ENV=V...] -- [--set ...]: the 0.8B model, 30 steps, one change
+    local name=$1 limit=$2
+    shift 2
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    until_validated "gap-$name" "$limit" "$runs/gap/$name" env "${envs[@]}" python3 -m shardline.cli train \
+      bench/throughput.yaml --nproc 1 "${model[@]}" --set "run.dir=$runs/gap/$name" --set train.max_steps=30 "$@"
+    python3 - "$runs/gap/$name" "$name" >>"$log" 2>&1 <<'PY'
+import json, pathlib, statistics, sys
+found = sorted(pathlib.Path(sys.argv[1]).rglob("metrics.jsonl"))
+rows = [json.loads(l) for l in found[0].read_text().splitlines()] if found else []
+train = [r for r in rows if r.get("kind") == "train"][3:]
+if train:
+    t = sorted(r["step_time_s"] for r in train)
+    print(f"SUMMARY {sys.argv[2]}: steps {len(t)} step_s min {t[0]:.3f} median {statistics.median(t):.3f} "
+          f"max {t[-1]:.3f} data_ms median {1e3 * statistics.median(r['data_wait_s'] for r in train):.1f} "
+          f"tok/s {sum(r['tokens_total'] for r in train) / sum(t):,.0f} mfu {statistics.fmean(r['mfu'] for r in train):.3f}")
+else:
+    print(f"SUMMARY {sys.argv[2]}: no train records")
+PY
+    mkdir -p "$runs/gap-metrics"
+    find "$runs/gap/$name" -name metrics.jsonl -exec cp {} "$runs/gap-metrics/$name.jsonl" \; -quit
+    rm -rf "$runs/gap/$name"
+    tar czf "$out/gap-metrics.tar.gz" -C "$runs" gap-metrics
+  }
+  variant baseline 90 --
+  variant no-reshard 90 -- --set parallel.reshard_after_forward=false
+  variant expandable 90 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --
+  variant eager-attention 90 -- --set model.attn_implementation=eager
+  variant compile 120 -- --set parallel.compile=true
+  step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py
+  step gpucheck 60 python3 -m shardline.cli gpucheck --nproc 1 --json "$out/gpucheck.json"
   ;;
 *) echo "usage: bench/gpu-session.sh OUT checks|bench|memory|contenders..." >&2; exit 2 ;;
 esac

@@ -204,6 +204,7 @@ def run_hf(mode: str, prepared: Path, steps: int, threads: int, overrides: list[
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+HF_MODES = ("padded", "packed", "same-rows")
 PEERS = {  # name: (script, arguments beyond --rows/--steps/--threads, what the table says about it)
     "torchtune": ("torchtune_contender.py", ("labels", "positions"), "document mask; pure bf16, no fp32 masters"),
     "torchtitan": ("torchtitan_contender.py", ("labels",), "NO document mask: causal over the row (CPU)"),
@@ -241,9 +242,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of the single HF Trainer process")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra shardline overrides")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--hf", default="padded,packed,same-rows",
+                        help="the HF Trainer contenders to run, comma-separated (a GPU lease runs only same-rows)")
     parser.add_argument("--peers-python", help="python of the peer venv (bench/peers/setup-peers-venv.sh); "
                         "runs the torchtune and torchtitan contenders")
-    parser.add_argument("--hf-worker", choices=["padded", "packed", "same-rows"], help=argparse.SUPPRESS)
+    parser.add_argument("--hf-worker", choices=HF_MODES, help=argparse.SUPPRESS)
     parser.add_argument("--prepared", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rows-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -253,6 +256,9 @@ def main() -> None:
         return
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    hf_modes = [m for m in args.hf.split(",") if m]
+    if unknown := set(hf_modes) - set(HF_MODES):
+        parser.error(f"--hf: unknown contender(s) {', '.join(sorted(unknown))}; choose from {', '.join(HF_MODES)}")
     import torch
 
     from shardline.engines.torchrun import worker_allocator_env
@@ -268,11 +274,12 @@ def main() -> None:
         ours = shardline_run(args.steps, args.nproc, Path(tmp), args.overrides)
         prepared = next(p for p in Path(ours["prepared"]).iterdir() if (p / "stats.json").exists())
         rows = export_rows(prepared, args.steps, Path(tmp) / "rows", args.overrides)
-        padded = run_hf("padded", prepared, args.steps, args.threads, args.overrides)
-        packed = run_hf("packed", prepared, args.steps, args.threads, args.overrides)
-        same = run_hf("same-rows", prepared, args.steps, args.threads, args.overrides, rows["dir"])
-        assert same["timed_loss_tokens"] == rows["timed_loss_tokens"], (same["timed_loss_tokens"], rows)
-        same_rows_rates(same, rows, ours)
+        padded, packed, same = (run_hf(mode, prepared, args.steps, args.threads, args.overrides,
+                                       rows["dir"] if mode == "same-rows" else None) if mode in hf_modes else None
+                                for mode in HF_MODES)
+        if same is not None:
+            assert same["timed_loss_tokens"] == rows["timed_loss_tokens"], (same["timed_loss_tokens"], rows)
+            same_rows_rates(same, rows, ours)
         if args.peers_python:
             for name in PEERS:
                 peers[name] = run_peer(name, args.peers_python, rows, args.steps, args.threads, args.nproc)
@@ -297,10 +304,11 @@ def main() -> None:
         "machine_bf16_peak_tflops": machine_peak, "mfu_vs_machine_peak": ours["model_tflops"] / machine_peak,
         "hfu": ours["hfu"],
     }
-    table = [(f"shardline ({ours['world']} proc, FSDP2)", ours, None, "document-masked SDPA"),
-             ("HF Trainer, padded", padded, ratio(padded), "one example per row"),
-             ("HF Trainer, packed", packed, ratio(packed), "DataCollatorWithFlattening"),
-             ("HF Trainer, same rows", same, ratio(same), "shardline's rows, position ids")]
+    table = [(f"shardline ({ours['world']} proc, FSDP2)", ours, None, "document-masked SDPA")]
+    table += [row for row in (("HF Trainer, padded", padded, ratio(padded), "one example per row"),
+                              ("HF Trainer, packed", packed, ratio(packed), "DataCollatorWithFlattening"),
+                              ("HF Trainer, same rows", same, ratio(same), "shardline's rows, position ids"))
+              if row[1] is not None]
     table += [(f"{name} (peer)", peer, ratio(peer), peer["note"]) for name, peer in peers.items() if peer]
     print(f"\n{args.steps} steps, first {WARMUP} excluded, {ours['precision']}, {args.threads} threads total; "
           f"MFU = model FLOPs ÷ the machine's bf16 matmul probe ({machine_peak:.3f} TFLOP/s)")
