@@ -14,6 +14,7 @@
 #   contenders  HF Trainer on shardline's rows (bench/throughput.py, a 0.8B model)
 #   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
 #               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
+#   gap-check   after the fix: the GPU tests of packed attention, shardline vs HF same rows again
 set -uo pipefail
 out=$1
 shift
@@ -88,6 +89,13 @@ contenders)
     --set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 --set model.arch.num_layers=16 \
     --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 --set train.micro_batch_size=16 \
     --set train.global_batch_size=16
+  ;;
+gap-check)
+  step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py
+  step hf-same-rows-only 200 python3 bench/throughput.py --nproc 1 --steps 30 --hf same-rows \
+    --json "$out/throughput-same-fixed.json" --set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 \
+    --set model.arch.num_layers=16 --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 \
+    --set train.micro_batch_size=16 --set train.global_batch_size=16
   ;;
 gap)
   model=(--set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 --set model.arch.num_layers=16

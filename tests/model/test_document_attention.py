@@ -129,6 +129,36 @@ def test_on_a_gpu_packed_attention_never_waits_for_the_device():
     assert out.shape == (4, SEQ, 4, 16)
 
 
+def test_on_a_gpu_short_buckets_never_pay_cudnns_host_cost_and_long_ones_may():
+    from shardline.model.document_attention import CUDNN_MIN_SPAN, sdpa_backends
+
+    assert sdpa_backends(CUDNN_MIN_SPAN, torch.device("cpu")) is None  # CPU: SDPA's own choice
+    assert sdpa_backends(64, torch.device("cpu")) is None
+    assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends(CUDNN_MIN_SPAN - 1, torch.device("cuda"))
+    assert sdpa_backends(CUDNN_MIN_SPAN, torch.device("cuda")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: which SDPA kernel runs is GPU-only")
+def test_on_a_gpu_packed_attention_runs_no_cudnn_kernel_on_short_documents():
+    # Found on an H200: cuDNN's SDPA cost ~1.4 ms of host time per bucketed call, and shardline's step ran 2x HF
+    # Trainer's on the same rows with the GPU idle behind the host.
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardline.model.document_attention import document_sdpa
+
+    lengths = [40, 24, 17, 30, 64, 5, 9, 33, 34]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    q, k, v = (torch.randn(4, heads, SEQ, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (4, 2, 2))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out, _ = document_sdpa(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    assert not [n for n in names if "cudnn_attention" in n], sorted(names)
+    assert [n for n in names if "flash_attention" in n or "efficient_attention" in n], sorted(names)
+
+
 def _mistral(attn: str, window: int):
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -19,11 +19,13 @@ no path here computes, are a named error.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -43,6 +45,21 @@ length run as one batched SDPA call: a handful of calls per layer instead of one
 bounded set of shapes (the CPU flash kernels build and keep one kernel per sequence length: ~3 MB each in
 bf16, measured, so raw lengths grew memory with every new length). The causal mask keeps the extra tokens
 (the start of the next document) out of the real queries' view, and their own outputs are dropped."""
+
+
+CUDNN_MIN_SPAN = 4096
+"""On CUDA, buckets shorter than this run SDPA's flash/efficient kernels, never cuDNN's. Measured on an H200
+(torch 2.11, bench/RESULTS-gpu.md): a cuDNN attention call costs ~1.4 ms of host time, forward and backward
+alike, as the buckets' batch sizes change every step; 80 bucketed calls a step on a 0.8B model at 16 × 512
+tokens kept the GPU idle behind the host (0.32 s steps, HF Trainer's dense mask 0.15 s). On long spans a call's
+GPU time dwarfs that cost, and cuDNN's kernel is the faster one on Hopper (3.6 vs 6.8 ms at 8192 tokens)."""
+
+
+def sdpa_backends(span: int, device: torch.device) -> list[SDPBackend] | None:
+    """The SDPA backends a bucket of this span may use on this device; None: SDPA's own choice."""
+    if device.type != "cuda" or span >= CUDNN_MIN_SPAN:
+        return None
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -144,10 +161,12 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
         if softcap is not None:
             keep = bucket.mask if bucket.mask is not None else _causal_keep(bucket.span, bucket.span, None, q.device)
             out = _capped_attention(qb, kb, vb, keep, scaling, softcap)
-        elif bucket.mask is None:
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:  # the model's sliding window is shorter than these documents
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bucket.mask, scale=scaling, enable_gqa=gqa)
+        else:
+            backends = sdpa_backends(bucket.span, q.device)
+            with sdpa_kernel(backends) if backends else nullcontext():
+                # a sliding window shorter than these documents is a mask; else plain causal
+                out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bucket.mask, is_causal=bucket.mask is None,
+                                                     scale=scaling, enable_gqa=gqa)
         outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, d).index_select(1, bucket.real))
     # Every token is in exactly one span: put the pieces back in token order.
     merged = torch.cat(outputs, 1).index_select(1, plan.order)  # [H, B·T, D]
