@@ -106,13 +106,14 @@ def test_a_batch_builds_its_span_indices_once_for_every_layer_and_the_backward()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: device synchronisation is GPU-only")
-def test_on_a_gpu_packed_attention_never_waits_for_the_device():
+@pytest.mark.parametrize("lengths", [[40, 24, 17, 30, 64, 5, 9, 33, 34],  # crossing rows: the buckets
+                                     [40, 24, 17, 30, 17, 64, 5, 9, 33, 17]])  # row by row: the dense mask
+def test_on_a_gpu_packed_attention_never_waits_for_the_device(lengths):
     # Found on an H100: the span indices were built per bucket per layer on the device (boolean masks, pageable
     # copies), each a wait for the GPU, dozens a step. (transformers' own packed-sequence check in the model's
     # forward also synchronises once per forward; this checks shardline's attention function alone.)
     from shardline.model.document_attention import document_sdpa
 
-    lengths = [40, 24, 17, 30, 64, 5, 9, 33, 34]  # 256 tokens: 4 rows of 64
     cu = torch.tensor([0, *lengths]).cumsum(0)
     q, k, v = (torch.randn(4, heads, SEQ, 16, device="cuda", requires_grad=True) for heads in (4, 2, 2))
     module = torch.nn.Module()
@@ -138,6 +139,31 @@ def test_on_a_gpu_short_buckets_never_pay_cudnns_host_cost_and_long_ones_may():
     assert sdpa_backends(CUDNN_MIN_SPAN, torch.device("cuda")) is None
 
 
+@pytest.mark.parametrize("window", [None, 12])
+def test_short_rows_on_a_gpu_take_one_masked_call_equal_to_the_per_document_buckets(window):
+    # On CUDA, rows of at most DENSE_MAX_SEQ tokens run as whole rows with the block-diagonal mask; the same
+    # function computes it here on the CPU and must equal the buckets in output and gradients.
+    from shardline.model.document_attention import DENSE_MAX_SEQ, _block_mask, _dense, _per_document, uses_dense_mask
+
+    assert uses_dense_mask(DENSE_MAX_SEQ, torch.device("cuda")) and not uses_dense_mask(64, torch.device("cpu"))
+    assert not uses_dense_mask(DENSE_MAX_SEQ + 1, torch.device("cuda"))
+    lengths = [40, 24, 17, 30, 17, 64, 5, 9, 33, 17]  # 4 rows of 64, no document crossing a row
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, heads, SEQ, 16, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2))
+    grads = []
+    for path in ("buckets", "dense"):
+        if path == "dense":
+            mask = _block_mask(tuple(lengths), 4, SEQ, torch.device("cpu"), window)
+            out = _dense(q, k, v, mask, 0.25, True)
+        else:
+            out = _per_document(q, k, v, lengths, 0.25, True, window)
+        grads.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v))))
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    # a document crossing a row boundary has no per-row mask: the buckets stay
+    assert _block_mask((40, 24, 17, 30, 64, 5, 9, 33, 34), 4, SEQ, torch.device("cpu")) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: which SDPA kernel runs is GPU-only")
 def test_on_a_gpu_packed_attention_runs_no_cudnn_kernel_on_short_documents():
     # Found on an H200: cuDNN's SDPA cost ~1.4 ms of host time per bucketed call, and shardline's step ran 2x HF
@@ -147,8 +173,9 @@ def test_on_a_gpu_packed_attention_runs_no_cudnn_kernel_on_short_documents():
     from shardline.model.document_attention import document_sdpa
 
     lengths = [40, 24, 17, 30, 64, 5, 9, 33, 34]
+    lengths = [n * 32 for n in lengths]  # rows of 2048 tokens: longer than DENSE_MAX_SEQ, so the buckets run
     cu = torch.tensor([0, *lengths]).cumsum(0)
-    q, k, v = (torch.randn(4, heads, SEQ, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(4, heads, SEQ * 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for heads in (4, 2, 2))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out, _ = document_sdpa(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)

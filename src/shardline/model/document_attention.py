@@ -62,6 +62,34 @@ def sdpa_backends(span: int, device: torch.device) -> list[SDPBackend] | None:
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+DENSE_MAX_SEQ = 1024
+"""On CUDA, rows of at most this many tokens run one SDPA call per layer with the dense block-diagonal mask
+(what transformers' `sdpa` does), not per-document buckets: at 16 × 512 tokens on an H200 the buckets' ~10
+launches each cost more host time than the mask's wasted pairs cost the GPU (bench/RESULTS-gpu.md). Measured at
+512 tokens only; longer rows keep the buckets, whose saving grows with the row (T² against Σ len²)."""
+
+
+def uses_dense_mask(seq: int, device: torch.device) -> bool:
+    """Whether packed rows of `seq` tokens run as whole rows with the block-diagonal mask (all T² pairs computed)."""
+    return device.type == "cuda" and seq <= DENSE_MAX_SEQ
+
+
+@functools.lru_cache(maxsize=8)
+def _block_mask(lengths: tuple[int, ...], rows: int, seq: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor | None:
+    """[rows, 1, seq, seq]: query i sees key j of its own document with j ≤ i (and i − j < window); None when
+    a document crosses a row boundary (then only the buckets are exact). Built on the CPU, copied once."""
+    bounds = torch.tensor([0, *lengths]).cumsum(0)
+    if not set(range(0, rows * seq + 1, seq)) <= set(bounds.tolist()):
+        return None
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(rows, seq)
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    if window is not None:
+        mask &= window_mask(seq, window)
+    mask = mask[:, None]
+    return mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask.to(device)
+
+
 @dataclass(frozen=True)
 class _Bucket:
     """Documents of one rounded length: where their tokens are and which of the rounded slots are real."""
@@ -174,6 +202,13 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     return merged.reshape(h, b, t, d).permute(1, 2, 0, 3).contiguous()
 
 
+def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None,
+           gqa: bool) -> torch.Tensor:
+    """One SDPA call over whole rows with the block-diagonal mask; [B, T, H, D] as HF attention returns."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
 def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
@@ -198,6 +233,11 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake
     lengths = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]  # step reads them too)
     gqa = key.shape[1] != query.shape[1]
+    if softcap is None and uses_dense_mask(query.shape[2], query.device):
+        mask = _block_mask(tuple(lengths), query.shape[0], query.shape[2], query.device,
+                           int(window) if window else None)
+        if mask is not None:
+            return _dense(query, key, value, mask, scaling, gqa), None
     # Mistral, Qwen2, Gemma's local layers: the window is honoured, never dropped; Gemma 2's soft-capping too
     return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None,
                          float(softcap) if softcap else None), None

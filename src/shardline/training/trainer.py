@@ -27,7 +27,7 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
-from shardline.model.document_attention import LENGTH_BUCKET
+from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
     FORMULA,
@@ -356,9 +356,11 @@ class Trainer:
 
     def _executed_pairs(self, batch) -> int:
         """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`,
-        `flash_attention_2`), or all T² of each row (`eager` with the dense block mask)."""
-        if self.spec.model.attn_implementation == "eager":
-            rows, seq = batch.input_ids.shape
+        `flash_attention_2`), or all T² of each row (`eager`, and `sdpa` on short rows on a GPU: the dense block
+        mask)."""
+        rows, seq = batch.input_ids.shape
+        if self.spec.model.attn_implementation == "eager" or (
+                self.spec.model.attn_implementation == "sdpa" and uses_dense_mask(seq, self.ctx.device)):
             return rows * seq * seq
         if self.spec.model.attn_implementation == "sdpa":
             return batch.spans.executed_causal_pairs(LENGTH_BUCKET)
