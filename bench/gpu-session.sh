@@ -14,7 +14,7 @@
 #   contenders  HF Trainer on shardline's rows (bench/throughput.py, a 0.8B model)
 #   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
 #               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
-#   gap-check   after the fix: the GPU tests of packed attention, shardline vs HF same rows again
+#   gap-check   after the fixes: the GPU tests of packed attention, shardline vs HF same rows again
 set -uo pipefail
 out=$1
 shift
