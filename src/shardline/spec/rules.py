@@ -11,26 +11,28 @@ from shardline.spec.sections import JobSections
 
 def check_combinations(spec: JobSections) -> None:
     check_tpu(spec)  # first: with MaxText the world size is the slices' chips, which the batch rules below divide
-    t, a = spec.train, spec.model.arch
+    t, a, p = spec.train, spec.model.arch, spec.parallel
     world = spec.world_size
-    per_step = world * t.micro_batch_size
+    check_tensor_parallel_degree(spec)
+    data_parallel = world // p.tp  # tensor-parallel peers train the same rows
+    per_step = data_parallel * t.micro_batch_size
     if t.global_batch_size % per_step:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
+        ranks = f"world size {world} ÷ parallel.tp {p.tp}" if p.tp > 1 else "world size"
         raise SpecError(
             "train.global_batch_size",
-            f"{t.global_batch_size} is not divisible by world size × micro-batch = "
-            f"{world} × {t.micro_batch_size} = {per_step}",
+            f"{t.global_batch_size} is not divisible by data-parallel ranks ({ranks}) × micro-batch = "
+            f"{data_parallel} × {t.micro_batch_size} = {per_step}",
             f"use a multiple of {per_step} (e.g. --set train.global_batch_size={lower}) "
             "or change train.micro_batch_size / parallel.nproc_per_node",
         )
-    p = spec.parallel
-    shard = p.dp_shard or world // p.dp_replicate
-    if p.dp_replicate * shard != world:
+    shard = p.dp_shard or data_parallel // p.dp_replicate
+    if p.dp_replicate * shard * p.tp != world:
         raise SpecError(
-            "parallel.dp_replicate", f"dp_replicate × dp_shard = {p.dp_replicate} × {shard} does not equal the "
-            f"world size {world} (launch.nnodes × parallel.nproc_per_node)",
-            "choose dp_replicate and dp_shard whose product is the world size (e.g. replicate = nodes, "
-            "shard = GPUs per node)",
+            "parallel.dp_replicate", f"dp_replicate × dp_shard × tp = {p.dp_replicate} × {shard} × {p.tp} does not "
+            f"equal the world size {world} (launch.nnodes × parallel.nproc_per_node)",
+            "choose dp_replicate, dp_shard and tp whose product is the world size (e.g. replicate = nodes, "
+            "shard × tp = GPUs per node)",
         )
     if spec.model.path is None:
         if a.hidden_size % a.num_heads:
@@ -39,6 +41,10 @@ def check_combinations(spec: JobSections) -> None:
                 f"{a.hidden_size} is not divisible by model.arch.num_heads={a.num_heads}",
                 "pick a hidden size that is a multiple of the head count",
             )
+        if a.num_heads % p.tp or a.num_kv_heads % p.tp:
+            raise SpecError(
+                "parallel.tp", f"{p.tp} does not divide model.arch.num_heads={a.num_heads} and num_kv_heads="
+                f"{a.num_kv_heads}: each rank must hold whole heads", "choose a tp that divides both head counts")
         if a.num_heads % a.num_kv_heads:
             raise SpecError(
                 "model.arch.num_kv_heads",
@@ -74,6 +80,21 @@ def check_combinations(spec: JobSections) -> None:
 
 MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a hang
 MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
+
+
+def check_tensor_parallel_degree(spec: JobSections) -> None:
+    """tp splits a node's GPUs (its collectives run every layer: never across nodes) and the world."""
+    p, world = spec.parallel, spec.world_size
+    if p.tp == 1:
+        return
+    per_node = p.nproc_per_node
+    if per_node is not None and per_node % p.tp:
+        raise SpecError("parallel.tp", f"{p.tp} does not divide parallel.nproc_per_node={per_node}: a "
+                        "tensor-parallel group must sit inside one node (it communicates in every layer)",
+                        f"choose a tp that divides {per_node} (typically the node's GPU count, e.g. 8)")
+    if world % p.tp:
+        raise SpecError("parallel.tp", f"{p.tp} does not divide the world size {world}",
+                        "choose a tp that divides launch.nnodes × parallel.nproc_per_node")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:

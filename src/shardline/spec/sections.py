@@ -160,6 +160,9 @@ class ParallelSpec(Section):
     """HSDP: replicas of the model (typically one per node group); 1 = plain FSDP."""
     dp_shard: int | None = Field(None, ge=1)
     """Ranks each replica is sharded over; None = world size / dp_replicate."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree: each decoder block's attention and MLP projections split over this many
+    consecutive ranks of a node (column- then row-wise); FSDP shards over the rest. 1 = FSDP alone."""
     offload: bool = False
     """Keep parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     reshard_after_forward: bool = True

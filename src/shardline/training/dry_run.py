@@ -28,7 +28,7 @@ from shardline.precision import choose_precision
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.fake_world import fake_process_group
-from shardline.training.parallelize import data_parallel_mesh, fsdp_param_groups, parallelize
+from shardline.training.parallelize import device_mesh, fsdp_param_groups, parallelize
 from shardline.training.step_memory import simulate_step
 
 KERNELS = ("CPU kernels: per-document SDPA (CPU flash) for sdpa and flash_attention_2, CPU dropout, "
@@ -71,7 +71,7 @@ def build_sharded(spec: JobSpec, precision: str) -> nn.Module:
             spec.model.attn_implementation), dtype=torch.float32)
     if spec.model.lora.enabled:
         model = apply_lora(model, spec.model.lora)
-    mesh = data_parallel_mesh(spec.parallel, spec.world_size, "cpu")
+    mesh = device_mesh(spec.parallel, spec.world_size, "cpu")
     return parallelize(model, mesh, spec.parallel.model_copy(update={"compile": False}), precision)
 
 

@@ -83,14 +83,17 @@ def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[i
 
 
 def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
-                    task: Task, pad: int, device: torch.device, batch_size: int = 16) -> GenerationScores | None:
-    """Greedy-generate an answer for each distinct question of `examples` (split over ranks) with the task's
-    prompt; rank 0 returns the task's scores of them, other ranks None. The task must have a metric."""
+                    task: Task, pad: int, device: torch.device, batch_size: int = 16,
+                    tp: int = 1) -> GenerationScores | None:
+    """Greedy-generate an answer for each distinct question of `examples` (split over the data-parallel ranks:
+    `tp` consecutive ranks generate the same questions together) with the task's prompt; rank 0 returns the
+    task's scores of them, other ranks None. The task must have a metric."""
     assert task.score is not None, f"task {task.name} has no generation metric"
     examples = unique_questions(examples)
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = -(-len(examples) // world)
-    mine = list(range(rank * per_rank, min(len(examples), (rank + 1) * per_rank)))
+    dp_rank, dp_world = rank // tp, world // tp
+    per_rank = -(-len(examples) // dp_world)
+    mine = list(range(dp_rank * per_rank, min(len(examples), (dp_rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)
     model.eval()
     fmt = spec.data.prompt_format

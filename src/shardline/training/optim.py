@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardline.spec import TrainSpec
@@ -30,3 +31,23 @@ def lr_factor(step: int, spec: TrainSpec) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: TrainSpec) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, spec))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's `clip_grad_norm_` (L2, foreach) over parameters on several device meshes: with tensor parallel the
+    blocks' projections live on (dp × tp) and the replicated rest on dp alone, and one norm cannot mix them.
+    Each mesh's norm is completed over its own ranks, then combined; returns the total norm (a plain tensor)."""
+    grads: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grads.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = []
+    for group in grads.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with implicit_replication():  # the plain coefficient multiplies each mesh's gradients alike
+        for group in grads.values():
+            torch._foreach_mul_(group, coef.to(group[0].device))
+    return total

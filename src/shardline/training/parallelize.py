@@ -1,4 +1,4 @@
-"""Apply parallelism to a plain model, in torchtitan's fixed order:
+"""Apply parallelism to a plain model, in torchtitan's fixed order: tensor parallel (`parallel.tp`) →
 activation checkpointing → per-block torch.compile → FSDP2 / HSDP (`fully_shard` per block, then the root).
 """
 
@@ -15,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from shardline.errors import ShardlineError
 from shardline.model.build import causal_lm, decoder_layers
 from shardline.spec import ParallelSpec, Precision
+from shardline.training.tensor_parallel import apply_tensor_parallel
 
 # Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
 # recomputes everything else (norms, activations, rotary, residual adds) in backward.
@@ -28,12 +29,25 @@ SAVED_OPS = {
 }
 
 
-def data_parallel_mesh(spec: ParallelSpec, world: int, device_type: str) -> DeviceMesh:
-    """1-D mesh for FSDP; 2-D (replicate × shard) for HSDP."""
-    shard = spec.dp_shard or world // spec.dp_replicate
-    if spec.dp_replicate == 1:
-        return init_device_mesh(device_type, (shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (spec.dp_replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+def device_mesh(spec: ParallelSpec, world: int, device_type: str) -> DeviceMesh:
+    """The job's mesh: `dp_shard` for FSDP, `dp_replicate × dp_shard` for HSDP, and a trailing `tp` dimension
+    when tensor parallel (tp innermost: a tensor-parallel group is consecutive ranks, inside one node)."""
+    shard = spec.dp_shard or world // (spec.dp_replicate * spec.tp)
+    dims = [("dp_replicate", spec.dp_replicate)] if spec.dp_replicate > 1 else []
+    dims += [("dp_shard", shard)] + ([("tp", spec.tp)] if spec.tp > 1 else [])
+    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions FSDP/HSDP shard and replicate over (all but `tp`)."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh[names] if names != mesh.mesh_dim_names else mesh
+
+
+def data_parallel_rank(rank: int, world: int, tp: int) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number). `tp` is the mesh's innermost dimension,
+    so tensor-parallel peers are consecutive ranks: they share one index, and so read the same rows."""
+    return rank // tp, world // tp
 
 
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
@@ -64,12 +78,14 @@ def _offload_policy(spec: ParallelSpec, device_type: str) -> OffloadPolicy:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
+    if spec.tp > 1:  # torchtitan's order: tensor parallel on the plain modules first
+        apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec)
     layers = decoder_layers(model)
     if spec.compile:
         for layer in layers:
             layer.compile()
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mixed_precision(precision),
+    shard = partial(fully_shard, mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision(precision),
                     offload_policy=_offload_policy(spec, mesh.device_type))
     for i, layer in enumerate(layers):
         _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)

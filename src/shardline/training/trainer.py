@@ -55,8 +55,9 @@ from shardline.training.distributed import DistContext
 from shardline.training.evaluate import generation_eval, token_loss_sum, validation_loss
 from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
-from shardline.training.optim import build_optimizer, build_scheduler
-from shardline.training.parallelize import data_parallel_mesh, parallelize
+from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from shardline.training.parallelize import data_parallel_rank, device_mesh, parallelize
+from shardline.training.tensor_parallel import check_tensor_parallel
 from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
@@ -99,7 +100,9 @@ class Trainer:
         windows = layer_windows(cfg)
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
-        self.mesh = data_parallel_mesh(spec.parallel, ctx.world, ctx.device.type)
+        check_tensor_parallel(cfg, spec.parallel.tp, spec.model.lora.enabled)
+        self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
+        self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
@@ -107,7 +110,7 @@ class Trainer:
         self.rows = data.rows("train")
         t = spec.train
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
-                                   ctx.world)
+                                   self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
         self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
                                          on_gpu=ctx.device.type == "cuda")
@@ -161,6 +164,9 @@ class Trainer:
             f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
+        if self.spec.parallel.tp > 1:
+            self._say(f"tensor parallel: {self._tensor_parallel_weights()} weights split over tp="
+                      f"{self.spec.parallel.tp}, FSDP over {self.dp_world} data-parallel ranks")
         if self.chose_precision:  # a local launch said its choice when it created the run
             self._say(f"precision {t.precision}: {self.precision.reason}")
         if self.precision_warning:
@@ -179,7 +185,8 @@ class Trainer:
         self._event(event="setup", family=self.family.name, flops_per_token=self.flops_per_token, formula=FORMULA,
                     planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
-                    world=self.ctx.world, dataset_version=self.data.version,
+                    world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
+                    tensor_parallel_weights=self._tensor_parallel_weights(), dataset_version=self.data.version,
                     process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -211,6 +218,11 @@ class Trainer:
         self._flush_checkpoint_events()
         self.record_goodput()
         self.phase = phase
+
+    def _tensor_parallel_weights(self) -> int:
+        """How many parameters are split over the mesh's `tp` dimension (0 without tensor parallel)."""
+        return sum(1 for p in self.model.parameters()
+                   if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()))
 
     def record_goodput(self) -> Goodput | None:
         """Rank 0: the run's goodput so far (every attempt, from metrics.jsonl and the manifest) as a `goodput`
@@ -291,7 +303,7 @@ class Trainer:
         maybe_fail("train_step", ctx.rank, self.step + 1)
         self.profiler.before_step(self.step + 1)
         with record_function("shardline.data"):
-            indices = [self.sampler.micro_indices(self.step, k, ctx.rank) for k in range(self.sampler.accum)]
+            indices = [self.sampler.micro_indices(self.step, k, self.dp_rank) for k in range(self.sampler.accum)]
             batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
             self._trace_samples(indices)
         data_wait = time.perf_counter() - start
@@ -309,20 +321,18 @@ class Trainer:
             if ctx.device.type == "cuda":  # NCCL returns before the peers arrive: wait here, so `waited` is it
                 torch.cuda.synchronize(ctx.device)
             waited = time.perf_counter() - arrived  # for slower peers: not this rank's own step time
+            counts /= self.spec.parallel.tp  # tensor-parallel peers counted the same rows
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in batches:
             with record_function("shardline.forward"):
                 micro_loss = token_loss_sum(self.model, batch, self.spec.train.loss_chunk_tokens)
             with record_function("shardline.backward"):
-                (micro_loss * (ctx.world / loss_tokens)).backward()
+                (micro_loss * (self.dp_world / loss_tokens)).backward()  # FSDP averages over dp
             loss_sum += micro_loss.detach().double()
         with record_function("shardline.clip"):
             max_norm = self.spec.train.max_grad_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], max_norm, foreach=True
-            )
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm)
         lr = self.scheduler.get_last_lr()[0]
         with record_function("shardline.optimizer"):
             self.optimizer.step()
@@ -332,7 +342,7 @@ class Trainer:
             own = own_step_seconds(start, waited, ctx.device)
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
             dist.all_reduce(reduced)
-            loss = float(reduced[0] / loss_tokens)  # synchronises: the step is complete
+            loss = float(reduced[0] / self.spec.parallel.tp / loss_tokens)  # synchronises: the step is complete
             stragglers = straggler_fields(reduced[1:].tolist())
         if table := self.profiler.after_step(self.step + 1):
             self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
@@ -395,7 +405,7 @@ class Trainer:
         maybe_fail("validation", self.ctx.rank, self.step)
         started = time.perf_counter()
         rows = self.data.rows("validation")
-        batches = eval_batches(rows, self.spec.train.micro_batch_size, self.ctx.rank, self.ctx.world)
+        batches = eval_batches(rows, self.spec.train.micro_batch_size, self.dp_rank, self.dp_world)
         loss = validation_loss(self.model, batches, self.ctx.device, self.spec.train.loss_chunk_tokens)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss,
@@ -500,7 +510,7 @@ class Trainer:
         maybe_fail("sql_evaluation", self.ctx.rank, self.step)
         start = time.perf_counter()
         result = generation_eval(self.model, self.tokenizer, examples, self.spec, self.task,
-                                 self.data.meta["pad_id"], self.ctx.device)
+                                 self.data.meta["pad_id"], self.ctx.device, tp=self.spec.parallel.tp)
         if result is None:
             return {}
         seconds = time.perf_counter() - start

@@ -1,0 +1,55 @@
+"""Tensor parallelism inside a node (`parallel.tp`), with torch's DTensor plans: each decoder block's attention
+and MLP projections column-wise then row-wise (Megatron's layout), so a block needs one all-reduce forward and one
+backward per sublayer. Embeddings, norms and the output projection stay replicated within the tensor-parallel
+group; FSDP2 then shards every parameter (tensor-parallel shards included) over the data-parallel ranks.
+
+Attention keeps working on the local heads: transformers' attention modules reshape with `-1` heads, so a rank
+holding 1/tp of the q/k/v columns runs its own heads and kv-heads (the spec rules require tp to divide both).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from shardline.errors import SpecError
+from shardline.model.build import decoder_layers
+from shardline.model.families import family_of
+
+COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def check_tensor_parallel(config, tp: int, lora: bool) -> None:
+    """Named errors for what this tensor-parallel plan cannot split (checked on the real model config)."""
+    if tp == 1:
+        return
+    family = family_of(config)
+    if family.fused:
+        raise SpecError("parallel.tp", f"{family.name} fuses q/k/v and gate/up into one projection each, which a "
+                        "column-wise split would cut across q, k and v", "set parallel.tp=1 for this family "
+                        "(FSDP alone), or use a model with separate projections")
+    if lora:
+        raise SpecError("parallel.tp", "LoRA adapters wrap the projections tensor parallelism splits, and that "
+                        "combination is not supported", "set parallel.tp=1 for LoRA (the frozen base shards with "
+                        "FSDP alone), or train without model.lora")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide the model's {name}={count}: each rank must hold "
+                            "whole heads", f"choose a tp that divides {heads} and {kv_heads}")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every decoder block's projections over `tp_mesh` (in place; names and module types unchanged)."""
+    plan = {name: ColwiseParallel() for name in COLUMNWISE} | {name: RowwiseParallel() for name in ROWWISE}
+    for i, layer in enumerate(decoder_layers(model)):
+        for name in plan:
+            try:
+                layer.get_submodule(name)
+            except AttributeError as e:
+                raise SpecError("parallel.tp", f"decoder block {i} ({type(layer).__name__}) has no {name}, which "
+                                "the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
+        parallelize_module(layer, tp_mesh, plan)

@@ -1,0 +1,128 @@
+"""Tensor parallel (`parallel.tp`) on real 4-process gloo runs: FSDP × TP trains the same losses as FSDP alone,
+survives kill -9 with exact resume, reshards its checkpoints to another (dp, tp) layout, and exports a model
+transformers loads with the run's validation loss. The spec rules name each broken layout."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Phi3Config
+
+from shardline.data.prepare import PreparedData
+from shardline.errors import SpecError
+from shardline.spec.resolve import load_spec
+from shardline.training.optim import clip_grad_norm
+from shardline.training.tensor_parallel import check_tensor_parallel
+from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.oracle import unpacked_loss
+from tests.train.test_preemption import _losses, _start, _wait_for_step, _workers
+
+STEPS = 8
+COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "checkpoint.every_steps=4", "train.lr=1e-2",
+          "train.global_batch_size=8", "train.micro_batch_size=2", "observe.report=false"]
+
+
+def test_tp_must_divide_the_node_the_world_and_the_heads():
+    with pytest.raises(SpecError, match="parallel.tp: 3 does not divide parallel.nproc_per_node=4"):
+        load_spec("tiny", ["parallel.nproc_per_node=4", "parallel.tp=3", "train.global_batch_size=32"])
+    with pytest.raises(SpecError, match="parallel.tp: 8 does not divide model.arch.num_heads=4"):
+        load_spec("tiny", ["parallel.nproc_per_node=8", "parallel.tp=8", "train.global_batch_size=32",
+                           "model.arch.num_heads=4", "model.arch.num_kv_heads=4"])
+    with pytest.raises(SpecError, match=r"dp_replicate × dp_shard × tp = 2 × 1 × 2 does not equal the world size 8"):
+        load_spec("tiny", ["parallel.nproc_per_node=8", "parallel.tp=2", "parallel.dp_replicate=2",
+                           "parallel.dp_shard=1", "train.global_batch_size=32"])
+    # the batch divides over data-parallel ranks: 4 ranks at tp 2 are 2 data-parallel ranks
+    with pytest.raises(SpecError, match=r"data-parallel ranks \(world size 4 ÷ parallel.tp 2\)"):
+        load_spec("tiny", ["parallel.nproc_per_node=4", "parallel.tp=2", "train.micro_batch_size=3",
+                           "train.global_batch_size=8"])
+    spec = load_spec("tiny", ["parallel.nproc_per_node=4", "parallel.tp=2", "train.micro_batch_size=2",
+                              "train.global_batch_size=4"])
+    assert spec.parallel.tp == 2 and spec.world_size == 4
+
+
+def test_fused_projections_and_lora_are_refused_by_name():
+    phi3 = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=256)
+    with pytest.raises(SpecError, match="Phi-3 fuses q/k/v"):
+        check_tensor_parallel(phi3, 2, lora=False)
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256)
+    with pytest.raises(SpecError, match="LoRA adapters wrap the projections"):
+        check_tensor_parallel(llama, 2, lora=True)
+    with pytest.raises(SpecError, match="4 does not divide the model's num_key_value_heads=2"):
+        check_tensor_parallel(llama, 4, lora=False)
+    check_tensor_parallel(llama, 2, lora=False)
+    check_tensor_parallel(phi3, 1, lora=True)  # tp 1: nothing to check
+
+
+def test_clipping_over_several_meshes_equals_torchs_clip_on_plain_tensors():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 4
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twins, params, strict=True):
+        t.grad = p.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(twins, 1.0, foreach=True)
+    got = clip_grad_norm(params, 1.0)
+    torch.testing.assert_close(got, expected)
+    for t, p in zip(twins, params, strict=True):
+        torch.testing.assert_close(p.grad, t.grad)
+
+
+def _sets(runs: Path, *extra: str) -> list[str]:
+    return [a for o in [*small_overrides(runs), *COMMON, *extra] for a in ("--set", o)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    """FSDP alone on the same 4 ranks: the losses tensor parallel must reproduce."""
+    runs = tmp_path_factory.mktemp("fsdp4")
+    out = run_cli("train", *_sets(runs), "--nproc", "4")
+    assert out.returncode == 0, out.stdout[-3000:]
+    return _losses(only_run(runs))
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fsdp_reference):
+    runs = tmp_path / "tp"
+    proc = _start(runs, *COMMON, "parallel.tp=2", "launch.max_restarts=1", nproc=4)
+    run = _wait_for_step(runs, 6, proc, committed=4)
+    os.kill(_workers(run)[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
+    setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
+    # 2 blocks × (q, k, v, o, gate, up, down) split over tp; FSDP over the other 2 ranks
+    assert setup["mesh"] == {"dp_shard": 2, "tp": 2} and setup["tensor_parallel_weights"] == 14
+    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resumes and resumes[0]["step"] == 4 and resumes[0]["rng_restored"]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in fsdp_reference.items():  # TP only changes the order of sums: fp32 rounding
+        assert losses[step] == pytest.approx(loss, rel=2e-5), step
+    # The rows each data-parallel rank trained: tensor-parallel peers (ranks 0-1, 2-3) read the same ones.
+    traces = {r: [json.loads(line)["rows"] for line in (run / "logs" / f"samples-rank-{r}.jsonl").open()]
+              for r in range(4)}
+    assert traces[0] == traces[1] and traces[2] == traces[3] and traces[0] != traces[2]
+
+    # The step-4 checkpoint of FSDP 2 × TP 2 resumes as FSDP 4 (tp 1) with the same losses.
+    reshard = tmp_path / "reshard"
+    out = run_cli("train", *_sets(reshard, f"checkpoint.resume_from={run}@4"), "--nproc", "4")
+    assert out.returncode == 0, out.stdout[-3000:]
+    resumed = _losses(only_run(reshard))
+    assert sorted(resumed) == list(range(5, STEPS + 1))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(fsdp_reference[step], rel=2e-5), step
+
+    # Export: one Hugging Face model, which transformers loads with the run's validation loss.
+    assert run_cli("export", str(run), "--out", str(tmp_path / "hf")).returncode == 0
+    val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
+    data = PreparedData(runs.parent / "prepared-cache" / json.loads((run / "manifest.json").read_text())
+                        ["dataset_version"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert unpacked_loss(model, data) == pytest.approx(val, rel=1e-5)
