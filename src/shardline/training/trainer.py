@@ -57,11 +57,11 @@ from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardline.training.parallelize import data_parallel_rank, device_mesh, parallelize
-from shardline.training.tensor_parallel import check_tensor_parallel
 from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
 from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
+from shardline.training.tensor_parallel import check_tensor_parallel
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
