@@ -142,7 +142,7 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.api import plan as plan_spec
-    from shardline.planning.memory import gib, plan_rows, suggest
+    from shardline.planning.memory import gib, layout_name, plan_rows, suggest
     from shardline.precision import choose_precision
 
     spec = _resolve(args)
@@ -157,7 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
                                        if p.activation_checkpointing_every > 1 else "")
-    layout = f"HSDP {p.dp_replicate}×{plan.dp_shard}" if p.dp_replicate > 1 else f"FSDP ×{plan.dp_shard}"
+    layout = layout_name(p.dp_replicate, plan.dp_shard, p.tp)
     console.print(
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from shardline.api import DryRun, dry_run
 from shardline.errors import EXIT_OK
-from shardline.planning.memory import gib
+from shardline.planning.memory import gib, layout_name
 from shardline.spec import JobSpec
 
 UNSEEN = ("not seen by the simulation: CUDA context and workspaces, NCCL buffers, allocator fragmentation, "
@@ -24,7 +24,7 @@ def _pct(planned: float | None, simulated: float) -> str:
 
 def print_dry_run(run: DryRun, console: Console) -> None:
     r = run.result
-    layout = f"HSDP {r['dp_replicate']}×{r['dp_shard']}" if r["dp_replicate"] > 1 else f"FSDP ×{r['dp_shard']}"
+    layout = layout_name(r["dp_replicate"], r["dp_shard"], r.get("tp", 1))
     console.print(f"dry run: rank {r['rank']} of world {r['world']} ({layout}, {r['precision']}), torch {r['torch']}, "
                   f"sharded in {r['sharding_seconds']:.1f} s" + (f", step simulated in {r['step_seconds']:.0f} s"
                                                                    if "step" in r else ""), highlight=False)

@@ -29,10 +29,12 @@ from tests.conftest import REPO
 UNDER, OVER = 0.10, 0.25  # the planner may be at most 10 % below the simulated peak, 25 % above it
 HUB = ("llama-3.1-8b-lora", "llama-3.1-70b-fsdp")
 FAMILY_PRESETS = ("qwen3-8b-lora", "mistral-7b-lora", "gemma-3-12b-lora")  # step simulations at reduced depth
+LONG_PRESETS = ("llama-3.1-70b-fsdp-tp8", "llama-3.1-8b-32k")  # tensor parallel, long context: the same
 DEPTH = 4  # decoder blocks of the step simulations of the hub presets
 WORLDS = (8, 64, 256)
 CASES = ([{"preset": "tiny", "step": True}]
-         + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS)]
+         + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS, *LONG_PRESETS)]
+         + [{"preset": "llama-3.1-70b-fsdp-tp8", "step": False}]
          + [{"preset": p, "world": w, "step": False} for p in HUB for w in WORLDS]
          + [{"preset": "llama-3.1-70b-fsdp", "world": 256, "step": False,
              "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}])
@@ -40,7 +42,7 @@ CASES = ([{"preset": "tiny", "step": True}]
 
 def test_every_preset_is_covered():
     torch_presets = {n for n in preset_names() if load_spec(n).train.engine == "torch"}
-    assert torch_presets == {"tiny", *HUB, *FAMILY_PRESETS}, "a new preset needs its case in CASES"
+    assert torch_presets == {"tiny", *HUB, *FAMILY_PRESETS, *LONG_PRESETS}, "a new preset needs its case in CASES"
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_tiny_simulated_step_is_within_bounds_of_the_plan(results):
     assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r
 
 
-@pytest.mark.parametrize("preset", [*HUB, *FAMILY_PRESETS])
+@pytest.mark.parametrize("preset", [*HUB, *FAMILY_PRESETS, *LONG_PRESETS])
 def test_hub_preset_simulated_peak_is_within_bounds_of_the_plan_at_reduced_depth(results, preset):
     r = result(results, preset=preset, layers=DEPTH, step=True)
     assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r
@@ -102,6 +104,20 @@ def test_hsdp_shards_over_its_shard_dimension_only(results):
                values={"parallel.dp_replicate": 4, "parallel.dp_shard": 64})
     assert (r["dp_replicate"], r["dp_shard"]) == (4, 64)
     assert r["sharding"]["params"] == r["planned"]["params"] == 4 * 70_553_706_496 / 64
+
+
+def test_tensor_parallel_shards_each_block_over_tp_and_the_rest_over_fsdp_as_planned(results):
+    """70B at world 64 = FSDP 8 × TP 8: rank 0 holds 1/64 of every block's projections and 1/8 of the norms,
+    embeddings and head (whole within its TP group); the planner counts the same bytes."""
+    r = result(results, preset="llama-3.1-70b-fsdp-tp8", step=False)
+    assert (r["dp_shard"], r["tp"]) == (8, 8)
+    s, plan = r["sharding"], r["planned"]
+    assert s["padding"] == 0 and s["notes"] == []
+    assert (s["params"], s["grads"], s["optimizer"]) == (plan["params"], plan["grads"], plan["optimizer"])
+    assert s["gather_buffers"] == plan["gather_buffers"]
+    d, v, layers = 8192, 128256, 80
+    whole = 2 * v * d + d + layers * 2 * d  # embeddings, head, final norm, the blocks' norms: over FSDP only
+    assert s["params"] == 4 * ((70_553_706_496 - whole) / 64 + whole / 8)
 
 
 def test_flops_counted_on_the_simulated_step_equal_model_flops_less_the_norm_weights(results):

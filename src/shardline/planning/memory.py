@@ -1,6 +1,8 @@
 """Memory planner: per-device bytes of a training job from its spec, without building the model.
 
 Symbols: P parameters (P_t trainable), S = parallel.dp_shard (FSDP shards; HSDP replicas hold copies),
+t = parallel.tp (each block's projections, attention heads and MLP columns ÷ t per rank: `tensor_parallel_shape`;
+hidden-size activations, norms, embeddings and the head whole — no sequence parallel, no loss parallel),
 c = compute bytes (2 bf16, 4 fp32), N = micro_batch_size × seq_len tokens, L layers, d hidden,
 I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -154,6 +156,26 @@ def shape_config(s: ModelShape) -> PretrainedConfig:
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def tensor_parallel_shape(s: ModelShape, tp: int) -> ModelShape:
+    """The block one rank of a `tp`-way tensor-parallel group holds: its heads, kv-heads and MLP columns (the
+    projections split column- then row-wise); hidden-size tensors (norms, block inputs, embeddings, the head)
+    stay whole, as without sequence parallel they do."""
+    if tp == 1:
+        return s
+    if s.heads % tp or s.kv_heads % tp or s.intermediate % tp:
+        raise SpecError("parallel.tp", f"{tp} does not divide the model's heads ({s.heads}), kv-heads "
+                        f"({s.kv_heads}) and intermediate size ({s.intermediate})",
+                        "choose a tp that divides all three")
+    return replace(s, heads=s.heads // tp, kv_heads=s.kv_heads // tp, intermediate=s.intermediate // tp,
+                   head_dim=s.hd)
+
+
+def layout_name(dp_replicate: int, dp_shard: int, tp: int) -> str:
+    """How `plan` and the dry run name a parallel layout: `FSDP ×8`, `HSDP 2×8`, `FSDP ×4 × TP 8`."""
+    data = f"HSDP {dp_replicate}×{dp_shard}" if dp_replicate > 1 else f"FSDP ×{dp_shard}"
+    return data + (f" × TP {tp}" if tp > 1 else "")
 
 
 def block_linears(s: ModelShape) -> tuple[str, ...]:
@@ -337,9 +359,11 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine)."""
     dev = _as_device(device)
     shape = model_shape(spec.model)
-    pb = param_budget(shape, spec.model.lora)
     p, t, lora = spec.parallel, spec.train, spec.model.lora
-    shard = p.dp_shard or spec.world_size // p.dp_replicate
+    real = param_budget(shape, lora)
+    shape = tensor_parallel_shape(shape, p.tp)  # what one rank of a tensor-parallel group holds and computes
+    pb = param_budget(shape, lora)
+    shard = p.dp_shard or spec.world_size // (p.dp_replicate * p.tp)
     c = 2 if choose_precision(t.precision, accelerator=dev.kind != "cpu").precision == "bf16" else 4
     n = t.micro_batch_size * t.seq_len
     d, v = shape.hidden, shape.vocab
@@ -387,7 +411,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     return MemoryPlan(
         params=int(params), optimizer=int(opt), **parts,
         allocator=allocator, runtime=dev.runtime_bytes, phase=phase, device=dev, capacity_bytes=capacity,
-        host_offload_bytes=int(host), total_params=pb.total, trainable_params=pb.trainable, dp_shard=shard,
+        host_offload_bytes=int(host), total_params=real.total, trainable_params=real.trainable, dp_shard=shard,
         saved_activations=int(saved), family=shape.family,
     )
 
@@ -453,7 +477,7 @@ def _candidates(spec: JobSpec, device: Device):
                             change["launch.nnodes"] = spec.launch.nnodes * factor
                         if replicate != p.dp_replicate or factor > 1 or p.dp_shard is not None:
                             change["parallel.dp_replicate"] = replicate
-                            change["parallel.dp_shard"] = world * factor // replicate
+                            change["parallel.dp_shard"] = world * factor // (replicate * p.tp)
                         if offload:
                             change["parallel.offload"] = True
                         if mb != t.micro_batch_size:

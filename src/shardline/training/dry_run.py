@@ -23,7 +23,14 @@ from shardline.model.build import causal_lm, hf_attention, llama_config, model_c
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora
 from shardline.planning.devices import Device
-from shardline.planning.memory import COMPONENTS, model_shape, param_budget, plan_memory, shape_config
+from shardline.planning.memory import (
+    COMPONENTS,
+    model_shape,
+    param_budget,
+    plan_memory,
+    shape_config,
+    tensor_parallel_shape,
+)
 from shardline.precision import choose_precision
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
@@ -110,8 +117,9 @@ def at_world(spec: JobSpec, world: int | None) -> JobSpec:
                         f"use a multiple of {per_node}")
     data = spec.model_dump(mode="json")
     data["launch"]["nnodes"], data["launch"]["min_nnodes"] = world // per_node, None
-    data["parallel"]["dp_shard"] = None if spec.parallel.dp_shard is None else world // spec.parallel.dp_replicate
-    data["train"]["global_batch_size"] = world * spec.train.micro_batch_size * spec.grad_accum_steps
+    p = spec.parallel
+    data["parallel"]["dp_shard"] = None if p.dp_shard is None else world // (p.dp_replicate * p.tp)
+    data["train"]["global_batch_size"] = world // p.tp * spec.train.micro_batch_size * spec.grad_accum_steps
     return JobSpec.model_validate(data)
 
 
@@ -119,7 +127,7 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
     """The planner's numbers beside the simulation's: its sharded state, and its peak without what a simulation
     cannot see (runtime, allocator retention)."""
     plan = plan_memory(spec, device)
-    pb = param_budget(model_shape(spec.model), spec.model.lora)
+    pb = param_budget(tensor_parallel_shape(model_shape(spec.model), spec.parallel.tp), spec.model.lora)
     shard = plan.dp_shard
     seen = sum(getattr(plan, f) for f in COMPONENTS if f not in ("allocator", "runtime"))
     return {"device": plan.device.name, "params": 4 * pb.total / shard, "grads": 4 * pb.trainable / shard,
@@ -148,7 +156,9 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
     precision = choose_precision(spec.train.precision, accelerator=device.kind != "cpu").precision
     c = 2 if precision == "bf16" else 4
     result: dict = {"world": spec.world_size, "rank": rank, "dp_replicate": spec.parallel.dp_replicate,
-                    "dp_shard": spec.parallel.dp_shard or spec.world_size // spec.parallel.dp_replicate,
+                    "dp_shard": spec.parallel.dp_shard or spec.world_size // (spec.parallel.dp_replicate
+                                                                              * spec.parallel.tp),
+                    "tp": spec.parallel.tp,
                     "precision": precision, "torch": torch.__version__, "kernels": KERNELS,
                     "planned": _planned(spec, device, c),
                     "planned_cpu_kernels": _planned(spec, Device("CPU kernels", device.memory_bytes, "cpu"), c)}

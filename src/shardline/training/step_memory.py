@@ -27,7 +27,7 @@ from shardline.model.families import layer_windows
 from shardline.spec import TrainSpec
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.fake_world import fake_tensor_mode, mem_tracker_class
-from shardline.training.optim import build_optimizer
+from shardline.training.optim import build_optimizer, clip_grad_norm
 
 CPU = torch.device("cpu")
 
@@ -58,7 +58,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, b
         mark("forward and loss")
         loss.backward()
         mark("backward" if i == len(batches) - 1 else f"micro-batch {i + 1}")
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], spec.max_grad_norm)
+    clip_grad_norm([p for p in model.parameters() if p.requires_grad], spec.max_grad_norm or float("inf"))
     mark("gradient clipping")
     optimizer.step()
     mark("optimizer step")
