@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node=2 tests/model/families_worker.py JOBS.json
 
 For each job (a family's spec): one Trainer step on this rank's share of the global batch; rank 0 writes the
-logged loss and every rank's rows to `<out>.json` and the full parameters after the step to `<out>` (safetensors).
+logged loss and each rank's rows to `<out>.json` and the full parameters after the step to `<out>` (safetensors).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def main(jobs_file: str) -> None:
                       for n, p in trainer.model.named_parameters()}
             if ctx.is_main:
                 out = Path(job["out"])
-                out.with_suffix(".json").write_text(json.dumps({"loss": record.loss,
-                                                                "rows": [r for rs in rows for r in rs]}))
+                out.with_suffix(".json").write_text(json.dumps({"loss": record.loss, "rows_by_rank": rows}))
                 save_file(params, out)
 
 

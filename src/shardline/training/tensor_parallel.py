@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from shardline.errors import SpecError
-from shardline.model.build import decoder_layers
+from shardline.model.build import causal_lm, decoder_layers
 from shardline.model.families import family_of
 
 COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+"""QK-norm (Qwen3, Gemma 3): one weight over head_dim, applied to every head. A rank sees only its own heads, so
+its weight gradient is a partial sum: the norm's input is marked sharded on the heads dimension ([B, T, H, D]:
+dim 2), which makes the gradient of the replicated weight an all-reduce over the tensor-parallel group."""
 
 
 def check_tensor_parallel(config, tp: int, lora: bool) -> None:
@@ -45,6 +49,8 @@ def check_tensor_parallel(config, tp: int, lora: bool) -> None:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split every decoder block's projections over `tp_mesh` (in place; names and module types unchanged)."""
     plan = {name: ColwiseParallel() for name in COLUMNWISE} | {name: RowwiseParallel() for name in ROWWISE}
+    if family_of(causal_lm(model).config).qk_norm:
+        plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS}
     for i, layer in enumerate(decoder_layers(model)):
         for name in plan:
             try:
