@@ -5,18 +5,23 @@ transformers loads with the run's validation loss. The spec rules name each brok
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Phi3Config
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from shardline.data.prepare import PreparedData
 from shardline.errors import SpecError
+from shardline.export import build_plain
+from shardline.rundir import create_run, read_spec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
 from shardline.training.tensor_parallel import check_tensor_parallel
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
 from tests.train.test_preemption import _losses, _start, _wait_for_step, _workers
 
@@ -43,21 +48,17 @@ def test_tp_must_divide_the_node_the_world_and_the_heads():
     assert spec.parallel.tp == 2 and spec.world_size == 4
 
 
-def test_fused_projections_and_lora_are_refused_by_name():
+def test_fused_projections_and_heads_tp_does_not_divide_are_refused_by_name():
     phi3 = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=256)
     with pytest.raises(SpecError, match="Phi-3 fuses q/k/v"):
-        check_tensor_parallel(phi3, 2, lora=False)
-    from transformers import LlamaConfig
-
+        check_tensor_parallel(phi3, 2)
     llama = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256)
-    with pytest.raises(SpecError, match="LoRA adapters wrap the projections"):
-        check_tensor_parallel(llama, 2, lora=True)
     with pytest.raises(SpecError, match="4 does not divide the model's num_key_value_heads=2"):
-        check_tensor_parallel(llama, 4, lora=False)
-    check_tensor_parallel(llama, 2, lora=False)
-    check_tensor_parallel(phi3, 1, lora=True)  # tp 1: nothing to check
+        check_tensor_parallel(llama, 4)
+    check_tensor_parallel(llama, 2)
+    check_tensor_parallel(phi3, 1)  # tp 1: nothing to check
 
 
 def test_clipping_over_several_meshes_equals_torchs_clip_on_plain_tensors():
@@ -126,3 +127,51 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
                         ["dataset_version"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert unpacked_loss(model, data) == pytest.approx(val, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
+    """LoRA's factors follow the split: lora_B column-wise beside a column-wise base, lora_A row-wise beside a
+    row-wise one, the other factor replicated. Without dropout FSDP 2 × TP 2 trains the losses FSDP ×4 trains, and
+    the exported adapter reloads with the run's validation loss."""
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "train.max_steps=4",
+            "checkpoint.every_steps=100"]
+    losses = {}
+    for name, extra in (("fsdp", []), ("tp", ["parallel.tp=2"])):
+        out = run_cli("train", *_sets(tmp_path / name, *lora, *extra), "--nproc", "4")
+        assert out.returncode == 0, out.stdout[-3000:]
+        losses[name] = _losses(only_run(tmp_path / name))
+    for step, loss in losses["fsdp"].items():
+        assert losses["tp"][step] == pytest.approx(loss, rel=2e-5), step
+    run = only_run(tmp_path / "tp")
+    assert run_cli("export", str(run), "--out", str(tmp_path / "adapter")).returncode == 0
+    spec = read_spec(run / "spec.yaml")
+    spec.model.lora.enabled = False
+    data = PreparedData(tmp_path / "prepared-cache" / json.loads((run / "manifest.json").read_text())
+                        ["dataset_version"])
+    base = build_plain(spec, data.meta["vocab_size"],
+                       json.loads((tmp_path / "adapter" / "shardline_base.json").read_text())["special_ids"])
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
+    assert unpacked_loss(model, data) == pytest.approx(val, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path):
+    """Norms, embeddings, the head and LoRA's replicated factors are copies on each TP rank: after 3 steps with
+    LoRA dropout (peers must draw the same masks) they must be bitwise equal across peers, or the ranks silently
+    train different models. (QK-norm, whose gradient is a partial sum over a rank's heads: tests/model.)"""
+    spec = load_spec("tiny", [*small_overrides(tmp_path / "runs"), *COMMON, "parallel.nproc_per_node=4",
+                              "parallel.tp=2", "model.lora.enabled=true", "model.lora.r=4",
+                              "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"])
+    spec, _ = create_run(spec)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(Path(__file__).with_name("tp_worker.py")), str(tmp_path / "spec.json"), "3", str(tmp_path / "out.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    diffs = json.loads((tmp_path / "out.json").read_text())
+    assert any("q_proj.lora_A" in n for n in diffs) and any("o_proj.lora_B" in n for n in diffs)
+    assert any("layernorm" in n for n in diffs) and any("embed_tokens" in n for n in diffs)
+    assert {n: d for n, d in diffs.items() if d != 0} == {}

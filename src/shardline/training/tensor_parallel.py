@@ -25,7 +25,7 @@ its weight gradient is a partial sum: the norm's input is marked sharded on the 
 dim 2), which makes the gradient of the replicated weight an all-reduce over the tensor-parallel group."""
 
 
-def check_tensor_parallel(config, tp: int, lora: bool) -> None:
+def check_tensor_parallel(config, tp: int) -> None:
     """Named errors for what this tensor-parallel plan cannot split (checked on the real model config)."""
     if tp == 1:
         return
@@ -34,10 +34,6 @@ def check_tensor_parallel(config, tp: int, lora: bool) -> None:
         raise SpecError("parallel.tp", f"{family.name} fuses q/k/v and gate/up into one projection each, which a "
                         "column-wise split would cut across q, k and v", "set parallel.tp=1 for this family "
                         "(FSDP alone), or use a model with separate projections")
-    if lora:
-        raise SpecError("parallel.tp", "LoRA adapters wrap the projections tensor parallelism splits, and that "
-                        "combination is not supported", "set parallel.tp=1 for LoRA (the frozen base shards with "
-                        "FSDP alone), or train without model.lora")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
@@ -46,16 +42,30 @@ def check_tensor_parallel(config, tp: int, lora: bool) -> None:
                             "whole heads", f"choose a tp that divides {heads} and {kv_heads}")
 
 
+def _split(layer: nn.Module, name: str, style: type[ColwiseParallel] | type[RowwiseParallel]) -> dict:
+    """The plan entries of one projection: the linear itself, or under LoRA (peft's wrapper, `base_layer` inside)
+    the frozen base and the adapter factor on the split side: column-wise the base and lora_B (its output
+    columns; lora_A sees the whole input, replicated), row-wise the base and lora_A (its input columns, summed
+    by the same all-reduce; lora_B then sees a whole, replicated input)."""
+    module = layer.get_submodule(name)
+    if not hasattr(module, "base_layer"):
+        return {name: style()}
+    split = "lora_B" if style is ColwiseParallel else "lora_A"
+    return {f"{name}.base_layer": style()} | {f"{name}.{split}.{adapter}": style() for adapter in getattr(module, split)}
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split every decoder block's projections over `tp_mesh` (in place; names and module types unchanged)."""
-    plan = {name: ColwiseParallel() for name in COLUMNWISE} | {name: RowwiseParallel() for name in ROWWISE}
-    if family_of(causal_lm(model).config).qk_norm:
-        plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS}
+    qk_norm = family_of(causal_lm(model).config).qk_norm
     for i, layer in enumerate(decoder_layers(model)):
-        for name in plan:
-            try:
-                layer.get_submodule(name)
-            except AttributeError as e:
-                raise SpecError("parallel.tp", f"decoder block {i} ({type(layer).__name__}) has no {name}, which "
-                                "the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
+        plan: dict = {}
+        for names, style in ((COLUMNWISE, ColwiseParallel), (ROWWISE, RowwiseParallel)):
+            for name in names:
+                try:
+                    plan |= _split(layer, name, style)
+                except AttributeError as e:
+                    raise SpecError("parallel.tp", f"decoder block {i} ({type(layer).__name__}) has no {name}, "
+                                    "which the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
+        if qk_norm:
+            plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS}
         parallelize_module(layer, tp_mesh, plan)

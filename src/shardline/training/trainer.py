@@ -88,7 +88,8 @@ class Trainer:
         self.task = get_task(spec.data.task)
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
-        torch.manual_seed(spec.train.seed + ctx.rank)
+        # per data-parallel rank: tensor-parallel peers draw the same dropout masks on their replicated inputs
+        torch.manual_seed(spec.train.seed + data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)[0])
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
@@ -100,7 +101,7 @@ class Trainer:
         windows = layer_windows(cfg)
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
-        check_tensor_parallel(cfg, spec.parallel.tp, spec.model.lora.enabled)
+        check_tensor_parallel(cfg, spec.parallel.tp)
         self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)

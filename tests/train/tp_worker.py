@@ -1,0 +1,45 @@
+"""torchrun worker for tests/train/test_tensor_parallel.py (a script; pytest does not collect it).
+
+    torchrun --standalone --nproc-per-node=4 tests/train/tp_worker.py SPEC.json STEPS OUT.json
+
+Trains STEPS steps of the spec (its run directory exists), then compares every parameter that tensor parallel
+leaves whole (norms, embeddings, the head, the LoRA factor beside a split one) across the ranks of each
+tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+
+from shardline.data.prepare import prepare
+from shardline.rundir import run_path
+from shardline.spec import JobSpec
+from shardline.training.distributed import distributed
+from shardline.training.trainer import Trainer
+
+
+def main(spec_file: str, steps: int, out: str) -> None:
+    with distributed() as ctx:
+        spec = JobSpec.model_validate_json(Path(spec_file).read_text())
+        trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
+        for _ in range(steps):
+            trainer.train_step()
+        whole = {n: p.full_tensor() for n, p in trainer.model.named_parameters()
+                 if isinstance(p, DTensor) and "tp" not in p.device_mesh.mesh_dim_names}
+        gathered = [None] * ctx.world
+        dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in whole.items()})
+        if ctx.is_main:
+            tp = spec.parallel.tp
+            diffs = {n: max(float((gathered[r][n] - gathered[r - r % tp][n]).abs().max()) for r in range(ctx.world))
+                     for n in whole}
+            Path(out).write_text(json.dumps(diffs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
