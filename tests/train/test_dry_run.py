@@ -34,7 +34,8 @@ DEPTH = 4  # decoder blocks of the step simulations of the hub presets
 WORLDS = (8, 64, 256)
 CASES = ([{"preset": "tiny", "step": True}]
          + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS, *LONG_PRESETS)]
-         + [{"preset": "llama-3.1-70b-fsdp-tp8", "step": False}]
+         + [{"preset": "llama-3.1-70b-fsdp-tp8", "step": False},
+            {"preset": "llama-3.1-8b-lora", "step": False, "values": {"parallel.tp": 2}}]
          + [{"preset": p, "world": w, "step": False} for p in HUB for w in WORLDS]
          + [{"preset": "llama-3.1-70b-fsdp", "world": 256, "step": False,
              "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}])
@@ -118,6 +119,16 @@ def test_tensor_parallel_shards_each_block_over_tp_and_the_rest_over_fsdp_as_pla
     d, v, layers = 8192, 128256, 80
     whole = 2 * v * d + d + layers * 2 * d  # embeddings, head, final norm, the blocks' norms: over FSDP only
     assert s["params"] == 4 * ((70_553_706_496 - whole) / 64 + whole / 8)
+
+
+def test_lora_under_tensor_parallel_shards_as_planned(results):
+    """8B LoRA at FSDP 4 × TP 2: the adapters' split factors (lora_B beside q/k/v, lora_A beside o) and replicated
+    ones (the other factor) are counted as the sharding code places them."""
+    r = result(results, preset="llama-3.1-8b-lora", step=False, values={"parallel.tp": 2})
+    s, plan = r["sharding"], r["planned"]
+    assert (r["dp_shard"], r["tp"]) == (4, 2)
+    assert (s["params"], s["grads"], s["optimizer"]) == (plan["params"], plan["grads"], plan["optimizer"])
+    assert s["gather_buffers"] == plan["gather_buffers"]
 
 
 def test_flops_counted_on_the_simulated_step_equal_model_flops_less_the_norm_weights(results):
