@@ -18,10 +18,9 @@ def check_combinations(spec: JobSections) -> None:
     per_step = data_parallel * t.micro_batch_size
     if t.global_batch_size % per_step:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
-        ranks = f"world size {world} ÷ parallel.tp {p.tp}" if p.tp > 1 else "world size"
         raise SpecError(
             "train.global_batch_size",
-            f"{t.global_batch_size} is not divisible by data-parallel ranks ({ranks}) × micro-batch = "
+            f"{t.global_batch_size} is not divisible by {data_parallel_ranks(world, p.tp)} × micro-batch = "
             f"{data_parallel} × {t.micro_batch_size} = {per_step}",
             f"use a multiple of {per_step} (e.g. --set train.global_batch_size={lower}) "
             "or change train.micro_batch_size / parallel.nproc_per_node",
@@ -82,6 +81,11 @@ MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a ha
 MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
 
 
+def data_parallel_ranks(world: int, tp: int) -> str:
+    """What the global batch is split over, as the batch errors name it."""
+    return f"data-parallel ranks (world size {world} ÷ parallel.tp {tp})" if tp > 1 else "world size"
+
+
 def check_tensor_parallel_degree(spec: JobSections) -> None:
     """tp splits a node's GPUs (its collectives run every layer: never across nodes) and the world."""
     p, world = spec.parallel, spec.world_size
@@ -134,11 +138,12 @@ def check_elastic(spec: JobSections) -> None:
 def check_batch_divides(spec: JobSections, worlds: Iterable[int], why: Callable[[int], str], fix: str) -> None:
     """The global batch splits into whole micro-batches on every world size in `worlds`; `why(world)` says why
     the job may run at that size."""
-    t = spec.train
+    t, tp = spec.train, spec.parallel.tp
     for world in worlds:
-        if t.global_batch_size % (world * t.micro_batch_size):
-            raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by world size × "
-                            f"micro-batch = {world} × {t.micro_batch_size} {why(world)}", fix)
+        if t.global_batch_size % (world // tp * t.micro_batch_size):
+            raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
+                            f"{data_parallel_ranks(world, tp)} × micro-batch = {world // tp} × {t.micro_batch_size} "
+                            f"{why(world)}", fix)
 
 
 def check_cost(spec: JobSections) -> None:
