@@ -51,7 +51,8 @@ def _split(layer: nn.Module, name: str, style: type[ColwiseParallel] | type[Roww
     if not hasattr(module, "base_layer"):
         return {name: style()}
     split = "lora_B" if style is ColwiseParallel else "lora_A"
-    return {f"{name}.base_layer": style()} | {f"{name}.{split}.{adapter}": style() for adapter in getattr(module, split)}
+    adapters = {f"{name}.{split}.{adapter}": style() for adapter in getattr(module, split)}
+    return {f"{name}.base_layer": style()} | adapters
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
