@@ -28,7 +28,7 @@ from shardline.model import sharded_load
 from shardline.model.build import build_model
 from shardline.spec import ModelSpec, ParallelSpec
 from shardline.training.distributed import distributed
-from shardline.training.parallelize import data_parallel_mesh, parallelize
+from shardline.training.parallelize import device_mesh, parallelize
 
 
 def write_checkpoint(path: Path, *, hidden: int = 2048, intermediate: int = 5632, layers: int = 18, heads: int = 16,
@@ -85,7 +85,7 @@ def load(out: Path, spec: ModelSpec, parallels: list[ParallelSpec], from_pretrai
                     from shardline.model.lora import apply_lora
 
                     model = apply_lora(model, spec.lora)
-            parallelize(model, data_parallel_mesh(parallel, ctx.world, ctx.device.type), parallel, "fp32")
+            parallelize(model, device_mesh(parallel, ctx.world, ctx.device.type), parallel, "fp32")
             if not from_pretrained:
                 sharded_load.materialize(model, spec, ctx.device)
             torch.distributed.barrier()

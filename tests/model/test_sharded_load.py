@@ -19,7 +19,7 @@ from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.spec import ModelSpec, ParallelSpec
-from shardline.training.parallelize import data_parallel_mesh, parallelize
+from shardline.training.parallelize import device_mesh, parallelize
 from tests.conftest import REPO, small_spec
 from tests.model.sharded_load_worker import fixed_input, write_checkpoint
 
@@ -42,7 +42,7 @@ def _sharded(spec: ModelSpec) -> torch.nn.Module:
     if spec.lora.enabled:
         model = apply_lora(model, spec.lora)
     parallel = ParallelSpec()
-    parallelize(model, data_parallel_mesh(parallel, 1, "cpu"), parallel, "fp32")
+    parallelize(model, device_mesh(parallel, 1, "cpu"), parallel, "fp32")
     materialize(model, spec, torch.device("cpu"))
     return model
 

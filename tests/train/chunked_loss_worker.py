@@ -27,7 +27,7 @@ from shardline.spec import ParallelSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.distributed import distributed
 from shardline.training.evaluate import token_loss_sum
-from shardline.training.parallelize import data_parallel_mesh, parallelize
+from shardline.training.parallelize import device_mesh, parallelize
 
 ARCH = ["model.arch.vocab_size=501", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",
         "model.arch.num_layers=2", "model.arch.num_heads=4", "model.arch.num_kv_heads=2",
@@ -48,7 +48,7 @@ def _one_step(overrides: list[str], chunk: int | None, rank: int) -> tuple[float
     model = build_model(spec.model, 501, {}, device="meta")
     if spec.model.lora.enabled:
         model = apply_lora(model, spec.model.lora)
-    mesh = data_parallel_mesh(ParallelSpec(), dist.get_world_size(), "cpu")
+    mesh = device_mesh(ParallelSpec(), dist.get_world_size(), "cpu")
     model = parallelize(model, mesh, spec.parallel, "fp32")
     materialize(model, spec.model, torch.device("cpu"))
     trainable = [p for p in model.parameters() if p.requires_grad]
