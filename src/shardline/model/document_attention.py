@@ -204,8 +204,12 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None,
            gqa: bool) -> torch.Tensor:
-    """One SDPA call over whole rows with the block-diagonal mask; [B, T, H, D] as HF attention returns."""
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    """One SDPA call over whole rows with the block-diagonal mask; [B, T, H, D] as HF attention returns. GQA's
+    key/value heads are repeated first, as transformers' sdpa does with a mask: CUDA's memory-efficient kernel, the
+    one that takes a mask, has no native GQA in every torch, and the fallback materialises every score."""
+    if gqa:
+        key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous()
 
 
