@@ -22,6 +22,7 @@ from shardline.rundir import run_path
 from shardline.spec import JobSpec
 from shardline.training.distributed import distributed
 from shardline.training.trainer import Trainer
+from shardline.worker import exit_without_teardown
 
 
 def main(jobs_file: str) -> None:
@@ -44,3 +45,4 @@ def main(jobs_file: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_without_teardown(0)  # gloo's threads can abort interpreter finalisation (shardline.worker)

@@ -29,6 +29,7 @@ from shardline.model.build import build_model
 from shardline.spec import ModelSpec, ParallelSpec
 from shardline.training.distributed import distributed
 from shardline.training.parallelize import device_mesh, parallelize
+from shardline.worker import exit_without_teardown
 
 
 def write_checkpoint(path: Path, *, hidden: int = 2048, intermediate: int = 5632, layers: int = 18, heads: int = 16,
@@ -130,3 +131,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # gloo's threads can abort interpreter finalisation (shardline.worker)

@@ -28,6 +28,7 @@ from shardline.spec.resolve import load_spec
 from shardline.training.distributed import distributed
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.parallelize import device_mesh, parallelize
+from shardline.worker import exit_without_teardown
 
 ARCH = ["model.arch.vocab_size=501", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",
         "model.arch.num_layers=2", "model.arch.num_heads=4", "model.arch.num_kv_heads=2",
@@ -73,3 +74,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_without_teardown(0)  # gloo's threads can abort interpreter finalisation (shardline.worker)

@@ -22,6 +22,7 @@ from shardline.rundir import run_path
 from shardline.spec import JobSpec
 from shardline.training.distributed import distributed
 from shardline.training.trainer import Trainer
+from shardline.worker import exit_without_teardown
 
 
 def main(spec_file: str, steps: int, out: str) -> None:
@@ -43,3 +44,4 @@ def main(spec_file: str, steps: int, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    exit_without_teardown(0)  # gloo's threads can abort interpreter finalisation (shardline.worker)
