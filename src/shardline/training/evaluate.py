@@ -21,6 +21,7 @@ from shardline.model.families import is_tested
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
+from shardline.training.parallelize import data_parallel_rank
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -91,7 +92,7 @@ def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: li
     assert task.score is not None, f"task {task.name} has no generation metric"
     examples = unique_questions(examples)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp_rank, dp_world = rank // tp, world // tp
+    dp_rank, dp_world = data_parallel_rank(rank, world, tp)
     per_rank = -(-len(examples) // dp_world)
     mine = list(range(dp_rank * per_rank, min(len(examples), (dp_rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)

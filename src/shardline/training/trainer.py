@@ -88,8 +88,9 @@ class Trainer:
         self.task = get_task(spec.data.task)
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
+        self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)
         # per data-parallel rank: tensor-parallel peers draw the same dropout masks on their replicated inputs
-        torch.manual_seed(spec.train.seed + data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)[0])
+        torch.manual_seed(spec.train.seed + self.dp_rank)
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
@@ -103,7 +104,6 @@ class Trainer:
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
         check_tensor_parallel(cfg, spec.parallel.tp)
         self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
-        self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
