@@ -98,8 +98,9 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-6000:]
     setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
-    # 2 blocks × (q, k, v, o, gate, up, down) split over tp; FSDP over the other 2 ranks
-    assert setup["mesh"] == {"dp_shard": 2, "tp": 2} and setup["tensor_parallel_weights"] == 14
+    # 2 blocks × (q, k, v, o, gate, up, down) and the untied head split over tp; FSDP over the other 2 ranks
+    assert setup["mesh"] == {"dp_shard": 2, "tp": 2} and setup["tensor_parallel_weights"] == 15
+    assert setup["loss_parallel"]
     resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
     assert resumes and resumes[0]["step"] == 4 and resumes[0]["rng_restored"]
     losses = _losses(run)

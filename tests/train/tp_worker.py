@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node=4 tests/train/tp_worker.py SPEC.json STEPS OUT.json
 
 Trains STEPS steps of the spec (its run directory exists), then compares every parameter that tensor parallel
-leaves whole (norms, embeddings, the head, the LoRA factor beside a split one) across the ranks of each
+leaves whole (embeddings, a tied head, and what it replicates over the group: the sequence-parallel norms, the LoRA
+factor beside a split projection) across the ranks of each
 tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from rich.console import Console
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from shardline.data.prepare import prepare
 from shardline.rundir import run_path
@@ -25,14 +26,21 @@ from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 
 
+def _whole_on_tp(p: DTensor) -> bool:
+    """Not split by tensor parallel: no `tp` mesh dimension, or replicated over it (sequence-parallel norms and
+    LoRA factors)."""
+    names = p.device_mesh.mesh_dim_names
+    return "tp" not in names or p.placements[names.index("tp")] == Replicate()
+
+
 def main(spec_file: str, steps: int, out: str) -> None:
     with distributed() as ctx:
         spec = JobSpec.model_validate_json(Path(spec_file).read_text())
         trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
         for _ in range(steps):
             trainer.train_step()
-        whole = {n: p.full_tensor() for n, p in trainer.model.named_parameters()
-                 if isinstance(p, DTensor) and "tp" not in p.device_mesh.mesh_dim_names}
+        # this rank's FSDP shard of each such parameter: peers of one group hold the same data-parallel shard
+        whole = {n: p.to_local() for n, p in trainer.model.named_parameters() if _whole_on_tp(p)}
         gathered = [None] * ctx.world
         dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in whole.items()})
         if ctx.is_main:

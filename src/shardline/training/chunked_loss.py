@@ -6,6 +6,10 @@ Under FSDP2 the LM head belongs to the root unit, whose parameters are all-gathe
 the loss therefore runs as the root's forward for the call (`chunked_loss`): the causal LM is called as a module, so
 FSDP's hooks unshard the head while it is used and reduce-scatter its gradient after backward, as with
 `model(...).logits`, and module trackers (the dry run's `FSDPMemTracker`) see an ordinary forward.
+
+Under tensor parallel with an untied head the head's weight is split over the vocabulary (loss parallel,
+`shardline.training.tensor_parallel`): each chunk's logits are then a rank's vocabulary columns, and torch's
+`loss_parallel` (entered by the caller around forward and backward) computes the cross-entropy across them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from shardline.data.loader import IGNORE_INDEX
@@ -33,11 +38,20 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, labels: torch.Tensor, head: 
         part = (checkpoint(_chunk_loss, h, y, head, softcap, use_reentrant=False) if recompute
                 else _chunk_loss(h, y, head, softcap))
         total = part if total is None else total + part
-    return total
+    return total.to_local() if isinstance(total, DTensor) else total  # loss parallel: the same sum on every peer
+
+
+def vocabulary_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`head(hidden)`, or under loss parallel (the head's weight split over the vocabulary, inside the root's
+    forward) this rank's vocabulary columns of it: a DTensor sharded on the last dimension, never gathered."""
+    weight = head.weight
+    if isinstance(weight, DTensor) and weight.placements == (Shard(0),):
+        return F.linear(DTensor.from_local(hidden, weight.device_mesh, (Replicate(),), run_check=False), weight)
+    return head(hidden)
 
 
 def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, softcap: float | None) -> torch.Tensor:
-    logits = head(hidden)
+    logits = vocabulary_logits(head, hidden)
     if softcap is not None:  # the same three ops, in the same dtype, as the families' own forward
         logits = logits / softcap
         logits = torch.tanh(logits)

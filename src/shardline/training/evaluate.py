@@ -22,6 +22,7 @@ from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
 from shardline.training.parallelize import data_parallel_rank
+from shardline.training.tensor_parallel import loss_context
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -51,7 +52,8 @@ def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
         b = batch.to(device)
-        total[0] += token_loss_sum(model, b, chunk_tokens).double()
+        with loss_context(model):
+            total[0] += token_loss_sum(model, b, chunk_tokens).double()
         total[1] += b.n_loss_tokens
     dist.all_reduce(total)
     model.train()

@@ -1,7 +1,17 @@
-"""Tensor parallelism inside a node (`parallel.tp`), with torch's DTensor plans: each decoder block's attention
-and MLP projections column-wise then row-wise (Megatron's layout), so a block needs one all-reduce forward and one
-backward per sublayer. Embeddings, norms and the output projection stay replicated within the tensor-parallel
-group; FSDP2 then shards every parameter (tensor-parallel shards included) over the data-parallel ranks.
+"""Tensor parallel inside a node (`parallel.tp`), with torch's DTensor plans (torchtitan's layout for Llama):
+
+- each decoder block's attention and MLP projections split column-wise then row-wise (Megatron's layout);
+- sequence parallel between them: the residual stream, the norms and the residual adds hold 1/tp of the tokens
+  (the row-wise projections reduce-scatter onto the sequence shard; attention and the MLP all-gather it), so
+  activation memory outside attention and the MLP falls by tp, for the same bytes on the wire as one all-reduce;
+- loss parallel over the vocabulary: an untied output projection is split column-wise and the chunked loss
+  (`shardline.training.chunked_loss`) computes each rank's vocabulary columns of the logits only, the
+  cross-entropy's reductions done by torch's `loss_parallel`.
+
+Embeddings stay whole within the tensor-parallel group (a tied output projection too: it is the embedding), and
+FSDP2 then shards every parameter (tensor-parallel shards included) over the data-parallel ranks. The model's own
+forward (rotary tables, masks, Gemma's embedding scale) runs on whole rows: the first block slices its input to the
+rank's sequence shard, and the final norm's output is gathered back.
 
 Attention keeps working on the local heads: transformers' attention modules reshape with `-1` heads, so a rank
 holding 1/tp of the q/k/v columns runs its own heads and kv-heads (the spec rules require tp to divide both).
@@ -9,9 +19,20 @@ holding 1/tp of the q/k/v columns runs its own heads and kv-heads (the spec rule
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from shardline.errors import SpecError
 from shardline.model.build import causal_lm, decoder_layers
@@ -23,6 +44,8 @@ QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 """QK-norm (Qwen3, Gemma 3): one weight over head_dim, applied to every head. A rank sees only its own heads, so
 its weight gradient is a partial sum: the norm's input is marked sharded on the heads dimension ([B, T, H, D]:
 dim 2), which makes the gradient of the replicated weight an all-reduce over the tensor-parallel group."""
+SEQUENCE = Shard(1)
+"""Hidden states [B, T, d] between the sublayers: split over the tokens."""
 
 
 def check_tensor_parallel(config, tp: int) -> None:
@@ -42,31 +65,96 @@ def check_tensor_parallel(config, tp: int) -> None:
                             "whole heads", f"choose a tp that divides {heads} and {kv_heads}")
 
 
-def _split(layer: nn.Module, name: str, style: type[ColwiseParallel] | type[RowwiseParallel]) -> dict:
+def _split(layer: nn.Module, name: str, rowwise: bool) -> dict:
     """The plan entries of one projection: the linear itself, or under LoRA (peft's wrapper, `base_layer` inside)
     the frozen base and the adapter factor on the split side: column-wise the base and lora_B (its output
-    columns; lora_A sees the whole input, replicated), row-wise the base and lora_A (its input columns, summed
-    by the same all-reduce; lora_B then sees a whole, replicated input)."""
+    columns; lora_A sees the whole input, replicated), row-wise the base and lora_A (its input columns, reduced
+    onto the sequence shard by the same collective as the base), lora_B then running on the sequence shard with
+    its weight replicated (its gradient summed over the group, as the norms' are)."""
+    style = RowwiseParallel(output_layouts=SEQUENCE) if rowwise else ColwiseParallel()
     module = layer.get_submodule(name)
     if not hasattr(module, "base_layer"):
-        return {name: style()}
-    split = "lora_B" if style is ColwiseParallel else "lora_A"
-    adapters = {f"{name}.{split}.{adapter}": style() for adapter in getattr(module, split)}
-    return {f"{name}.base_layer": style()} | adapters
+        return {name: style}
+    split, whole = ("lora_A", "lora_B") if rowwise else ("lora_B", "lora_A")
+    plan = {f"{name}.base_layer": style} | {f"{name}.{split}.{a}": style for a in getattr(module, split)}
+    if rowwise:
+        plan |= {f"{name}.{whole}.{a}": SequenceParallel(use_local_output=True) for a in getattr(module, whole)}
+    return plan
+
+
+def _norms(layer: nn.Module) -> list[str]:
+    """The block's own norms (pre-attention, pre-MLP, and Gemma's post-sublayer norms): they run on the sequence
+    shard."""
+    return [name for name, _ in layer.named_children() if name.endswith("norm")]
+
+
+def _block_plan(layer: nn.Module, index: int, qk_norm: bool) -> dict:
+    plan: dict = {name: SequenceParallel(use_local_output=True) for name in _norms(layer)}
+    # attention and the MLP gather the whole rows their column-wise projections need
+    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
+                                           desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                           use_local_output=True)
+    plan["mlp"] = PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
+                                     use_local_output=True)
+    for names, rowwise in ((COLUMNWISE, False), (ROWWISE, True)):
+        for name in names:
+            try:
+                plan |= _split(layer, name, rowwise)
+            except AttributeError as e:
+                raise SpecError("parallel.tp", f"decoder block {index} ({type(layer).__name__}) has no {name}, "
+                                "which the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
+    if qk_norm:
+        plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS}
+    return plan
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split every decoder block's projections over `tp_mesh` (in place; names and module types unchanged)."""
-    qk_norm = family_of(causal_lm(model).config).qk_norm
-    for i, layer in enumerate(decoder_layers(model)):
-        plan: dict = {}
-        for names, style in ((COLUMNWISE, ColwiseParallel), (ROWWISE, RowwiseParallel)):
-            for name in names:
-                try:
-                    plan |= _split(layer, name, style)
-                except AttributeError as e:
-                    raise SpecError("parallel.tp", f"decoder block {i} ({type(layer).__name__}) has no {name}, "
-                                    "which the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
-        if qk_norm:
-            plan |= {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS}
-        parallelize_module(layer, tp_mesh, plan)
+    """Split every decoder block's projections over `tp_mesh`, sequence-parallel between them, and the untied output
+    projection over the vocabulary (in place; names and module types unchanged)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    _apply_plans(model, tp_mesh)
+    # torch's SequenceParallel replaces each weight with a new, trainable Parameter: LoRA's frozen norms stay frozen
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+
+
+def _apply_plans(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    lm = causal_lm(model)
+    qk_norm = family_of(lm.config).qk_norm
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        parallelize_module(layer, tp_mesh, _block_plan(layer, i, qk_norm))
+    # into the first block: whole rows (as the model's forward built them) → this rank's tokens
+    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                              desired_input_layouts=(SEQUENCE,),
+                                                              use_local_output=True))
+    # out of the final norm: whole rows again, for the output projection and the model's callers
+    parallelize_module(lm.model.norm, tp_mesh, SequenceParallel())
+    parallelize_module(lm.model.norm, tp_mesh, PrepareModuleOutput(output_layouts=SEQUENCE,
+                                                                   desired_output_layouts=Replicate(),
+                                                                   use_local_output=True))
+    head = lm.get_output_embeddings()
+    if head.weight is not lm.get_input_embeddings().weight:
+        # whole logits for the model's own forward (generation, an unchunked loss); the chunked loss reads the
+        # rank's vocabulary shard of the weight directly (`vocabulary_logits`)
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
+def _split_over_tp(param) -> bool:
+    names = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
+
+
+def split_weights(model: nn.Module) -> int:
+    """How many parameters are split over the mesh's `tp` dimension (not those it replicates: norms)."""
+    return sum(1 for p in model.parameters() if _split_over_tp(p))
+
+
+def splits_vocabulary(model: nn.Module) -> bool:
+    """Whether the output projection's weight is split over the vocabulary (loss parallel)."""
+    return _split_over_tp(causal_lm(model).get_output_embeddings().weight)
+
+
+def loss_context(model: nn.Module) -> AbstractContextManager:
+    """torch's `loss_parallel` where the vocabulary is split (the loss's forward and backward run in it)."""
+    return loss_parallel() if splits_vocabulary(model) else nullcontext()

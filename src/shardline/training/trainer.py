@@ -61,7 +61,7 @@ from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
 from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
-from shardline.training.tensor_parallel import check_tensor_parallel
+from shardline.training.tensor_parallel import check_tensor_parallel, loss_context, split_weights, splits_vocabulary
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
@@ -166,8 +166,10 @@ class Trainer:
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
         if self.spec.parallel.tp > 1:
-            self._say(f"tensor parallel: {self._tensor_parallel_weights()} weights split over tp="
-                      f"{self.spec.parallel.tp}, FSDP over {self.dp_world} data-parallel ranks")
+            head = ("loss parallel over the vocabulary" if splits_vocabulary(self.model)
+                    else "the output projection whole: it is the tied embedding")
+            self._say(f"tensor parallel: {split_weights(self.model)} weights split over tp={self.spec.parallel.tp}, "
+                      f"sequence parallel between them, {head}; FSDP over {self.dp_world} data-parallel ranks")
         if self.chose_precision:  # a local launch said its choice when it created the run
             self._say(f"precision {t.precision}: {self.precision.reason}")
         if self.precision_warning:
@@ -187,7 +189,8 @@ class Trainer:
                     planned_peak_bytes=self.planned_peak,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
-                    tensor_parallel_weights=self._tensor_parallel_weights(), dataset_version=self.data.version,
+                    tensor_parallel_weights=split_weights(self.model),
+                    loss_parallel=splits_vocabulary(self.model), dataset_version=self.data.version,
                     process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -219,11 +222,6 @@ class Trainer:
         self._flush_checkpoint_events()
         self.record_goodput()
         self.phase = phase
-
-    def _tensor_parallel_weights(self) -> int:
-        """How many parameters are split over the mesh's `tp` dimension (0 without tensor parallel)."""
-        return sum(1 for p in self.model.parameters()
-                   if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()))
 
     def record_goodput(self) -> Goodput | None:
         """Rank 0: the run's goodput so far (every attempt, from metrics.jsonl and the manifest) as a `goodput`
@@ -326,10 +324,11 @@ class Trainer:
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in batches:
-            with record_function("shardline.forward"):
-                micro_loss = token_loss_sum(self.model, batch, self.spec.train.loss_chunk_tokens)
-            with record_function("shardline.backward"):
-                (micro_loss * (self.dp_world / loss_tokens)).backward()  # FSDP averages over dp
+            with loss_context(self.model):  # loss parallel: forward and backward both
+                with record_function("shardline.forward"):
+                    micro_loss = token_loss_sum(self.model, batch, self.spec.train.loss_chunk_tokens)
+                with record_function("shardline.backward"):
+                    (micro_loss * (self.dp_world / loss_tokens)).backward()  # FSDP averages over dp
             loss_sum += micro_loss.detach().double()
         with record_function("shardline.clip"):
             max_norm = self.spec.train.max_grad_norm or float("inf")
