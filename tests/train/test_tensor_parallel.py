@@ -133,10 +133,10 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
 @pytest.mark.slow
 def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
     """LoRA's factors follow the split: lora_B column-wise beside a column-wise base, lora_A row-wise beside a
-    row-wise one, the other factor replicated. Without dropout FSDP 2 × TP 2 trains the losses FSDP ×4 trains, and
-    the exported adapter reloads with the run's validation loss."""
+    row-wise one, the other factor replicated. Without dropout FSDP 2 × TP 2 trains the losses FSDP ×4 trains, generates
+    the same SQL, and the exported adapter reloads with the run's validation loss."""
     lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "train.max_steps=4",
-            "checkpoint.every_steps=100"]
+            "checkpoint.every_steps=100", "train.eval_examples=6"]
     losses = {}
     for name, extra in (("fsdp", []), ("tp", ["parallel.tp=2"])):
         out = run_cli("train", *_sets(tmp_path / name, *lora, *extra), "--nproc", "4")
@@ -144,6 +144,11 @@ def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
         losses[name] = _losses(only_run(tmp_path / name))
     for step, loss in losses["fsdp"].items():
         assert losses["tp"][step] == pytest.approx(loss, rel=2e-5), step
+    # Greedy generation under TP: one-token steps run on whole rows (no sequence shard of one token), and the
+    # SQL evaluation writes what FSDP's run writes.
+    preds = {name: [s["pred"] for s in json.loads((only_run(tmp_path / name) / "eval.json").read_text())["samples"]]
+             for name in losses}
+    assert len(preds["tp"]) == 6 and preds["tp"] == preds["fsdp"]
     run = only_run(tmp_path / "tp")
     assert run_cli("export", str(run), "--out", str(tmp_path / "adapter")).returncode == 0
     spec = read_spec(run / "spec.yaml")

@@ -26,8 +26,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -48,6 +46,81 @@ SEQUENCE = Shard(1)
 """Hidden states [B, T, d] between the sublayers: split over the tokens."""
 
 
+class SequenceShards:
+    """Whether this forward splits the residual stream over the tokens: only when tp divides its length. A
+    generation step (one token) or a padded evaluation batch runs on whole rows: torch's DTensor cannot split one
+    token two ways (an empty shard). Set by the first block, read by every sequence-parallel hook of the model."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp, self.active = tp, True
+
+    def decide(self, tokens: int) -> None:
+        self.active = tokens % self.tp == 0
+
+    @property
+    def layout(self) -> tuple:
+        return (SEQUENCE,) if self.active else (Replicate(),)
+
+
+class _SequenceParallel(SequenceParallel):
+    """torch's SequenceParallel (weights replicated, input on the sequence shard), on whole rows when inactive."""
+
+    def __init__(self, shards: SequenceShards) -> None:
+        super().__init__(use_local_output=True)
+        self.shards = shards
+
+    def _prepare_input_fn(self, sequence_sharding, mod, inputs, device_mesh):  # an instance method here
+        return SequenceParallel._prepare_input_fn(self.shards.layout, mod, inputs, device_mesh)
+
+
+class _RowwiseToSequence(RowwiseParallel):
+    """torch's RowwiseParallel whose partial sums are reduce-scattered onto the sequence shard (all-reduced onto
+    whole rows when inactive)."""
+
+    def __init__(self, shards: SequenceShards) -> None:
+        super().__init__()
+        self.shards = shards
+
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn(self.shards.layout, True, mod, outputs, device_mesh)
+
+
+def _gather(shards: SequenceShards, mesh: DeviceMesh, x, local: bool):
+    """The sequence shard → whole rows (all-gather forward, reduce-scatter of the partial gradients backward: the
+    column-wise projections take the replicated DTensor as it is). `local`: a plain tensor, for modules that
+    cannot take a DTensor (LoRA's replicated factor beside a split base)."""
+    if not shards.active:
+        return x
+    whole = DTensor.from_local(x, mesh, (SEQUENCE,), run_check=False).redistribute(mesh, (Replicate(),))
+    return whole.to_local() if local else whole
+
+
+def _install_sequence_hooks(layers, norm: nn.Module, attention_modules, mesh: DeviceMesh, shards: SequenceShards,
+                            local: bool) -> None:
+    def enter(module, args, kwargs):  # whole rows, as the model's forward built them → this rank's tokens
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shards.decide(hidden.shape[1])
+        if shards.active:
+            hidden = DTensor.from_local(hidden, mesh, (Replicate(),), run_check=False).redistribute(
+                mesh, (SEQUENCE,)).to_local()
+        return ((hidden, *args[1:]), kwargs) if args else (args, kwargs | {"hidden_states": hidden})
+
+    def gather_kwarg(module, args, kwargs):
+        return args, kwargs | {"hidden_states": _gather(shards, mesh, kwargs["hidden_states"], local)}
+
+    def gather_arg(module, args):
+        return (_gather(shards, mesh, args[0], local), *args[1:])
+
+    def leave(module, args, output):  # out of the final norm: whole rows for the head and the model's callers
+        return _gather(shards, mesh, output, local=True)
+
+    layers[0].register_forward_pre_hook(enter, with_kwargs=True)
+    for attention, mlp in attention_modules:
+        attention.register_forward_pre_hook(gather_kwarg, with_kwargs=True)
+        mlp.register_forward_pre_hook(gather_arg)
+    norm.register_forward_hook(leave)
+
+
 def check_tensor_parallel(config, tp: int) -> None:
     """Named errors for what this tensor-parallel plan cannot split (checked on the real model config)."""
     if tp == 1:
@@ -65,20 +138,20 @@ def check_tensor_parallel(config, tp: int) -> None:
                             "whole heads", f"choose a tp that divides {heads} and {kv_heads}")
 
 
-def _split(layer: nn.Module, name: str, rowwise: bool) -> dict:
+def _split(layer: nn.Module, name: str, rowwise: bool, shards: SequenceShards) -> dict:
     """The plan entries of one projection: the linear itself, or under LoRA (peft's wrapper, `base_layer` inside)
     the frozen base and the adapter factor on the split side: column-wise the base and lora_B (its output
     columns; lora_A sees the whole input, replicated), row-wise the base and lora_A (its input columns, reduced
-    onto the sequence shard by the same collective as the base), lora_B then running on the sequence shard with
-    its weight replicated (its gradient summed over the group, as the norms' are)."""
-    style = RowwiseParallel(output_layouts=SEQUENCE) if rowwise else ColwiseParallel()
+    onto the sequence shard as the base is), lora_B then running on the sequence shard with its weight replicated
+    (its gradient summed over the group, as the norms' are)."""
+    style = _RowwiseToSequence(shards) if rowwise else ColwiseParallel()
     module = layer.get_submodule(name)
     if not hasattr(module, "base_layer"):
         return {name: style}
     split, whole = ("lora_A", "lora_B") if rowwise else ("lora_B", "lora_A")
     plan = {f"{name}.base_layer": style} | {f"{name}.{split}.{a}": style for a in getattr(module, split)}
     if rowwise:
-        plan |= {f"{name}.{whole}.{a}": SequenceParallel(use_local_output=True) for a in getattr(module, whole)}
+        plan |= {f"{name}.{whole}.{a}": _SequenceParallel(shards) for a in getattr(module, whole)}
     return plan
 
 
@@ -88,18 +161,12 @@ def _norms(layer: nn.Module) -> list[str]:
     return [name for name, _ in layer.named_children() if name.endswith("norm")]
 
 
-def _block_plan(layer: nn.Module, index: int, qk_norm: bool) -> dict:
-    plan: dict = {name: SequenceParallel(use_local_output=True) for name in _norms(layer)}
-    # attention and the MLP gather the whole rows their column-wise projections need
-    plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
-                                           desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                           use_local_output=True)
-    plan["mlp"] = PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
-                                     use_local_output=True)
+def _block_plan(layer: nn.Module, index: int, qk_norm: bool, shards: SequenceShards) -> dict:
+    plan: dict = {name: _SequenceParallel(shards) for name in _norms(layer)}
     for names, rowwise in ((COLUMNWISE, False), (ROWWISE, True)):
         for name in names:
             try:
-                plan |= _split(layer, name, rowwise)
+                plan |= _split(layer, name, rowwise, shards)
             except AttributeError as e:
                 raise SpecError("parallel.tp", f"decoder block {index} ({type(layer).__name__}) has no {name}, "
                                 "which the tensor-parallel plan splits", "set parallel.tp=1 for this model") from e
@@ -122,17 +189,13 @@ def _apply_plans(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     lm = causal_lm(model)
     qk_norm = family_of(lm.config).qk_norm
     layers = decoder_layers(model)
+    shards = SequenceShards(tp_mesh.size())
     for i, layer in enumerate(layers):
-        parallelize_module(layer, tp_mesh, _block_plan(layer, i, qk_norm))
-    # into the first block: whole rows (as the model's forward built them) → this rank's tokens
-    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
-                                                              desired_input_layouts=(SEQUENCE,),
-                                                              use_local_output=True))
-    # out of the final norm: whole rows again, for the output projection and the model's callers
-    parallelize_module(lm.model.norm, tp_mesh, SequenceParallel())
-    parallelize_module(lm.model.norm, tp_mesh, PrepareModuleOutput(output_layouts=SEQUENCE,
-                                                                   desired_output_layouts=Replicate(),
-                                                                   use_local_output=True))
+        parallelize_module(layer, tp_mesh, _block_plan(layer, i, qk_norm, shards))
+    parallelize_module(lm.model.norm, tp_mesh, _SequenceParallel(shards))
+    lora = any(hasattr(m, "base_layer") for m in model.modules())
+    _install_sequence_hooks(layers, lm.model.norm, [(layer.self_attn, layer.mlp) for layer in layers], tp_mesh,
+                            shards, local=lora)
     head = lm.get_output_embeddings()
     if head.weight is not lm.get_input_embeddings().weight:
         # whole logits for the model's own forward (generation, an unchunked loss); the chunked loss reads the
