@@ -28,7 +28,8 @@ class Batch:
     position_ids: torch.Tensor  # [B, T] long
     n_loss_tokens: int
     n_tokens: int  # non-padding tokens
-    spans: DocumentSpans  # the documents (CPU): document-masked attention and the FLOPs count
+    spans: DocumentSpans | None  # the documents (CPU): document-masked attention and the FLOPs count; None for
+    # a rank's context-parallel part (its attention masks come from shardline.model.context_parallel)
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),

@@ -32,6 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
+from shardline.model.context_parallel import active_shard, context_parallel_attention
 
 NAME = "shardline_document_attention"
 """The implementation's key in transformers' attention registry; specs say `sdpa`. The key must not contain
@@ -220,6 +221,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     capped as Gemma 2 caps them (`softcap`) on both paths; attention sinks refused by name."""
     cu = kwargs.get("cu_seq_lens_q")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if (shard := active_shard()) is not None:  # context parallel: this rank's queries over the whole row
+        return context_parallel_attention(query, key, value, shard, int(window) if window else None, scaling), None
     if softcap is not None and (cu is None or query.shape[2] == 1):  # generation, padded evaluation
         if attention_mask is None:  # sdpa's mask function left it to `is_causal`
             keep = _causal_keep(query.shape[2], key.shape[2], window, query.device)

@@ -14,23 +14,26 @@ def check_combinations(spec: JobSections) -> None:
     t, a, p = spec.train, spec.model.arch, spec.parallel
     world = spec.world_size
     check_tensor_parallel_degree(spec)
-    data_parallel = world // p.tp  # tensor-parallel peers train the same rows
+    check_context_parallel_degree(spec)
+    data_parallel = world // p.ranks_per_row  # tensor- and context-parallel peers train the same rows
     per_step = data_parallel * t.micro_batch_size
     if t.global_batch_size % per_step:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
         raise SpecError(
             "train.global_batch_size",
-            f"{t.global_batch_size} is not divisible by {data_parallel_ranks(world, p.tp)} × micro-batch = "
+            f"{t.global_batch_size} is not divisible by {data_parallel_ranks(world, p)} × micro-batch = "
             f"{data_parallel} × {t.micro_batch_size} = {per_step}",
             f"use a multiple of {per_step} (e.g. --set train.global_batch_size={lower}) "
             "or change train.micro_batch_size / parallel.nproc_per_node",
         )
     shard = p.dp_shard or data_parallel // p.dp_replicate
-    if p.dp_replicate * shard * p.tp != world:
+    if p.dp_replicate * shard * p.ranks_per_row != world:
+        names = " × ".join(["dp_replicate", "dp_shard", *(["cp"] if p.cp > 1 else []), "tp"])
+        values = " × ".join(str(n) for n in [p.dp_replicate, shard, *([p.cp] if p.cp > 1 else []), p.tp])
         raise SpecError(
-            "parallel.dp_replicate", f"dp_replicate × dp_shard × tp = {p.dp_replicate} × {shard} × {p.tp} does not "
-            f"equal the world size {world} (launch.nnodes × parallel.nproc_per_node)",
-            "choose dp_replicate, dp_shard and tp whose product is the world size (e.g. replicate = nodes, "
+            "parallel.dp_replicate", f"{names} = {values} does not equal the world size {world} "
+            "(launch.nnodes × parallel.nproc_per_node)",
+            "choose dp_replicate, dp_shard, cp and tp whose product is the world size (e.g. replicate = nodes, "
             "shard × tp = GPUs per node)",
         )
     if spec.model.path is None:
@@ -77,13 +80,38 @@ def check_combinations(spec: JobSections) -> None:
     check_hang_timeout(spec)
 
 
+FLEX_BLOCK = 128
+"""flex attention's block size: torch's context-parallel block mask needs rows of a multiple of cp × this."""
 MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a hang
 MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
 
 
-def data_parallel_ranks(world: int, tp: int) -> str:
-    """What the global batch is split over, as the batch errors name it."""
-    return f"data-parallel ranks (world size {world} ÷ parallel.tp {tp})" if tp > 1 else "world size"
+def data_parallel_ranks(world: int, p) -> str:
+    """What the global batch is split over, as the batch errors name it (`p`: the parallel section)."""
+    degrees = " × ".join(f"parallel.{name} {n}" for name, n in (("tp", p.tp), ("cp", p.cp)) if n > 1)
+    return f"data-parallel ranks (world size {world} ÷ {degrees})" if degrees else "world size"
+
+
+def check_context_parallel_degree(spec: JobSections) -> None:
+    """cp splits rows into load-balanced chunks flex attention's block mask can cover; what it composes with."""
+    p, t = spec.parallel, spec.train
+    if p.cp == 1:
+        return
+    if p.tp > 1:
+        raise SpecError("parallel.cp", f"{p.cp} with parallel.tp={p.tp}: context parallel does not compose with "
+                        "tensor parallel's sequence-parallel shards yet", "use one of them: tp inside a node for "
+                        "wide models, cp for long rows")
+    if spec.world_size % p.cp:
+        raise SpecError("parallel.cp", f"{p.cp} does not divide the world size {spec.world_size}",
+                        "choose a cp that divides launch.nnodes × parallel.nproc_per_node")
+    if t.seq_len % (p.cp * FLEX_BLOCK):
+        raise SpecError("train.seq_len", f"{t.seq_len} is not a multiple of parallel.cp × {FLEX_BLOCK} = "
+                        f"{p.cp * FLEX_BLOCK}: context parallel splits each row into 2 × cp load-balanced chunks "
+                        f"and flex attention's block mask into {FLEX_BLOCK}-token blocks",
+                        f"use a seq_len that is a multiple of {p.cp * FLEX_BLOCK}")
+    if spec.model.attn_implementation != "sdpa":
+        raise SpecError("model.attn_implementation", f"is {spec.model.attn_implementation}, but parallel.cp="
+                        f"{p.cp} runs shardline's document attention", "set model.attn_implementation=sdpa")
 
 
 def check_tensor_parallel_degree(spec: JobSections) -> None:
@@ -138,11 +166,12 @@ def check_elastic(spec: JobSections) -> None:
 def check_batch_divides(spec: JobSections, worlds: Iterable[int], why: Callable[[int], str], fix: str) -> None:
     """The global batch splits into whole micro-batches on every world size in `worlds`; `why(world)` says why
     the job may run at that size."""
-    t, tp = spec.train, spec.parallel.tp
+    t, p = spec.train, spec.parallel
     for world in worlds:
-        if t.global_batch_size % (world // tp * t.micro_batch_size):
+        if t.global_batch_size % (world // p.ranks_per_row * t.micro_batch_size):
             raise SpecError("train.global_batch_size", f"{t.global_batch_size} is not divisible by "
-                            f"{data_parallel_ranks(world, tp)} × micro-batch = {world // tp} × {t.micro_batch_size} "
+                            f"{data_parallel_ranks(world, p)} × micro-batch = {world // p.ranks_per_row} × "
+                            f"{t.micro_batch_size} "
                             f"{why(world)}", fix)
 
 

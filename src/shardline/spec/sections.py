@@ -162,7 +162,12 @@ class ParallelSpec(Section):
     """Ranks each replica is sharded over; None = world size / dp_replicate."""
     tp: int = Field(1, ge=1)
     """Tensor-parallel degree: each decoder block's attention and MLP projections split over this many
-    consecutive ranks of a node (column- then row-wise); FSDP shards over the rest. 1 = FSDP alone."""
+    consecutive ranks of a node (column- then row-wise), sequence parallel between them, an untied output
+    projection split over the vocabulary (loss parallel); FSDP shards over the rest. 1 = FSDP alone."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree: each row's tokens split over this many ranks (load-balanced causal chunks), whose
+    attention all-gathers the row's keys and values; for rows too long for one device. FSDP shards over
+    data-parallel × cp ranks. 1 = off."""
     offload: bool = False
     """Keep parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     reshard_after_forward: bool = True
@@ -172,6 +177,11 @@ class ParallelSpec(Section):
     """With `full`/`selective`: checkpoint every k-th block only (k=1: all blocks)."""
     compile: bool = False
     """torch.compile each decoder block before sharding."""
+
+    @property
+    def ranks_per_row(self) -> int:
+        """tp × cp: the ranks that train each row together (they read the same rows); the rest are data-parallel."""
+        return self.tp * self.cp
 
 
 class CheckpointSpec(Section):
@@ -521,4 +531,4 @@ class JobSections(Section):
     @property
     def grad_accum_steps(self) -> int:
         t = self.train
-        return t.global_batch_size // (self.world_size * t.micro_batch_size)
+        return t.global_batch_size // (self.world_size // self.parallel.ranks_per_row * t.micro_batch_size)

@@ -7,16 +7,21 @@ stepping until all are done.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
+from shardline.model.context_parallel import context_parallel_batch, shard_batch
 from shardline.model.families import is_tested
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
@@ -35,7 +40,8 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
     reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the
     positions."""
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
-    spans = batch.spans.model_kwargs(batch.input_ids.device if flash else torch.device("cpu"))
+    spans = {} if batch.spans is None else batch.spans.model_kwargs(
+        batch.input_ids.device if flash else torch.device("cpu"))
     lm = causal_lm(model)
     if chunk_tokens and is_tested(lm.config):  # an untested family's forward may scale its logits: kept whole
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens,
@@ -45,16 +51,24 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
                            reduction="sum")
 
 
+@contextlib.contextmanager
+def rank_part(model: nn.Module, batch: Batch, cp_mesh: DeviceMesh | None) -> Iterator[Batch]:
+    """The part of `batch` this rank computes the loss of, inside the contexts its forward and backward need:
+    loss parallel (tensor parallel), this rank's tokens and their attention masks (context parallel)."""
+    part, shard = shard_batch(batch, cp_mesh) if cp_mesh is not None else (batch, None)
+    with loss_context(model), context_parallel_batch(shard) if shard is not None else contextlib.nullcontext():
+        yield part
+
+
 @torch.no_grad()
 def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device,
-                    chunk_tokens: int | None = None) -> float:
+                    chunk_tokens: int | None = None, cp_mesh: DeviceMesh | None = None) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
-        b = batch.to(device)
-        with loss_context(model):
-            total[0] += token_loss_sum(model, b, chunk_tokens).double()
-        total[1] += b.n_loss_tokens
+        with rank_part(model, batch.to(device), cp_mesh) as part:
+            total[0] += token_loss_sum(model, part, chunk_tokens).double()
+        total[1] += part.n_loss_tokens
     dist.all_reduce(total)
     model.train()
     return float(total[0] / total[1].clamp(min=1))
@@ -87,14 +101,15 @@ def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[i
 
 def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
                     task: Task, pad: int, device: torch.device, batch_size: int = 16,
-                    tp: int = 1) -> GenerationScores | None:
+                    ranks_per_row: int = 1) -> GenerationScores | None:
     """Greedy-generate an answer for each distinct question of `examples` (split over the data-parallel ranks:
-    `tp` consecutive ranks generate the same questions together) with the task's prompt; rank 0 returns the
+    `ranks_per_row` consecutive ranks, tensor- and context-parallel peers, generate the same questions together;
+    context-parallel peers each run whole prompts) with the task's prompt; rank 0 returns the
     task's scores of them, other ranks None. The task must have a metric."""
     assert task.score is not None, f"task {task.name} has no generation metric"
     examples = unique_questions(examples)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp_rank, dp_world = data_parallel_rank(rank, world, tp)
+    dp_rank, dp_world = data_parallel_rank(rank, world, ranks_per_row)
     per_rank = -(-len(examples) // dp_world)
     mine = list(range(dp_rank * per_rank, min(len(examples), (dp_rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)

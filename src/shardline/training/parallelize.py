@@ -30,24 +30,31 @@ SAVED_OPS = {
 
 
 def device_mesh(spec: ParallelSpec, world: int, device_type: str) -> DeviceMesh:
-    """The job's mesh: `dp_shard` for FSDP, `dp_replicate × dp_shard` for HSDP, and a trailing `tp` dimension
-    when tensor parallel (tp innermost: a tensor-parallel group is consecutive ranks, inside one node)."""
-    shard = spec.dp_shard or world // (spec.dp_replicate * spec.tp)
+    """The job's mesh: `dp_shard` for FSDP, `dp_replicate × dp_shard` for HSDP, then `cp` (context parallel) and
+    `tp` (tensor parallel) when above 1; tp innermost, so a tensor-parallel group is consecutive ranks, inside a
+    node."""
+    shard = spec.dp_shard or world // (spec.dp_replicate * spec.ranks_per_row)
     dims = [("dp_replicate", spec.dp_replicate)] if spec.dp_replicate > 1 else []
-    dims += [("dp_shard", shard)] + ([("tp", spec.tp)] if spec.tp > 1 else [])
+    dims += [("dp_shard", shard)] + [(name, n) for name, n in (("cp", spec.cp), ("tp", spec.tp)) if n > 1]
     return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The dimensions FSDP/HSDP shard and replicate over (all but `tp`)."""
+    """The dimensions FSDP/HSDP shard and replicate over: all but `tp`, with `cp` folded into the shard dimension
+    (context-parallel peers hold different tokens of the same rows: their gradients are summed like data
+    parallel's)."""
     names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    if "cp" in names:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        names = tuple(n for n in names if n not in ("dp_shard", "cp")) + ("dp_shard_cp",)
     return mesh[names] if names != mesh.mesh_dim_names else mesh
 
 
-def data_parallel_rank(rank: int, world: int, tp: int) -> tuple[int, int]:
-    """(this rank's index among the data-parallel ranks, their number). `tp` is the mesh's innermost dimension,
-    so tensor-parallel peers are consecutive ranks: they share one index, and so read the same rows."""
-    return rank // tp, world // tp
+def data_parallel_rank(rank: int, world: int, ranks_per_row: int) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number). Tensor- and context-parallel peers
+    (`ranks_per_row`: the mesh's innermost dimensions) are consecutive ranks: they share one index, and so read
+    the same rows."""
+    return rank // ranks_per_row, world // ranks_per_row
 
 
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:

@@ -27,6 +27,7 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
+from shardline.model.context_parallel import check_context_parallel
 from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
@@ -52,7 +53,7 @@ from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
 from shardline.training.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.training.distributed import DistContext
-from shardline.training.evaluate import generation_eval, token_loss_sum, validation_loss
+from shardline.training.evaluate import generation_eval, rank_part, token_loss_sum, validation_loss
 from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -61,7 +62,7 @@ from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
 from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
-from shardline.training.tensor_parallel import check_tensor_parallel, loss_context, split_weights, splits_vocabulary
+from shardline.training.tensor_parallel import check_tensor_parallel, split_weights, splits_vocabulary
 
 log = logging.getLogger("shardline")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
@@ -88,7 +89,7 @@ class Trainer:
         self.task = get_task(spec.data.task)
         meta = data.meta
         special = special_ids(self.tokenizer, meta["pad_id"])
-        self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.tp)
+        self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.ranks_per_row)
         # per data-parallel rank: tensor-parallel peers draw the same dropout masks on their replicated inputs
         torch.manual_seed(spec.train.seed + self.dp_rank)
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
@@ -103,7 +104,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
         check_tensor_parallel(cfg, spec.parallel.tp)
+        check_context_parallel(cfg, spec.parallel.cp)
         self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
+        self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
@@ -320,15 +323,16 @@ class Trainer:
             if ctx.device.type == "cuda":  # NCCL returns before the peers arrive: wait here, so `waited` is it
                 torch.cuda.synchronize(ctx.device)
             waited = time.perf_counter() - arrived  # for slower peers: not this rank's own step time
-            counts /= self.spec.parallel.tp  # tensor-parallel peers counted the same rows
+            counts /= self.spec.parallel.ranks_per_row  # tensor- and context-parallel peers counted the same rows
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        fsdp_ranks = self.dp_world * self.spec.parallel.cp  # FSDP averages the gradients over these
         for batch in batches:
-            with loss_context(self.model):  # loss parallel: forward and backward both
+            with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
                 with record_function("shardline.forward"):
-                    micro_loss = token_loss_sum(self.model, batch, self.spec.train.loss_chunk_tokens)
+                    micro_loss = token_loss_sum(self.model, part, self.spec.train.loss_chunk_tokens)
                 with record_function("shardline.backward"):
-                    (micro_loss * (self.dp_world / loss_tokens)).backward()  # FSDP averages over dp
+                    (micro_loss * (fsdp_ranks / loss_tokens)).backward()
             loss_sum += micro_loss.detach().double()
         with record_function("shardline.clip"):
             max_norm = self.spec.train.max_grad_norm or float("inf")
@@ -342,6 +346,7 @@ class Trainer:
             own = own_step_seconds(start, waited, ctx.device)
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
             dist.all_reduce(reduced)
+            # tensor-parallel peers computed the same sum, context-parallel peers a part each
             loss = float(reduced[0] / self.spec.parallel.tp / loss_tokens)  # synchronises: the step is complete
             stragglers = straggler_fields(reduced[1:].tolist())
         if table := self.profiler.after_step(self.step + 1):
@@ -367,8 +372,12 @@ class Trainer:
     def _executed_pairs(self, batch) -> int:
         """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`,
         `flash_attention_2`), or all T² of each row (`eager`, and `sdpa` on short rows on a GPU: the dense block
-        mask)."""
+        mask; context parallel off a GPU: each rank's T/cp queries against all T keys). Context parallel on a GPU
+        counts the causal pairs of the documents: flex attention skips fully masked blocks and computes the rest,
+        so this is a slight undercount there."""
         rows, seq = batch.input_ids.shape
+        if self.cp_mesh is not None:
+            return rows * seq * seq if self.ctx.device.type != "cuda" else batch.spans.executed_causal_pairs()
         if self.spec.model.attn_implementation == "eager" or (
                 self.spec.model.attn_implementation == "sdpa" and uses_dense_mask(seq, self.ctx.device)):
             return rows * seq * seq
@@ -406,7 +415,7 @@ class Trainer:
         started = time.perf_counter()
         rows = self.data.rows("validation")
         batches = eval_batches(rows, self.spec.train.micro_batch_size, self.dp_rank, self.dp_world)
-        loss = validation_loss(self.model, batches, self.ctx.device, self.spec.train.loss_chunk_tokens)
+        loss = validation_loss(self.model, batches, self.ctx.device, self.spec.train.loss_chunk_tokens, self.cp_mesh)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss,
                                         "seconds": round(time.perf_counter() - started, 3)})
@@ -510,7 +519,8 @@ class Trainer:
         maybe_fail("sql_evaluation", self.ctx.rank, self.step)
         start = time.perf_counter()
         result = generation_eval(self.model, self.tokenizer, examples, self.spec, self.task,
-                                 self.data.meta["pad_id"], self.ctx.device, tp=self.spec.parallel.tp)
+                                 self.data.meta["pad_id"], self.ctx.device,
+                                 ranks_per_row=self.spec.parallel.ranks_per_row)
         if result is None:
             return {}
         seconds = time.perf_counter() - start
