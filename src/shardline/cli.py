@@ -157,7 +157,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
                                        if p.activation_checkpointing_every > 1 else "")
-    layout = layout_name(p.dp_replicate, plan.dp_shard, p.tp)
+    layout = layout_name(p.dp_replicate, plan.dp_shard // p.cp, p.tp, p.cp)
     console.print(
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"

@@ -78,7 +78,8 @@ def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp
     assert sorted(losses["cp"]) == list(range(1, STEPS + 1))
     for step, loss in losses["fsdp"].items():  # CP only changes the order of sums: fp32 rounding
         assert losses["cp"][step] == pytest.approx(loss, rel=1e-5), step
-    val = {name: [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1] for name, run in runs.items()}
+    val = {name: [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
+           for name, run in runs.items()}
     assert val["cp"] == pytest.approx(val["fsdp"], rel=1e-5)
     # generation runs whole prompts on every rank of a context-parallel group: the same SQL as FSDP's
     preds = {name: [s["pred"] for s in json.loads((run / "eval.json").read_text())["samples"]]

@@ -108,8 +108,9 @@ def test_hsdp_shards_over_its_shard_dimension_only(results):
 
 
 def test_tensor_parallel_shards_each_block_over_tp_and_the_rest_over_fsdp_as_planned(results):
-    """70B at world 64 = FSDP 8 × TP 8: rank 0 holds 1/64 of every block's projections and 1/8 of the norms,
-    embeddings and head (whole within its TP group); the planner counts the same bytes."""
+    """70B at world 64 = FSDP 8 × TP 8: rank 0 holds 1/64 of every block's projections and of the (untied) head
+    (split over the vocabulary: loss parallel), 1/8 of the norms and embeddings (whole within its TP group); the
+    planner counts the same bytes."""
     r = result(results, preset="llama-3.1-70b-fsdp-tp8", step=False)
     assert (r["dp_shard"], r["tp"]) == (8, 8)
     s, plan = r["sharding"], r["planned"]
@@ -117,7 +118,7 @@ def test_tensor_parallel_shards_each_block_over_tp_and_the_rest_over_fsdp_as_pla
     assert (s["params"], s["grads"], s["optimizer"]) == (plan["params"], plan["grads"], plan["optimizer"])
     assert s["gather_buffers"] == plan["gather_buffers"]
     d, v, layers = 8192, 128256, 80
-    whole = 2 * v * d + d + layers * 2 * d  # embeddings, head, final norm, the blocks' norms: over FSDP only
+    whole = v * d + d + layers * 2 * d  # embeddings, final norm, the blocks' norms: over FSDP only
     assert s["params"] == 4 * ((70_553_706_496 - whole) / 64 + whole / 8)
 
 

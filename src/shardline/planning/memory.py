@@ -2,8 +2,12 @@
 
 Symbols: P parameters (P_t trainable), S = parallel.dp_shard (FSDP shards; HSDP replicas hold copies),
 t = parallel.tp (each block's projections, attention heads and MLP columns ÷ t per rank: `tensor_parallel_shape`;
-hidden-size activations, norms, embeddings and the head whole — no sequence parallel, no loss parallel),
-c = compute bytes (2 bf16, 4 fp32), N = micro_batch_size × seq_len tokens, L layers, d hidden,
+norms and block inputs on N/t tokens (sequence parallel), an untied head's vocabulary ÷ t (loss parallel; its
+logits and cross-entropy still counted whole: see `_loss_bytes`'s caller); embeddings and the projections'
+gathered inputs whole),
+cp = parallel.cp (a rank's N/cp tokens of each row; FSDP over S·cp; attention keeps the gathered keys and
+values of the other (cp−1)/cp of the row), c = compute bytes (2 bf16, 4 fp32), N = micro_batch_size × seq_len
+tokens (÷ cp), L layers, d hidden,
 I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 
 - parameters 4P/S (fp32 master shards), gradients 4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
@@ -74,6 +78,14 @@ class ModelShape:
     family: Family = LLAMA
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: global); empty: every layer global."""
+    tp: int = 1
+    """The tensor-parallel degree this shape is one rank of (`tensor_parallel_shape`): the norms run on 1/tp of
+    the tokens (sequence parallel) and an untied head holds 1/tp of the vocabulary (loss parallel)."""
+
+    @property
+    def head_vocab(self) -> int:
+        """Vocabulary rows of the output projection this rank holds and computes logits for."""
+        return self.vocab if self.tie else self.vocab // self.tp
 
     @property
     def hd(self) -> int:
@@ -159,9 +171,10 @@ FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def tensor_parallel_shape(s: ModelShape, tp: int) -> ModelShape:
-    """The block one rank of a `tp`-way tensor-parallel group holds: its heads, kv-heads and MLP columns (the
-    projections split column- then row-wise); hidden-size tensors (norms, block inputs, embeddings, the head)
-    stay whole, as without sequence parallel they do."""
+    """What one rank of a `tp`-way tensor-parallel group holds: its heads, kv-heads and MLP columns (the
+    projections split column- then row-wise), 1/tp of the tokens between them (sequence parallel: norms, block
+    inputs), 1/tp of an untied head's vocabulary (loss parallel); embeddings whole, and the projections' inputs
+    gathered whole."""
     if tp == 1:
         return s
     if s.heads % tp or s.kv_heads % tp or s.intermediate % tp:
@@ -169,13 +182,13 @@ def tensor_parallel_shape(s: ModelShape, tp: int) -> ModelShape:
                         f"({s.kv_heads}) and intermediate size ({s.intermediate})",
                         "choose a tp that divides all three")
     return replace(s, heads=s.heads // tp, kv_heads=s.kv_heads // tp, intermediate=s.intermediate // tp,
-                   head_dim=s.hd)
+                   head_dim=s.hd, tp=tp)
 
 
-def layout_name(dp_replicate: int, dp_shard: int, tp: int) -> str:
-    """How `plan` and the dry run name a parallel layout: `FSDP ×8`, `HSDP 2×8`, `FSDP ×4 × TP 8`."""
+def layout_name(dp_replicate: int, dp_shard: int, tp: int, cp: int = 1) -> str:
+    """How `plan` and the dry run name a parallel layout: `FSDP ×8`, `HSDP 2×8`, `FSDP ×4 × TP 8`, `FSDP ×4 × CP 2`."""
     data = f"HSDP {dp_replicate}×{dp_shard}" if dp_replicate > 1 else f"FSDP ×{dp_shard}"
-    return data + (f" × TP {tp}" if tp > 1 else "")
+    return data + (f" × CP {cp}" if cp > 1 else "") + (f" × TP {tp}" if tp > 1 else "")
 
 
 def block_linears(s: ModelShape) -> tuple[str, ...]:
@@ -232,7 +245,7 @@ def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
     block = sum(i * o for name, (i, o) in dims.items() if name in block_linears(s)) + s.norms_per_block * s.hidden
     block += 2 * s.hd if s.family.qk_norm else 0
     block += (s.heads + 2 * s.kv_heads) * s.hd if s.family.qkv_bias else 0
-    root = s.vocab * s.hidden * (1 if s.tie else 2) + s.hidden
+    root = (s.vocab + (0 if s.tie else s.head_vocab)) * s.hidden + s.hidden
     adapters = {m: lora.r * sum(dims[m]) for m in lora_targets(s, lora)}
     block_lora = sum(n for m, n in adapters.items() if m in block_linears(s))
     root_lora = adapters.get("lm_head", 0)
@@ -263,7 +276,7 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     kv_saved = q if (attn == "eager" and kv < q) else kv
     fused = s.family.fused
     # RMSNorms (2, Gemma's 4): fp32 input, normalized (weight grad), rsqrt; QK-norm the same over q and k
-    b = s.norms_per_block * (4 * d + (c * d if full else 0) + 4)
+    b = s.norms_per_block * (4 * d + (c * d if full else 0) + 4) / s.tp  # sequence parallel: 1/tp of the tokens
     b += (4 + (c if full else 0)) * (q + kv) + 4 * (h + s.kv_heads) if s.family.qk_norm else 0
     b += inputs(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"), d)
     # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
@@ -338,11 +351,13 @@ LABELS = {
 def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[float, float, int]:
     """(bytes saved at the start of backward, one block's saved bytes, checkpointed blocks)."""
     p, t, lora = spec.parallel, spec.train, spec.model.lora
-    n, d = t.micro_batch_size * t.seq_len, shape.hidden
+    n, d = t.micro_batch_size * t.seq_len // p.cp, shape.hidden
     block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind) * n
+    # context parallel: attention saves the keys and values it gathered from the other ranks of the row
+    block += 2 * c * shape.kv_heads * shape.hd * t.micro_batch_size * (t.seq_len - t.seq_len // p.cp)
     n_ckpt = 0 if p.activation_checkpointing == "none" else math.ceil(shape.layers / p.activation_checkpointing_every)
-    kept = c * d * n if p.activation_checkpointing == "full" else selective_saved_bytes(shape, c, lora) * n
-    final_norm = (4 * d + (0 if lora.enabled else c * d) + (c * d if head_trainable(lora) else 0)) * n
+    kept = c * d * n / shape.tp if p.activation_checkpointing == "full" else selective_saved_bytes(shape, c, lora) * n
+    final_norm = ((4 * d + (0 if lora.enabled else c * d)) / shape.tp + (c * d if head_trainable(lora) else 0)) * n
     saved = n_ckpt * kept + (shape.layers - n_ckpt) * block + (block if n_ckpt else 0) + final_norm
     if spec.model.attn_implementation == "eager":
         saved += c * t.seq_len * n  # one additive mask shared by all blocks
@@ -363,16 +378,17 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     real = param_budget(shape, lora)
     shape = tensor_parallel_shape(shape, p.tp)  # what one rank of a tensor-parallel group holds and computes
     pb = param_budget(shape, lora)
-    shard = p.dp_shard or spec.world_size // (p.dp_replicate * p.tp)
+    # FSDP shards over dp_shard × cp (context-parallel peers' gradients are summed like data parallel's)
+    shard = (p.dp_shard or spec.world_size // (p.dp_replicate * p.ranks_per_row)) * p.cp
     c = 2 if choose_precision(t.precision, accelerator=dev.kind != "cpu").precision == "bf16" else 4
-    n = t.micro_batch_size * t.seq_len
-    d, v = shape.hidden, shape.vocab
+    n = t.micro_batch_size * t.seq_len // p.cp  # context parallel: this rank's tokens
+    d = shape.hidden
 
     params, grads, opt = 4 * pb.total / shard, 4 * pb.trainable / shard, 8 * pb.trainable / shard
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
 
     saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
-    head_grad = c * v * d if head_trainable(lora) else 0
+    head_grad = c * shape.head_vocab * d if head_trainable(lora) else 0
     block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
     gathers = c * (pb.root + 2 * pb.block)
     # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
@@ -381,7 +397,10 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
 
     grads_now = grads if spec.grad_accum_steps > 1 else 0  # earlier micro-batches' gradients
     moments = {
-        "start of backward": dict(gather_buffers=gathers, activations=saved, logits=_loss_bytes(t, n, v, d, c),
+        "start of backward": dict(gather_buffers=gathers, activations=saved,
+                                  # loss parallel: counted over the whole vocabulary, as the dry run measures
+                                  # torch's loss_parallel backward (its temporaries are not 1/tp of the logits)
+                                  logits=_loss_bytes(t, n, shape.vocab, d, c),
                                   temporaries=head_grad, grads=grads_now),
         "first block reduce-scatter": dict(gather_buffers=gathers, activations=saved - block,
                                            temporaries=head_grad + block_rs, grads=grads_now),

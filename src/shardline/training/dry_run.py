@@ -153,6 +153,10 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
     if spec.train.engine != "torch":
         raise SpecError("train.engine", f"{spec.train.engine} trains outside shardline's torch code, so there is "
                         "no model to simulate", "plan it without --dry-run (shardline plan SPEC)")
+    if spec.parallel.cp > 1:
+        raise SpecError("parallel.cp", f"is {spec.parallel.cp}: the dry run does not split rows over a "
+                        "context-parallel group (its step would count whole rows per rank)",
+                        "plan it without --dry-run (shardline plan SPEC models cp)")
     precision = choose_precision(spec.train.precision, accelerator=device.kind != "cpu").precision
     c = 2 if precision == "bf16" else 4
     result: dict = {"world": spec.world_size, "rank": rank, "dp_replicate": spec.parallel.dp_replicate,

@@ -28,6 +28,7 @@ from shardline.spec import TrainSpec
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.fake_world import fake_tensor_mode, mem_tracker_class
 from shardline.training.optim import build_optimizer, clip_grad_norm
+from shardline.training.tensor_parallel import loss_context
 
 CPU = torch.device("cpu")
 
@@ -54,9 +55,10 @@ def one_document_rows(spec: TrainSpec, vocab: int) -> Batch:
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
           mark: Callable[[str], None]) -> None:
     for i, batch in enumerate(batches):
-        loss = token_loss_sum(model, batch, spec.loss_chunk_tokens) / batch.n_loss_tokens
-        mark("forward and loss")
-        loss.backward()
+        with loss_context(model):  # tensor parallel's loss over the vocabulary shards: forward and backward
+            loss = token_loss_sum(model, batch, spec.loss_chunk_tokens) / batch.n_loss_tokens
+            mark("forward and loss")
+            loss.backward()
         mark("backward" if i == len(batches) - 1 else f"micro-batch {i + 1}")
     clip_grad_norm([p for p in model.parameters() if p.requires_grad], spec.max_grad_norm or float("inf"))
     mark("gradient clipping")
