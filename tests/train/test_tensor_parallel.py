@@ -20,6 +20,7 @@ from shardline.export import build_plain
 from shardline.rundir import create_run, read_spec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
+from shardline.training.parallelize import enable_async_tp
 from shardline.training.tensor_parallel import check_tensor_parallel
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
@@ -46,6 +47,20 @@ def test_tp_must_divide_the_node_the_world_and_the_heads():
     spec = load_spec("tiny", ["parallel.nproc_per_node=4", "parallel.tp=2", "train.micro_batch_size=2",
                               "train.global_batch_size=4"])
     assert spec.parallel.tp == 2 and spec.world_size == 4
+
+
+def test_async_tp_needs_tp_compile_and_cuda():
+    four = ["parallel.nproc_per_node=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    with pytest.raises(SpecError, match=r"parallel.async_tp: needs tensor parallel and compiled blocks \(tp=2, "
+                                        "compile=false\)"):
+        load_spec("tiny", [*four, "parallel.tp=2", "parallel.async_tp=true"])
+    with pytest.raises(SpecError, match=r"parallel.async_tp: needs tensor parallel .* \(tp=1, compile=true\)"):
+        load_spec("tiny", [*four, "parallel.async_tp=true", "parallel.compile=true"])
+    spec = load_spec("tiny", [*four, "parallel.tp=2", "parallel.async_tp=true", "parallel.compile=true"])
+    with pytest.raises(SpecError, match="parallel.async_tp: needs CUDA .* on cpu"):
+        enable_async_tp(spec.parallel, "cpu")
+    assert not torch._inductor.config._micro_pipeline_tp
+    enable_async_tp(load_spec("tiny", four).parallel, "cpu")  # off: nothing to check
 
 
 def test_fused_projections_and_heads_tp_does_not_divide_are_refused_by_name():

@@ -117,6 +117,10 @@ def check_context_parallel_degree(spec: JobSections) -> None:
 def check_tensor_parallel_degree(spec: JobSections) -> None:
     """tp splits a node's GPUs (its collectives run every layer: never across nodes) and the world."""
     p, world = spec.parallel, spec.world_size
+    if p.async_tp and (p.tp == 1 or not p.compile):
+        raise SpecError("parallel.async_tp", f"needs tensor parallel and compiled blocks (tp={p.tp}, compile="
+                        f"{str(p.compile).lower()}): torch's compiler does the overlap",
+                        "set parallel.tp > 1 and parallel.compile=true, or parallel.async_tp=false")
     if p.tp == 1:
         return
     per_node = p.nproc_per_node

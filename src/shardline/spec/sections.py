@@ -164,6 +164,10 @@ class ParallelSpec(Section):
     """Tensor-parallel degree: each decoder block's attention and MLP projections split over this many
     consecutive ranks of a node (column- then row-wise), sequence parallel between them, an untied output
     projection split over the vocabulary (loss parallel); FSDP shards over the rest. 1 = FSDP alone."""
+    async_tp: bool = False
+    """torch's micro-pipelined (async) tensor parallel: the compiled blocks overlap each column-wise matmul with the
+    all-gather before it and each row-wise one with its reduce-scatter (inductor's `_micro_pipeline_tp`, symmetric
+    memory). CUDA only, with tp > 1 and `compile`; not yet measured on a GPU."""
     cp: int = Field(1, ge=1)
     """Context-parallel degree: each row's tokens split over this many ranks (load-balanced causal chunks), whose
     attention all-gathers the row's keys and values; for rows too long for one device. FSDP shards over

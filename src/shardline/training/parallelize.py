@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
 from shardline.spec import ParallelSpec, Precision
 from shardline.training.tensor_parallel import apply_tensor_parallel
@@ -84,7 +84,20 @@ def _offload_policy(spec: ParallelSpec, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda") if spec.offload else OffloadPolicy()
 
 
+def enable_async_tp(spec: ParallelSpec, device_type: str) -> None:
+    """`parallel.async_tp`: inductor's micro-pipelined TP for the compiled blocks (CUDA symmetric memory only)."""
+    if not spec.async_tp:
+        return
+    if device_type != "cuda":
+        raise SpecError("parallel.async_tp", f"needs CUDA (symmetric memory), but this run is on {device_type}",
+                        "set parallel.async_tp=false off GPUs")
+    import torch._inductor.config  # only here: the compiler's configuration
+
+    torch._inductor.config._micro_pipeline_tp = True
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
+    enable_async_tp(spec, mesh.device_type)
     if spec.tp > 1:  # torchtitan's order: tensor parallel on the plain modules first
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec)
