@@ -149,6 +149,7 @@ def _attention_for(mesh: DeviceMesh) -> nn.Module:
                               _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
 
 
+@torch.compiler.disable  # per-batch masks and module caches: compiled blocks run around this (flex compiles itself)
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: ContextShard,
                                window: int | None, scaling: float | None) -> torch.Tensor:
     """[B, H, T/cp, D] queries, keys and values of this rank's tokens → [B, T/cp, H, D], as HF attention returns."""
