@@ -146,6 +146,24 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
 
 
 @pytest.mark.slow
+def test_tp_with_selective_checkpointing_and_compile_trains_fsdps_losses_and_generates(tmp_path):
+    """Sequence parallel's DTensors inside compiled, checkpointed blocks (a batch of another shape once made dynamo's
+    dynamic shapes fail: blocks compile per shape under TP) train FSDP ×4's losses (plain blocks); greedy generation
+    runs through them too."""
+    short = ["train.max_steps=3", "checkpoint.every_steps=100"]
+    losses = {}
+    for name, extra in (("fsdp", []), ("tp", ["parallel.tp=2", "parallel.activation_checkpointing=selective",
+                                              "parallel.compile=true", "train.eval_examples=4"])):
+        out = run_cli("train", *_sets(tmp_path / name, *short, *extra), "--nproc", "4")
+        assert out.returncode == 0, out.stdout[-3000:]
+        losses[name] = _losses(only_run(tmp_path / name))
+    assert sorted(losses["tp"]) == [1, 2, 3]
+    for step, loss in losses["fsdp"].items():
+        assert losses["tp"][step] == pytest.approx(loss, rel=2e-5), step
+    assert len(json.loads((only_run(tmp_path / "tp") / "eval.json").read_text())["samples"]) == 4
+
+
+@pytest.mark.slow
 def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
     """LoRA's factors follow the split: lora_B column-wise beside a column-wise base, lora_A row-wise beside a
     row-wise one, the other factor replicated. Without dropout FSDP 2 × TP 2 trains the losses FSDP ×4 trains, generates

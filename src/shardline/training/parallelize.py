@@ -104,7 +104,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
     layers = decoder_layers(model)
     if spec.compile:
         for layer in layers:
-            layer.compile()
+            # sequence parallel's DTensors fail dynamo's dynamic shapes (torch 2.13: "unhashable type: non-nested
+            # SymInt" on a new batch shape): with tp, each shape compiles on its own
+            layer.compile(dynamic=False if spec.tp > 1 else None)
     shard = partial(fully_shard, mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision(precision),
                     offload_policy=_offload_policy(spec, mesh.device_type))
     for i, layer in enumerate(layers):
