@@ -18,7 +18,7 @@ from shardline.spec.resolve import load_spec
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.train.test_preemption import _losses
 
-STEPS = 4
+STEPS = 5
 COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "train.warmup_steps=0", "checkpoint.every_steps=2",
           "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=2", "observe.report=false",
           "train.seq_len=256", "train.eval_examples=6"]
@@ -86,11 +86,11 @@ def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp
              for name, run in runs.items()}
     assert len(preds["cp"]) == 6 and preds["cp"] == preds["fsdp"]
 
-    # the step-2 checkpoint of FSDP 2 × CP 2 resumes as FSDP ×4 and trains FSDP's steps 3-4
+    # the step-2 checkpoint of FSDP 2 × CP 2 resumes as FSDP ×4 and trains FSDP's steps 3-5
     resumed = tmp_path / "resumed"
     out = run_cli("train", *_sets(resumed, f"checkpoint.resume_from={runs['cp']}@2"), "--nproc", "4")
     assert out.returncode == 0, out.stdout[-3000:]
     after = _losses(only_run(resumed))
-    assert sorted(after) == [3, 4]
+    assert sorted(after) == [3, 4, 5]
     for step in after:
         assert after[step] == pytest.approx(losses["fsdp"][step], rel=1e-5), step
