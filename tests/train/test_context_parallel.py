@@ -1,6 +1,7 @@
 """Context parallel (`parallel.cp`): attention of a rank's load-balanced tokens over the whole row equals
 per-document attention on whole rows (outputs and gradients, windows and GQA); a 4-process gloo run at
-FSDP 2 × CP 2 trains FSDP ×4's losses, validation loss and generations, and its checkpoint resumes without CP.
+FSDP 2 × CP 2 (and HSDP 2 × CP 2) trains FSDP ×4's losses, validation loss and generations, and its checkpoint
+resumes without CP.
 The spec rules name each broken layout."""
 
 import json
@@ -68,16 +69,18 @@ def _sets(runs: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp_path):
     runs = {}
-    for name, extra in (("fsdp", []), ("cp", ["parallel.cp=2"])):
+    for name, extra in (("fsdp", []), ("cp", ["parallel.cp=2"]),
+                        ("hsdp-cp", ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"])):
         out = run_cli("train", *_sets(tmp_path / name, *extra), "--nproc", "4")
         assert out.returncode == 0, out.stdout[-3000:]
         runs[name] = only_run(tmp_path / name)
     setup = next(e for e in read_metrics(runs["cp"], "event") if e["event"] == "setup")
     assert setup["mesh"] == {"dp_shard": 2, "cp": 2}
     losses = {name: _losses(run) for name, run in runs.items()}
-    assert sorted(losses["cp"]) == list(range(1, STEPS + 1))
-    for step, loss in losses["fsdp"].items():  # CP only changes the order of sums: fp32 rounding
-        assert losses["cp"][step] == pytest.approx(loss, rel=1e-5), step
+    for layout in ("cp", "hsdp-cp"):  # HSDP: replicas × (shard × cp flattened)
+        assert sorted(losses[layout]) == list(range(1, STEPS + 1))
+        for step, loss in losses["fsdp"].items():  # CP only changes the order of sums: fp32 rounding
+            assert losses[layout][step] == pytest.approx(loss, rel=1e-5), (layout, step)
     val = {name: [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
            for name, run in runs.items()}
     assert val["cp"] == pytest.approx(val["fsdp"], rel=1e-5)
