@@ -173,6 +173,10 @@ class Trainer:
                     else "the output projection whole: it is the tied embedding")
             self._say(f"tensor parallel: {split_weights(self.model)} weights split over tp={self.spec.parallel.tp}, "
                       f"sequence parallel between them, {head}; FSDP over {self.dp_world} data-parallel ranks")
+        if self.cp_mesh is not None:
+            self._say(f"context parallel: each row's {self.spec.train.seq_len} tokens split over cp="
+                      f"{self.spec.parallel.cp} ranks (load-balanced chunks; keys and values all-gathered per layer); "
+                      f"FSDP over {self.dp_world} data-parallel × {self.spec.parallel.cp} context-parallel ranks")
         if self.chose_precision:  # a local launch said its choice when it created the run
             self._say(f"precision {t.precision}: {self.precision.reason}")
         if self.precision_warning:
