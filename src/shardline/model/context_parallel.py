@@ -70,7 +70,7 @@ class ContextShard:
             self.masks[window] = keep[:, None]
         return self.masks[window]
 
-    def block_mask(self, window: int | None, heads: int):
+    def block_mask(self, window: int | None):
         """flex attention's block mask of the same rule for this rank's queries (torch rewrites the indices)."""
         if window not in self.masks:
             docs = self.documents
@@ -129,7 +129,7 @@ class _GlobalKeys(nn.Module):
                 window: int | None, scaling: float | None) -> torch.Tensor:
         gqa = key.shape[1] != query.shape[1]
         if query.device.type == "cuda":
-            block = shard.block_mask(window, query.shape[1])
+            block = shard.block_mask(window)
             return _compiled_flex()(query, key, value, block_mask=block, scale=scaling, enable_gqa=gqa)
         if gqa:  # the masked SDPA call materialises [T/cp, T] scores on CPU either way
             key, value = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in (key, value))
