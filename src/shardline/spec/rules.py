@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 from shardline.errors import SpecError
 from shardline.hardware import price_table, tpu_slice
-from shardline.spec.sections import JobSections
+from shardline.spec.sections import JobSections, ParallelSpec
 
 
 def check_combinations(spec: JobSections) -> None:
@@ -86,8 +86,8 @@ MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a ha
 MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
 
 
-def data_parallel_ranks(world: int, p) -> str:
-    """What the global batch is split over, as the batch errors name it (`p`: the parallel section)."""
+def data_parallel_ranks(world: int, p: ParallelSpec) -> str:
+    """What the global batch is split over, as the batch errors name it."""
     degrees = " × ".join(f"parallel.{name} {n}" for name, n in (("tp", p.tp), ("cp", p.cp)) if n > 1)
     return f"data-parallel ranks (world size {world} ÷ {degrees})" if degrees else "world size"
 
