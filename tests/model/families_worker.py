@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node=2 tests/model/families_worker.py JOBS.json
 
 For each job (a family's spec): one Trainer step on this rank's share of the global batch; rank 0 writes the
-logged loss and each rank's rows to `<out>.json` and the full parameters after the step to `<out>` (safetensors).
+logged loss and each rank's rows to `<out>.json` and the full parameters and first moments after the step to `<out>`
+(safetensors).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from shardline.training.distributed import distributed
 from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 
+MOMENT = "exp_avg."
+"""Key prefix of the first moments (the step's gradients × (1 − β1)) beside the weights in the output file."""
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
 
 def main(jobs_file: str) -> None:
     with distributed() as ctx:
@@ -35,8 +43,9 @@ def main(jobs_file: str) -> None:
             rows = [None] * ctx.world
             mine = [r for line in trainer.sample_trace.read_text().splitlines() for r in json.loads(line)["rows"]]
             dist.all_gather_object(rows, mine)
-            params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().contiguous()
-                      for n, p in trainer.model.named_parameters()}
+            named = list(trainer.model.named_parameters())
+            params = {n: _full(p).detach().contiguous() for n, p in named}
+            params |= {f"{MOMENT}{n}": _full(trainer.optimizer.state[p]["exp_avg"]).contiguous() for n, p in named}
             if ctx.is_main:
                 out = Path(job["out"])
                 out.with_suffix(".json").write_text(json.dumps({"loss": record.loss, "rows_by_rank": rows}))
