@@ -113,9 +113,12 @@ def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(r
 
 
 # bf16 with one row: CPUs without bf16 matrix units (AVX2 only) emulate it at ~2 GFLOP/s, and two ranks' worth of
-# rows would take minutes there; the two-rank bf16 reduction is covered by the tiny model's FSDP tests.
+# rows would take minutes there; the two-rank bf16 reduction is covered by the tiny model's FSDP tests. bf16's bound:
+# each logit rounds to half an eps (7.8e-3 / 2) in kernels whose blocking differs by CPU class (AMX brgemm, emulated
+# AVX2 GEMMs) and between packed and one-at-a-time shapes; over a few hundred loss tokens the mean loss moves by a
+# few 1e-3, so 1e-2 (a masking or normalisation error moves it by tens of percent).
 @pytest.mark.parametrize(("nproc", "precision", "tol", "n_rows"),
-                         [(2, "fp32", 2e-4, 2), (1, "bf16", 5e-3, 1)])
+                         [(2, "fp32", 2e-4, 2), (1, "bf16", 1e-2, 1)])
 def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_time(
         real, tok, user_file, tmp_path, nproc, precision, tol, n_rows):
     """Packing, masking, position ids, the block-diagonal mask and the loss normalisation, against transformers."""

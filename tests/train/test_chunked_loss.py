@@ -36,6 +36,13 @@ def _batch(vocab: int):
     return make_batch(rows, np.arange(len(rows.n_real)))
 
 
+# fp32 (unit roundoff u = 6e-8), whatever the CPU class: the chunked sum adds up to ~40 chunk sums in sequence and
+# runs GEMMs of M = 7..50 rows where the whole logits run one of M = N, each with its own blocking, so the two losses
+# differ by up to (log2 N + chunks)·u ≈ 3e-6 relative; a dropped or mis-scaled chunk is ≥ 1e-2.
+LOSS_RTOL = 5e-6
+GRAD_RTOL = 1e-5
+"""Of the tensor's largest entry: gradients sum ~N products in another order, ≲ u·√N·max|g|·(a few)."""
+
 def _loss_and_grads(model, batch, chunk):
     model.zero_grad(set_to_none=True)
     loss = token_loss_sum(model, batch, chunk)
@@ -48,11 +55,11 @@ def _assert_chunked_equals_full(model, batch, chunks):
     assert 0 < batch.n_loss_tokens < batch.labels.numel()
     for chunk in chunks:
         loss, grads = _loss_and_grads(model, batch, chunk)
-        assert loss.item() == pytest.approx(full.item(), rel=1e-6), chunk
+        assert loss.item() == pytest.approx(full.item(), rel=LOSS_RTOL), chunk
         assert grads.keys() == full_grads.keys()
-        for name, g in grads.items():  # fp32 summation order: 1e-6 of the tensor's largest entry
+        for name, g in grads.items():
             ref = full_grads[name]
-            assert (g - ref).abs().max() <= 1e-6 * ref.abs().max(), f"{name}, chunk {chunk}"
+            assert (g - ref).abs().max() <= GRAD_RTOL * ref.abs().max(), f"{name}, chunk {chunk}"
 
 
 def test_chunked_loss_and_gradients_equal_the_whole_logits_for_chunks_that_do_not_divide_the_tokens():
@@ -63,7 +70,7 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits_for_chunks_that_do_no
     # transformers' own loss (mean over its shifted labels) on the same logits: the oracle of the oracle
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                 labels=torch.cat([batch.input_ids[:, :1], batch.labels], dim=1)[:, :-1])
-    assert out.loss.item() * batch.n_loss_tokens == pytest.approx(token_loss_sum(model, batch, 7).item(), rel=1e-6)
+    assert out.loss.item() * batch.n_loss_tokens == pytest.approx(token_loss_sum(model, batch, 7).item(), rel=LOSS_RTOL)
 
 
 def test_chunked_loss_with_tied_embeddings_and_with_lora():
@@ -112,7 +119,7 @@ def test_only_one_chunk_of_logits_is_saved_for_backward():
     whole, loss_whole = saved_elements(300)
     chunked, loss_chunked = saved_elements(64)
     assert whole >= 300 * 1000 and chunked < 64 * 1000
-    assert loss_chunked.item() == pytest.approx(loss_whole.item(), rel=1e-6)
+    assert loss_chunked.item() == pytest.approx(loss_whole.item(), rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
@@ -125,10 +132,10 @@ def test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logit
     results = torch.load(tmp_path / "results.pt")
     for layout in ("plain", "tied+lora+ac"):
         (full_loss, full_state), (loss, state) = results[(layout, None)], results[(layout, 7)]
-        assert loss == pytest.approx(full_loss, rel=1e-6), layout
+        assert loss == pytest.approx(full_loss, rel=LOSS_RTOL), layout
         assert state.keys() == full_state.keys() and state
-        for name, p in state.items():
-            torch.testing.assert_close(p, full_state[name], rtol=0, atol=1e-6, msg=f"{layout}: {name}")
+        for name, p in state.items():  # SGD at lr 0.5 moves by 0.5·g, |g| ≲ 1: Δp agrees to 0.5·GRAD_RTOL
+            torch.testing.assert_close(p, full_state[name], rtol=0, atol=5e-6, msg=f"{layout}: {name}")
 
 
 def test_a_family_outside_the_tested_ones_keeps_its_whole_logits():

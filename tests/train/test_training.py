@@ -60,7 +60,9 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     assert "SQL execution accuracy" in out.stdout
     after = [e for e in read_metrics(run, "eval") if "val_loss" in e][-1]["val_loss"]
     before = [e for e in evals if "val_loss" in e][-1]["val_loss"]
-    assert after == pytest.approx(before, rel=1e-3)  # resharded 2 → 1 rank, same weights
+    # resharded 2 → 1 rank, same weights, bf16: 1 and 2 ranks batch the validation rows differently, so the kernels
+    # round each logit differently (bf16 eps 7.8e-3); the mean over ~1k tokens agrees to ~1e-3, bounded at 5e-3
+    assert after == pytest.approx(before, rel=5e-3)
 
 
 def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
