@@ -65,11 +65,41 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    _prepare_with_progress(_resolve(args))
+    from shardline.data.preflight import preflight
+
+    spec = _resolve(args)
+    preflight(spec)
+    data = _prepare_with_progress(spec)
+    count = args.show if args.show is not None else (5 if args.json else 0)
+    if count:
+        _show_examples(spec, data, count, args.json, quiet=args.show is None)
     return EXIT_OK
 
 
+def _show_examples(spec, data, count: int, json_file: str | None, quiet: bool) -> None:
+    from rich.text import Text
+
+    from shardline.data.preview import LOSS_CLOSE, LOSS_OPEN, marked_text, rendered
+
+    tok = data.tokenizer()
+    picked = [(split, ex) for split in ("train", "validation") for ex in data.examples(split)][:count]
+    shown = rendered(tok, picked, spec)
+    if json_file:
+        Path(json_file).write_text(json.dumps(shown, ensure_ascii=False, indent=1))
+        console.print(f"wrote {len(shown)} rendered examples to {json_file}", highlight=False)
+    if quiet:
+        return
+    console.print(f"tokens between {LOSS_OPEN} {LOSS_CLOSE} carry loss", highlight=False)
+    for i, item in enumerate(shown):
+        line = Text(f"── {i + 1} · {item['split']} · {item['source']} · {len(item['tokens'])} tokens, "
+                    f"{sum(item['loss'])} with loss\n", style="dim")
+        for text, trained in marked_text(tok, item["tokens"], item["loss"]):
+            line.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if trained else text, style="green" if trained else None)
+        console.print(line)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from shardline.data.preflight import preflight
     from shardline.engines.backend import record_path
     from shardline.engines.command import local_spec
     from shardline.engines.local import torchrun_command, train_run
@@ -86,6 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         spec = local_spec(spec, json.loads(record.read_text()).get("target") if record.is_file() else None)
     torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
+    preflight(spec)  # the model's location, the data's format and first rows: before a run directory exists
     spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     if chosen := read_manifest(run_dir).get("precision"):
@@ -267,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
     p = verbs.add_parser("prepare", help="tokenize, mask and pack the data once (cached)")
     _add_spec_args(p)
+    p.add_argument("--show", type=int, metavar="N", help="print N rendered examples, loss-bearing tokens marked")
+    p.add_argument("--json", metavar="FILE", help="write the rendered examples (split, source, text, tokens, loss "
+                   "per token) to FILE as a JSON list (N from --show, else 5)")
     p.set_defaults(func=cmd_prepare)
     p = verbs.add_parser("eval", help="validation loss and SQL execution accuracy of a run's last checkpoint")
     p.add_argument("run_dir")

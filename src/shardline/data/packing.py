@@ -1,8 +1,9 @@
 """Packing whole examples into fixed-length rows.
 
-Each row holds `seq_len` token ids, a loss mask (1 on answer+EOS tokens) and position ids that restart
-at 0 at every example boundary. Examples are never split across rows: a split answer would teach the
-model to stop (or start) in the wrong place. Rows are filled best-fit-decreasing; the tail is padding
+Each row holds `seq_len` token ids, a loss mask (1 on the tokens that are targets: answer+EOS, assistant turns,
+text) and position ids that restart at 0 at every example boundary. Examples are never split across rows: a split
+answer would teach the model to stop (or start) in the wrong place (raw text is cut into pieces of at most
+`seq_len` before packing, `shardline.data.prepare`). Rows are filled best-fit-decreasing; the tail is padding
 with loss mask 0.
 """
 
@@ -15,8 +16,18 @@ import numpy as np
 
 @dataclass
 class Document:
-    ids: np.ndarray  # int32 token ids: prompt then answer + EOS
-    n_prompt: int
+    ids: np.ndarray  # int32 token ids: prompt then answer + EOS (or a conversation, or a piece of text)
+    n_prompt: int = 0
+    """Leading tokens without loss, the rest carrying it; ignored when `loss` is given."""
+    loss: np.ndarray | None = None
+    """Per token 1 where it is a target (uint8): a conversation's assistant turns, a text's tokens."""
+
+    def loss_mask(self) -> np.ndarray:
+        if self.loss is not None:
+            return np.asarray(self.loss, dtype=np.uint8)
+        mask = np.ones(len(self.ids), dtype=np.uint8)
+        mask[: self.n_prompt] = 0
+        return mask
 
 
 @dataclass
@@ -66,7 +77,7 @@ def pack(docs: list[Document], seq_len: int, pad_id: int, packing: bool = True) 
             d = docs[i]
             end = at + len(d.ids)
             tokens[r, at:end] = d.ids
-            loss_mask[r, at + d.n_prompt : end] = 1
+            loss_mask[r, at:end] = d.loss_mask()
             position_ids[r, at:end] = np.arange(len(d.ids))
             at = end
         position_ids[r, at:] = np.arange(seq_len - at)

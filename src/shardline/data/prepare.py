@@ -29,8 +29,8 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.packing import Document, PackedRows, pack
+from shardline.data.render import check_chat_template, needs_chat_template, render
 from shardline.data.sources import SPLITS, SourceData, load_source
-from shardline.data.template import encode_answer, encode_prompt
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
 from shardline.spec import JobSpec
@@ -155,6 +155,8 @@ def dataset_version(spec: JobSpec, source: SourceData) -> str:
     prompt_version = get_task(d.task).prompt.version
     parts = [PREPARE_VERSION, source.fingerprint, tokenizer_id, prompt_version, d.prompt_format,
              str(spec.train.seq_len), str(d.packing)]
+    if d.assistant_turns != "all":  # (kept out of the default's parts: the embedded default's version stays)
+        parts.append(f"assistant_turns={d.assistant_turns}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -171,9 +173,23 @@ def _locked(path: Path):
 def _tokenizer_for(spec: JobSpec, source: SourceData) -> PreTrainedTokenizerBase:
     src = spec.model.tokenizer or spec.model.path
     if src:
-        return load_tokenizer(src)
-    texts = (t for ex in source.splits["train"] for t in (ex.context, ex.question, ex.answer))
-    return train_bpe(texts, spec.model.arch.vocab_size)
+        tok = load_tokenizer(src)
+    else:
+        tok = train_bpe((t for ex in source.splits["train"] for t in _texts(ex)), spec.model.arch.vocab_size)
+    first = next((ex for split in SPLITS for ex in source.splits[split]), None)
+    if first is not None and needs_chat_template(first, spec.data.prompt_format):
+        check_chat_template(tok, spec.model.tokenizer and "model.tokenizer" or "model.path",
+                            "data.prompt_format=chat" if first.kind == "prompt_answer" else "a conversation")
+    return tok
+
+
+def _texts(ex: Example) -> list[str]:
+    """What a tokenizer trained on the data learns from."""
+    if ex.kind == "chat":
+        return [m["content"] for m in ex.messages]
+    if ex.kind == "text":
+        return [ex.text or ""]
+    return [ex.context, ex.question, ex.answer] + ([ex.prompt] if ex.prompt else [])
 
 
 def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
@@ -185,12 +201,17 @@ def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec
     for start in range(0, len(examples), batch):
         chunk = examples[start : start + batch]
         for ex in chunk:
-            prompt = encode_prompt(tok, template, ex.question, ex.context, spec.data.prompt_format)
-            answer = encode_answer(tok, ex.answer, spec.data.prompt_format)
-            if len(prompt) + len(answer) > seq_len:
+            r = render(tok, ex, template, spec.data.prompt_format, spec.data.assistant_turns)
+            if ex.kind == "text":  # a long document is cut into pieces, each starting afresh; none is dropped
+                for at in range(0, len(r.ids), seq_len):
+                    loss = np.asarray(r.loss[at : at + seq_len], dtype=np.uint8)
+                    loss[0] = 0
+                    docs.append(Document(ids=np.asarray(r.ids[at : at + seq_len], dtype=np.int32), loss=loss))
+                continue
+            if len(r.ids) > seq_len:
                 dropped[f"{split}:too_long"] += 1
                 continue
-            docs.append(Document(ids=np.asarray(prompt + answer, dtype=np.int32), n_prompt=len(prompt)))
+            docs.append(Document(ids=np.asarray(r.ids, dtype=np.int32), loss=np.asarray(r.loss, dtype=np.uint8)))
         if progress:
             progress(split, len(chunk))
     return docs
@@ -202,7 +223,7 @@ def _build(spec: JobSpec, source: SourceData, out: Path, version: str, progress:
     tok.save_pretrained(out / "tokenizer")
     pad = pad_id(tok)
     dropped = Counter(source.dropped)
-    stats: dict = {"rows_read": source.rows_read, "splits": {}}
+    stats: dict = {"rows_read": source.rows_read, "format": source.format, "splits": {}}
     for split in SPLITS:
         examples = source.splits[split]
         docs = _encode(tok, examples, spec, dropped, progress, split)

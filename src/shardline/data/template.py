@@ -30,14 +30,17 @@ class PromptTemplate:
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, template: PromptTemplate, question: str, context: str,
-                  fmt: PromptFormat) -> list[int]:
+                  fmt: PromptFormat, literal: str | None = None) -> list[int]:
+    """Prompt ids: the task's template around question and context, or the row's own prompt text (`literal`)."""
     if fmt == "chat":
-        messages = [{"role": "user", "content": template.chat(question, context)}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        user = literal if literal is not None else template.chat(question, context)
+        ids = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
         return list(ids)
     # Exactly one BOS, added here, never again by the tokenizer.
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return bos + tok.encode(template.plain(question, context), add_special_tokens=False)
+    return bos + tok.encode(literal if literal is not None else template.plain(question, context),
+                            add_special_tokens=False)
 
 
 def encode_answer(tok: PreTrainedTokenizerBase, answer: str, fmt: PromptFormat = "plain") -> list[int]:

@@ -9,6 +9,7 @@ from shardline.spec.sections import (
     CollectiveOp,
     ColumnsSpec,
     CostSpec,
+    DataFormat,
     DataSpec,
     GpucheckSpec,
     JobSections,
@@ -35,7 +36,8 @@ from shardline.spec.sections import (
 
 __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
-    "CostSpec", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec", "LoraSpec",
+    "CostSpec", "DataFormat", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec",
+    "LoraSpec",
     "ModelSpec", "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning",
     "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TpuSpec", "TrainSpec",
 ]

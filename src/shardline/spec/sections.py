@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 PromptFormat = Literal["plain", "chat"]
+DataFormat = Literal["auto", "messages", "conversations", "prompt_completion", "instruction", "question_answer", "text"]
 TaskName = Literal["text_to_sql", "none"]
 """The tasks `data.task` can name (shardline.tasks.TASKS holds one for each)."""
 WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
@@ -79,16 +80,34 @@ class ModelSpec(Section):
 
 
 class ColumnsSpec(Section):
-    """Source column names for the three fields every example needs."""
+    """The source's column name for each field a data format reads (docs/data.md): map yours here."""
 
     question: str = "question"
     context: str = "context"
     answer: str = "answer"
+    messages: str = "messages"
+    conversations: str = "conversations"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+    text: str = "text"
 
 
 class DataSpec(Section):
     path: str | None = None
-    """Local .jsonl/.parquet file or a hub dataset name; None uses the task's own data set (`task`)."""
+    """A local .jsonl, .json (an array of rows) or .parquet file, a directory or glob of such shards, or a hub
+    dataset name; None uses the task's own data set (`task`)."""
+    format: DataFormat = "auto"
+    """How a row reads (docs/data.md): `messages` (chat turns), `conversations` (ShareGPT from/value),
+    `prompt_completion`, `instruction` (Alpaca instruction/input/output), `question_answer` (question, optional
+    context, answer) or `text` (raw documents, loss on every token); `auto` detects it from the first row's columns."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Chat formats: loss on every assistant turn of a conversation, or on the last one only."""
+    group_by: str | None = None
+    """A column whose rows stay in one split together (one user's turns, one document's questions); None: the
+    split is by row."""
     task: TaskName | None = None
     """What the examples are for (shardline/tasks/). `text_to_sql`: the schema + question prompt, its generated
     set when `path` is unset, and at the end SQL generated for the test questions, scored by test-suite
@@ -100,7 +119,9 @@ class DataSpec(Section):
     train_size: int | None = Field(4000, ge=1)
     """Training examples (generated), or the cap on training rows taken from `path` (None: all)."""
     validation_size: int = Field(200, ge=1)
-    test_size: int = Field(200, ge=0)
+    test_size: int | None = Field(None, ge=0)
+    """Rows held out for the task's generation metric; None: 200 where the task scores generations
+    (text_to_sql), 0 where none does (written out in the resolved spec)."""
     prompt_format: PromptFormat = "plain"
     """`plain`: a fixed text template; `chat`: the tokenizer's chat template (real instruct models)."""
     packing: bool = True
@@ -112,6 +133,8 @@ class DataSpec(Section):
     def _default_task(self) -> DataSpec:
         if self.task is None:  # the generated set is text-to-SQL; a user's own data is not assumed to be
             self.task = "text_to_sql" if self.path is None else "none"
+        if self.test_size is None:  # held-out rows only where something scores them
+            self.test_size = 200 if self.task == "text_to_sql" else 0
         return self
 
 

@@ -120,7 +120,8 @@ def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: li
     for b in range(n_batches):
         index = mine[b * batch_size : (b + 1) * batch_size]
         todo = index or [0]  # a rank with no work still steps in lockstep
-        prompts = [encode_prompt(tok, task.prompt, examples[i].question, examples[i].context, fmt) for i in todo]
+        prompts = [encode_prompt(tok, task.prompt, examples[i].question, examples[i].context, fmt, examples[i].prompt)
+                   for i in todo]
         outputs = _generate(model, prompts, pad, stop, spec.train.eval_max_new_tokens, device, world > 1)
         if index:
             texts = [tok.decode(o, skip_special_tokens=True).strip() for o in outputs]

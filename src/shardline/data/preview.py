@@ -1,0 +1,36 @@
+"""What is trained on: examples rendered as preparation renders them, before packing, with the tokens that carry loss
+marked (`shardline prepare --show N`, `--json FILE`)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from shardline.data.example import Example
+from shardline.data.render import render
+from shardline.spec import JobSpec
+from shardline.tasks import get_task
+
+
+def rendered(tok: PreTrainedTokenizerBase, examples: list[tuple[str, Example]], spec: JobSpec) -> list[dict]:
+    """Per example (split, example), before packing: its split, source, text, token ids and loss flags."""
+    template = get_task(spec.data.task).prompt
+    out = []
+    for split, ex in examples:
+        r = render(tok, ex, template, spec.data.prompt_format, spec.data.assistant_turns)
+        out.append({"split": split, "source": ex.source or "generated", "text": tok.decode(r.ids),
+                    "tokens": r.ids, "loss": r.loss})
+    return out
+
+
+LOSS_OPEN, LOSS_CLOSE = "⟦", "⟧"
+
+
+def marked_text(tok: PreTrainedTokenizerBase, ids: list[int], loss: list[int]) -> list[tuple[str, bool]]:
+    """The decoded text in runs of tokens that carry loss (True) or not (False)."""
+    runs: list[tuple[str, bool]] = []
+    start = 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or loss[t] != loss[start]:
+            runs.append((tok.decode(ids[start:t]), bool(loss[start])))
+            start = t
+    return runs

@@ -1,0 +1,223 @@
+"""Data formats (docs/data.md): each layout and format reads into the examples it says, conversations render to
+exactly the tokenizer's own chat-template ids with the loss on exactly the assistant turns — against transformers'
+`apply_chat_template` / `return_assistant_tokens_mask` and TRL's SFT tokenization (code nobody here wrote) — and
+bad input is a named error before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardline.data.formats import FORMATS
+from shardline.data.preflight import preflight
+from shardline.data.prepare import prepare
+from shardline.data.render import render, render_chat
+from shardline.data.tokenizer import train_bpe
+from shardline.errors import DataError, ShardlineError, SpecError
+from shardline.tasks import get_task
+from tests.conftest import run_cli, small_overrides, small_spec
+
+# ChatML with transformers' generation markers around what an assistant says (content and end of turn).
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+          "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ message['content'] }}"
+          "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_SENTENCE = ("hello world how are you today the capital of France is Paris SELECT name FROM users WHERE age "
+             "translate good morning bonjour a document of text")
+WORDS = tuple(_SENTENCE.split())
+
+
+def _conversation(i: int, turns: int = 2) -> list[dict]:
+    out = [{"role": "system", "content": "You answer briefly."}]
+    for t in range(turns):
+        out += [{"role": "user", "content": f"{WORDS[(i + t) % len(WORDS)]} question {i} turn {t}?"},
+                {"role": "assistant", "content": f"answer {i} {WORDS[(3 * i + t) % len(WORDS)]} turn {t}."}]
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE with ChatML's special tokens and template, saved as a model's tokenizer directory."""
+    texts = [" ".join(WORDS)] * 20 + [m["content"] for i in range(40) for m in _conversation(i)]
+    tok = train_bpe(texts, 400)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    path = tmp_path_factory.mktemp("chat-tokenizer")
+    tok.save_pretrained(path)
+    return path
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _spec(tmp_path: Path, data: Path | str, tokenizer: Path | None, *extra: str):
+    tok = [f"model.tokenizer={tokenizer}"] if tokenizer else []
+    return small_spec(tmp_path, f"data.path={data}", "data.validation_size=4", "data.test_size=0",
+                      "data.train_size=null", *tok, *extra)
+
+
+def test_conversation_ids_are_the_chat_templates_and_the_loss_is_transformers_assistant_mask(chat_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    for i in range(6):
+        turns = 1 + i % 3
+        messages = _conversation(i, turns)
+        r = render_chat(tok, messages)
+        theirs = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert r.ids == list(theirs["input_ids"])
+        assert r.loss == list(theirs["assistant_masks"])
+        assert tok.decode([t for t, m in zip(r.ids, r.loss, strict=True) if m]).count("<|im_end|>") == turns
+        last = render_chat(tok, messages, assistant_turns="last")
+        assert last.ids == r.ids and (0 < sum(last.loss) < sum(r.loss) if turns > 1 else last.loss == r.loss)
+
+
+def test_messages_and_prompt_completion_tokenize_as_trls_sft_trainer(chat_tokenizer, tmp_path):
+    """TRL's SFTTrainer prepares the same rows (assistant-only loss, completion-only loss): the same ids and the same
+    loss-bearing tokens. Plain prompts differ by design in one place: shardline adds exactly one BOS."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    chats = [{"messages": _conversation(i, 1 + i % 2)} for i in range(4)]
+    plain = [{"prompt": f"{WORDS[i]} question {i}? Answer:", "completion": f" {WORDS[i + 1]} answer {i}."}
+             for i in range(4)]
+    chat_pc = [{"prompt": _conversation(i, 1)[:2], "completion": _conversation(i, 1)[2:]} for i in range(4)]
+    template = get_task("none").prompt
+    for rows, settings in ((chats, {"assistant_only_loss": True}), (plain, {}), (chat_pc, {})):
+        trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=Dataset.from_list(rows),
+                             args=SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **settings))
+        fmt = next(f for f in FORMATS.values() if all(c in rows[0] for c in f.needs))
+        for row, theirs in zip(rows, trainer.train_dataset, strict=True):
+            r = render(tok, fmt.read(row, small_spec(tmp_path).data.columns), template, "plain")
+            trl_loss = [int(label != -100) for label in theirs["labels"]]
+            if fmt.name == "prompt_completion" and isinstance(row["prompt"], str):
+                assert r.ids[0] == tok.bos_token_id and (r.ids[1:], r.loss[1:]) == (theirs["input_ids"], trl_loss)
+            else:
+                assert (r.ids, r.loss) == (theirs["input_ids"], trl_loss), fmt.name
+
+
+def test_every_layout_and_format_prepares_with_its_loss_where_the_format_says(chat_tokenizer, tmp_path):
+    n = 24
+    messages = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i)} for i in range(n)])
+    alpaca = tmp_path / "alpaca.json"  # a JSON array, Alpaca's own layout
+    alpaca.write_text(json.dumps([{"instruction": f"translate {i}", "input": "good morning" if i % 2 else "",
+                                   "output": f"bonjour {i}"} for i in range(n)], indent=1))
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"question {i}? Answer:", "completion": f" {i}"}
+                                         for i in range(n)]), tmp_path / "pc.parquet")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for s in range(3):
+        _write_jsonl(shards / f"part-{s}.jsonl", [{"conversations": [
+            {"from": "human", "value": f"hello {s} {i}"}, {"from": "gpt", "value": f"world {i}"}]} for i in range(8)])
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    long_doc = " ".join(WORDS[i % len(WORDS)] for i in range(700))  # longer than train.seq_len: split, kept
+    _write_jsonl(text_dir / "a.jsonl", [{"text": long_doc}] + [{"text": f"document {i} {WORDS[i]}"}
+                                                              for i in range(12)])
+    _write_jsonl(text_dir / "b.jsonl", [{"text": f"other document {i}"} for i in range(12)])
+    cases = {"messages": messages, "instruction": alpaca, "prompt_completion": tmp_path / "pc.parquet",
+             "conversations": shards, "text": text_dir / "*.jsonl"}
+    for name, path in cases.items():
+        data = prepare(_spec(tmp_path / name, path, chat_tokenizer))
+        assert data.stats["format"] == name
+        tok = data.tokenizer()
+        examples = [ex for split in ("train", "validation") for ex in data.examples(split)]
+        rows = data.rows("train")
+        if name == "text":
+            assert len(examples) == 25 and data.stats["dropped"] == {}
+            assert rows.loss_mask.sum() == data.stats["splits"]["train"]["loss_tokens"] > 700
+            continue
+        assert len(examples) == n and data.stats["dropped"] == {}, (name, data.stats)
+        assert data.stats["splits"]["validation"]["examples"] == 4
+        trained = tok.decode(rows.tokens[rows.loss_mask.astype(bool)])
+        if name in ("messages", "conversations"):  # assistant turns with their end of turn, nothing else
+            said = sorted(m["content"] for ex in data.examples("train") for m in ex.messages
+                          if m["role"] == "assistant")
+            assert sorted(trained.split("<|im_end|>")[:-1]) == said and trained.endswith("<|im_end|>")
+        else:  # the answers with their EOS, never the prompts
+            answers = sorted(ex.answer.strip() for ex in data.examples("train"))
+            assert sorted(a.strip() for a in trained.split(tok.eos_token)[:-1]) == answers, name
+
+
+def test_splits_are_by_row_of_the_sizes_asked_and_group_by_keeps_groups_together(tmp_path):
+    rows = [{"question": "Same instruction", "answer": f"answer {i}", "user": f"u{i % 5}"} for i in range(40)]
+    path = _write_jsonl(tmp_path / "qa.jsonl", rows)
+    data = prepare(small_spec(tmp_path, f"data.path={path}", "data.validation_size=2", "data.train_size=null",
+                              "data.test_size=null"))
+    assert data.stats["splits"]["validation"]["examples"] == 2  # not every row with a repeated question
+    assert data.stats["splits"]["train"]["examples"] == 38 and data.stats["splits"]["test"]["examples"] == 0
+    spec = small_spec(tmp_path / "g", f"data.path={path}", "data.validation_size=8", "data.train_size=null",
+                      "data.test_size=null", "data.group_by=user")
+    assert spec.data.test_size == 0  # nothing scores generations for data.task=none
+    grouped = prepare(spec)
+    answers = {s: {e.answer for e in grouped.examples(s)} for s in ("train", "validation")}
+    users = {s: {rows[int(a.split()[1])]["user"] for a in answers[s]} for s in answers}
+    assert not users["train"] & users["validation"] and len(answers["validation"]) == 8
+
+
+@pytest.mark.parametrize(("rows", "extra", "match"), [
+    ([{"prompt_text": "a", "reply": "b"}], (), r"columns \['prompt_text', 'reply'\].*messages: messages"),
+    ([{"messages": [{"role": "user", "content": 3}]}], (), r"chat.jsonl:1.*content is a int, not text"),
+    ([{"question": ["a"], "answer": "b"}], (), r"chat.jsonl:1.*question is a list, not text"),
+    ([{"messages": [{"role": "robot", "content": "x"}]}], (), r"role 'robot'"),
+    ([{"text": "x"}], ("data.format=messages",), r"data.format=messages needs the columns \['messages'\]"),
+])
+def test_bad_rows_are_named_errors(tmp_path, rows, extra, match):
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows * 30)
+    with pytest.raises(DataError, match=match):
+        preflight(small_spec(tmp_path, f"data.path={path}", *extra))
+
+
+def test_a_conversation_needs_a_tokenizer_with_a_chat_template(tmp_path):
+    plain = train_bpe([" ".join(WORDS)] * 5, 300)
+    plain.save_pretrained(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i)} for i in range(30)])
+    with pytest.raises(DataError, match="no chat template") as e:
+        preflight(small_spec(tmp_path, f"data.path={path}", f"model.tokenizer={tmp_path / 'tok'}"))
+    assert e.value.where == "model.tokenizer"
+
+
+def test_train_refuses_bad_input_with_exit_2_before_a_run_directory_exists(tmp_path, chat_tokenizer):
+    runs = tmp_path / "runs"
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i)} for i in range(30)])
+    cases = [("model.path=/nonexistent/model", "model.path: /nonexistent/model does not exist"),
+             (f"data.path={_write_jsonl(tmp_path / 'odd.jsonl', [{'a': 1}] * 5)}", "match no data format"),
+             (f"data.path={chat}", "model.path: is unset, so shardline trains a byte-level BPE")]
+    for setting, message in cases:
+        out = run_cli("train", *[a for o in small_overrides(runs) for a in ("--set", o)], "--set", setting,
+                      "--set", "data.validation_size=4", "--set", "data.test_size=0", timeout=120)
+        assert out.returncode == 2 and message in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
+
+
+def test_prepare_shows_and_writes_the_rendered_examples_with_their_loss(tmp_path, chat_tokenizer):
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i)} for i in range(30)])
+    sets = [*small_overrides(tmp_path / "runs"), f"data.path={chat}", f"model.tokenizer={chat_tokenizer}",
+            "data.validation_size=4", "data.test_size=0", "data.train_size=null"]
+    out = run_cli("prepare", *[a for o in sets for a in ("--set", o)], "--show", "2", "--json",
+                  str(tmp_path / "shown.json"), timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("⟦") >= 4 and "<|im_start|>system" in out.stdout
+    shown = json.loads((tmp_path / "shown.json").read_text())
+    assert len(shown) == 2 and {s["split"] for s in shown} == {"train"} and shown[0]["source"] == str(chat)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    for item in shown:
+        messages = next(r["messages"] for r in map(json.loads, chat.read_text().splitlines())
+                        if tok.apply_chat_template(r["messages"], tokenize=False) == item["text"])
+        assert item["tokens"] == list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+        assert len(item["loss"]) == len(item["tokens"]) and 0 < sum(item["loss"]) < len(item["loss"])
+
+
+def test_spec_errors_are_shardline_errors():
+    assert issubclass(DataError, ShardlineError) and issubclass(SpecError, ShardlineError)
