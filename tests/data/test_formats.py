@@ -221,3 +221,36 @@ def test_prepare_shows_and_writes_the_rendered_examples_with_their_loss(tmp_path
 
 def test_spec_errors_are_shardline_errors():
     assert issubclass(DataError, ShardlineError) and issubclass(SpecError, ShardlineError)
+
+
+@pytest.mark.slow
+def test_a_conversation_dataset_trains_on_two_ranks_and_exports_with_its_chat_template(tmp_path, chat_tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import only_run, read_metrics
+
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i, 1 + i % 2)} for i in range(120)])
+    runs = tmp_path / "runs"
+    sets = [*small_overrides(runs), f"data.path={chat}", f"model.tokenizer={chat_tokenizer}", "data.test_size=null",
+            "data.validation_size=8", "train.max_steps=4", "checkpoint.every_steps=2"]
+    out = run_cli("train", *[a for o in sets for a in ("--set", o)], "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = only_run(runs)
+    losses = [r["loss"] for r in read_metrics(run, "train")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    out = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = _conversation(0, 2)
+    assert exported.apply_chat_template(messages, tokenize=True, return_dict=False) == \
+        render_chat(AutoTokenizer.from_pretrained(chat_tokenizer), messages).ids
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 512
+
+
+def test_docs_show_every_formats_example_row():
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "data.md").read_text()
+    for name, fmt in FORMATS.items():
+        assert f"### `{name}`" in doc and json.dumps(fmt.example, ensure_ascii=False) in doc, name
+        assert fmt.read(fmt.example, small_spec(Path("/tmp")).data.columns).kind in ("chat", "text", "prompt_answer")
