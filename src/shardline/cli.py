@@ -34,16 +34,24 @@ def _resolve(args: argparse.Namespace):
 
 
 def _prepare_with_progress(spec):
+    from rich.progress import TimeRemainingColumn
+
     from shardline.data.prepare import prepare
 
-    columns = [TextColumn("preparing {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns = [TextColumn("preparing {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=True) as bar:
         tasks: dict[str, int] = {}
+        tokens: dict[str, int] = {}
 
-        def advance(split: str, n: int) -> None:
-            if split not in tasks:
-                tasks[split] = bar.add_task(split, total=None)
-            bar.advance(tasks[split], n)
+        def advance(stage: str, n: int, total: int | None, new_tokens: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total, rate="")
+                tokens[stage] = 0
+            tokens[stage] += new_tokens
+            elapsed = bar.tasks[tasks[stage]].elapsed or 0.0
+            rate = f"{tokens[stage] / elapsed:,.0f} tokens/s" if tokens[stage] and elapsed > 0 else ""
+            bar.update(tasks[stage], advance=n, rate=rate)
 
         data = prepare(spec, progress=advance)
     table = Table(title=f"prepared data {data.version}", title_justify="left")
@@ -54,8 +62,19 @@ def _prepare_with_progress(spec):
         table.add_row(split, *(f"{s.get(k, '–'):,}" if k in s else "–" for k in ("examples", "kept", "rows",
                                                                                "tokens", "loss_tokens")), fill)
     console.print(table)
+    sources = data.stats.get("sources") or []
+    if len(sources) > 1:
+        mix = Table(title="sources", title_justify="left")
+        for col in ("source", "format", "weight", "train examples", "repeats", "train tokens", "share"):
+            mix.add_column(col, justify="right")
+        for src in sources:
+            mix.add_row(src["name"], src["format"], f"{src['weight']:g}", f"{src['train_examples']:,}",
+                        f"{src['repeats']:g}", f"{src['tokens'].get('train', 0):,}",
+                        f"{100 * src['share_of_train_tokens']:.1f}%")
+        console.print(mix)
     dropped = data.stats["dropped"]
-    console.print(f"dropped rows: {dropped if dropped else 'none'} · cached at {data.root}", highlight=False)
+    console.print(f"format {data.stats.get('format', 'question_answer')} · dropped rows: "
+                  f"{dropped if dropped else 'none'} · cached at {data.root}", highlight=False)
     return data
 
 

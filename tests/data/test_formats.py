@@ -208,7 +208,7 @@ def test_prepare_shows_and_writes_the_rendered_examples_with_their_loss(tmp_path
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.count("⟦") >= 4 and "<|im_start|>system" in out.stdout
     shown = json.loads((tmp_path / "shown.json").read_text())
-    assert len(shown) == 2 and {s["split"] for s in shown} == {"train"} and shown[0]["source"] == str(chat)
+    assert len(shown) == 2 and {s["split"] for s in shown} == {"train"} and shown[0]["source"] == "chat"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(chat_tokenizer)

@@ -27,20 +27,23 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from shardline.data.encode import EncodeSettings, chunk_path, encode_source, read_chunk
 from shardline.data.example import Example
 from shardline.data.packing import Document, PackedRows, pack
-from shardline.data.render import check_chat_template, needs_chat_template, render
-from shardline.data.sources import SPLITS, SourceData, load_source
+from shardline.data.render import check_chat_template, needs_chat_template
+from shardline.data.sources import SPLITS, Source, open_sources, read_examples
+from shardline.data.splits import Assignment, assign, draw_mixture
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
 from shardline.spec import JobSpec
-from shardline.storage import check_locations
+from shardline.storage import check_locations, require_local
 from shardline.tasks import get_task
 
 PREPARE_VERSION = "1"
 PACKED_SPLITS = ("train", "validation")
 ARRAYS = ("tokens", "loss_mask", "position_ids", "n_real")
-Progress = Callable[[str, int], None]
+Progress = Callable[[str, int, int | None, int], None]
+"""(stage, examples done since the last call, the stage's total or None, tokens done since the last call)."""
 LOCATIONS = ("data.path", "data.cache_dir", "model.path", "model.tokenizer")
 """Spec locations preparation reads or writes: local paths (or mounts), never URLs."""
 log = logging.getLogger(__name__)
@@ -91,10 +94,12 @@ def default_cache_dir(spec: JobSpec) -> Path:
 def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
     """Return the prepared data for `spec`, building it first if no complete copy exists."""
     check_locations(spec, LOCATIONS)
+    for i, entry in enumerate(spec.data.sources):
+        require_local(entry.path, f"data.sources[{i}].path")
     cache = default_cache_dir(spec)
     cache.mkdir(parents=True, exist_ok=True)
-    source = load_source(spec.data)
-    version = dataset_version(spec, source)
+    sources = open_sources(spec.data)
+    version = dataset_version(spec, sources)
     final = cache / version
     if incomplete(final, version) is None:
         return PreparedData(final)
@@ -107,11 +112,13 @@ def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
         if final.exists():
             log.warning("prepared data %s %s: preparing it again", final, problem)
         tmp = cache / f".tmp-{version}-{os.getpid()}"
+        work = cache / f".partial-{version}"  # kept when interrupted: its complete chunks are not tokenized again
         try:
-            _build(spec, source, tmp, version, progress)
+            _build(spec, sources, work, tmp, version, progress)
             _replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return PreparedData(final)
 
 
@@ -148,16 +155,25 @@ def _replace(tmp: Path, final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def dataset_version(spec: JobSpec, source: SourceData) -> str:
+def dataset_version(spec: JobSpec, sources: list[Source]) -> str:
     d, m = spec.data, spec.model
     tokenizer_src = m.tokenizer or m.path
     tokenizer_id = tokenizer_fingerprint(tokenizer_src) if tokenizer_src else f"bpe:{m.arch.vocab_size}"
     prompt_version = get_task(d.task).prompt.version
-    parts = [PREPARE_VERSION, source.fingerprint, tokenizer_id, prompt_version, d.prompt_format,
+    parts = [PREPARE_VERSION, _content_fingerprint(d, sources), tokenizer_id, prompt_version, d.prompt_format,
              str(spec.train.seq_len), str(d.packing)]
     if d.assistant_turns != "all":  # (kept out of the default's parts: the embedded default's version stays)
         parts.append(f"assistant_turns={d.assistant_turns}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _content_fingerprint(d, sources: list[Source]) -> str:
+    """The sources' bytes and every setting that decides which examples go where."""
+    if len(sources) == 1 and sources[0].bundled is not None:
+        return sources[0].fingerprint  # the generated set: its examples, drawn with the split settings
+    entries = [[s.fingerprint, s.name, s.weight, s.reading.format, s.reading.columns.model_dump()] for s in sources]
+    settings = [entries, d.seed, d.train_size, d.validation_size, d.test_size, d.group_by, d.task]
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 @contextmanager
@@ -170,17 +186,39 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _tokenizer_for(spec: JobSpec, source: SourceData) -> PreTrainedTokenizerBase:
+def _tokenizer_for(spec: JobSpec, sources: list[Source], assignments: list[Assignment], work: Path
+                   ) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, or a byte-level BPE trained on the training examples (streamed); kept in `work` so
+    that a resumed preparation tokenizes its remaining chunks with the same one."""
+    saved = work / "tokenizer"
     src = spec.model.tokenizer or spec.model.path
-    if src:
+    if saved.is_dir():
+        tok = load_tokenizer(str(saved))
+    elif src:
         tok = load_tokenizer(src)
     else:
-        tok = train_bpe((t for ex in source.splits["train"] for t in _texts(ex)), spec.model.arch.vocab_size)
-    first = next((ex for split in SPLITS for ex in source.splits[split]), None)
+        texts = (t for source, a in zip(sources, assignments, strict=True)
+                 for split, ex in _split_examples(source, a) if split == "train" for t in _texts(ex))
+        tok = train_bpe(texts, spec.model.arch.vocab_size)
+    first = next((ex for _, ex in _split_examples(sources[0], assignments[0])), None)
     if first is not None and needs_chat_template(first, spec.data.prompt_format):
         check_chat_template(tok, spec.model.tokenizer and "model.tokenizer" or "model.path",
                             "data.prompt_format=chat" if first.kind == "prompt_answer" else "a conversation")
+    if not saved.is_dir():
+        tmp = work / ".tokenizer.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, saved)
     return tok
+
+
+def _split_examples(source: Source, a: Assignment):
+    """(split, example) of a source in stream order (the generated set: train, test, validation)."""
+    if source.bundled is not None:
+        yield from ((split, ex) for split in ("train", "test", "validation") for ex in source.bundled[split])
+        return
+    for i, (_, ex) in enumerate(read_examples(source.rows(), source.reading, Counter())):
+        yield a.held.get(i, "train"), ex
 
 
 def _texts(ex: Example) -> list[str]:
@@ -192,63 +230,134 @@ def _texts(ex: Example) -> list[str]:
     return [ex.context, ex.question, ex.answer] + ([ex.prompt] if ex.prompt else [])
 
 
-def _encode(tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
-            dropped: Counter, progress: Progress | None, split: str) -> list[Document]:
-    docs = []
-    seq_len = spec.train.seq_len
-    template = get_task(spec.data.task).prompt
-    batch = 512
-    for start in range(0, len(examples), batch):
-        chunk = examples[start : start + batch]
-        for ex in chunk:
-            r = render(tok, ex, template, spec.data.prompt_format, spec.data.assistant_turns)
-            if ex.kind == "text":  # a long document is cut into pieces, each starting afresh; none is dropped
-                for at in range(0, len(r.ids), seq_len):
-                    loss = np.asarray(r.loss[at : at + seq_len], dtype=np.uint8)
-                    loss[0] = 0
-                    docs.append(Document(ids=np.asarray(r.ids[at : at + seq_len], dtype=np.int32), loss=loss))
-                continue
-            if len(r.ids) > seq_len:
-                dropped[f"{split}:too_long"] += 1
-                continue
-            docs.append(Document(ids=np.asarray(r.ids, dtype=np.int32), loss=np.asarray(r.loss, dtype=np.uint8)))
-        if progress:
-            progress(split, len(chunk))
-    return docs
-
-
-def _build(spec: JobSpec, source: SourceData, out: Path, version: str, progress: Progress | None) -> None:
+def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version: str,
+           progress: Progress | None) -> None:
+    say = progress or (lambda *args: None)
+    work.mkdir(parents=True, exist_ok=True)
+    assignments = []
+    for i, source in enumerate(sources):
+        say(f"reading {source.name}", 0, None, 0)
+        assignments.append(assign(source, i, spec.data))
+    draw_mixture(sources, assignments, spec.data)
+    tok = _tokenizer_for(spec, sources, assignments, work)
+    settings = EncodeSettings.of(spec, work / "tokenizer")
+    total = sum(a.examples for a in assignments)
+    chunks = []
+    for i, (source, a) in enumerate(zip(sources, assignments, strict=True)):
+        n = encode_source(source, i, a, settings, work, lambda ex, t: say("tokenizing", ex, total, t))
+        chunks += [(i, chunk_path(work, i, k)) for k in range(n)]
     out.mkdir(parents=True)
-    tok = _tokenizer_for(spec, source)
     tok.save_pretrained(out / "tokenizer")
     pad = pad_id(tok)
-    dropped = Counter(source.dropped)
-    stats: dict = {"rows_read": source.rows_read, "format": source.format, "splits": {}}
+    dropped = Counter()
+    for a in assignments:
+        dropped.update(a.dropped)
+    stats: dict = {"rows_read": sum(a.examples + sum(a.dropped.values()) for a in assignments),
+                   "format": assignments[0].format if sources[0].bundled is None else "question_answer",
+                   "splits": {}}
+    per_source = [{"name": s.name, "weight": s.weight, "format": a.format if s.bundled is None else
+                   "question_answer", "rows_read": a.examples + sum(a.dropped.values()), "dropped": dict(a.dropped),
+                   "train_examples": a.mixed, "repeats": round(a.mixed / max(1, a.train_examples), 3),
+                   "tokens": {}, "loss_tokens": {}} for s, a in zip(sources, assignments, strict=True)]
     for split in SPLITS:
-        examples = source.splits[split]
-        docs = _encode(tok, examples, spec, dropped, progress, split)
-        split_stats = {"examples": len(examples), "kept": len(docs)}
-        if split in PACKED_SPLITS:
-            if not docs:
-                raise DataError(
-                    spec.data.path or "generated data", f"no {split} example fits train.seq_len="
-                    f"{spec.train.seq_len}", "raise train.seq_len",
-                )
-            rows = pack(docs, spec.train.seq_len, pad, spec.data.packing)
-            for name in ARRAYS:
-                np.save(out / f"{split}.{name}.npy", getattr(rows, name))
-            real = int(rows.n_real.sum())
-            split_stats |= {"rows": len(rows.n_real), "tokens": real, "loss_tokens": int(rows.loss_mask.sum()),
-                            "pad_tokens": rows.pad_tokens, "fill": round(real / rows.tokens.size, 4)}
-        with (out / f"{split}.jsonl").open("w") as f:
-            for ex in examples:
-                f.write(json.dumps(ex.to_dict()) + "\n")
+        split_stats = _write_split(split, chunks, spec, pad, out, work, per_source, dropped)
         stats["splits"][split] = split_stats
+        if split in PACKED_SPLITS and not split_stats.get("rows"):
+            raise DataError(
+                spec.data.path or "generated data", f"no {split} example fits train.seq_len="
+                f"{spec.train.seq_len}", "raise train.seq_len",
+            )
+    train_tokens = sum(s["tokens"].get("train", 0) for s in per_source) or 1
+    for s in per_source:
+        s["share_of_train_tokens"] = round(s["tokens"].get("train", 0) / train_tokens, 4)
     stats["dropped"] = dict(sorted(dropped.items()))
+    stats["sources"] = per_source
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad, "eos_id": tok.eos_token_id,
             "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing,
-            "files": files}
+            "sources": [s.name for s in sources], "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     # stats.json is written last: its presence marks a complete directory.
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
+
+
+WINDOW = 65_536
+"""Documents packed together (best-fit decreasing within a window): the packer's memory, whatever the data's size."""
+
+
+def _write_split(split: str, chunks: list[tuple[int, Path]], spec: JobSpec, pad: int, out: Path, work: Path,
+                 per_source: list[dict], dropped: Counter) -> dict:
+    """`split.jsonl` from the chunks' examples, and for a packed split its rows, window by window: validation rows
+    never mix sources (`split.source.npy` says each row's), so its loss can be told per source."""
+    seq_len, packing = spec.train.seq_len, spec.data.packing
+    blocks: list[Path] = []
+    window: list[Document] = []
+    window_source = -1
+    examples = too_long = 0
+
+    def flush() -> None:
+        if window:
+            rows = pack(window, seq_len, pad, packing)
+            block = work / "rows" / f"{split}-{len(blocks):06d}.npz"
+            block.parent.mkdir(exist_ok=True)
+            np.savez(block, source=np.full(len(rows.n_real), window_source, dtype=np.int16),
+                     **{a: getattr(rows, a) for a in ARRAYS})
+            blocks.append(block)
+            window.clear()
+
+    with (out / f"{split}.jsonl").open("wb") as jsonl:
+        for source_index, path in chunks:
+            z = read_chunk(path)
+            text = z[f"{split}.examples"].tobytes()
+            jsonl.write(text)
+            examples += text.count(b"\n")
+            too_long += int(z[f"{split}.too_long"][0])
+            ids, loss, lengths = z[f"{split}.ids"], z[f"{split}.loss"], z[f"{split}.lengths"]
+            entry = per_source[source_index]
+            entry["tokens"][split] = entry["tokens"].get(split, 0) + len(ids)
+            entry["loss_tokens"][split] = entry["loss_tokens"].get(split, 0) + int(loss.sum())
+            if split not in PACKED_SPLITS:
+                continue
+            if split == "validation" and source_index != window_source:
+                flush()
+            window_source = source_index
+            ends = np.cumsum(lengths)
+            for end, n in zip(ends.tolist(), lengths.tolist(), strict=True):
+                window.append(Document(ids=ids[end - n : end], loss=loss[end - n : end]))
+                if len(window) >= WINDOW:
+                    flush()
+        flush()
+    if too_long:
+        dropped[f"{split}:too_long"] += too_long
+    split_stats: dict = {"examples": examples, "kept": examples - too_long}
+    if split in PACKED_SPLITS and blocks:
+        split_stats |= _concatenate(split, blocks, out, seq_len)
+    return split_stats
+
+
+def _concatenate(split: str, blocks: list[Path], out: Path, seq_len: int) -> dict:
+    """The window blocks' rows as one memory-mapped array per field, copied block by block."""
+    counts = []
+    for block in blocks:
+        with np.load(block, allow_pickle=False) as z:
+            counts.append(len(z["n_real"]))
+    n = sum(counts)
+    shapes = {"tokens": (n, seq_len), "loss_mask": (n, seq_len), "position_ids": (n, seq_len), "n_real": (n,),
+              "source": (n,)}
+    dtypes = {"tokens": np.int32, "loss_mask": np.uint8, "position_ids": np.int32, "n_real": np.int32,
+              "source": np.int16}
+    arrays = {a: np.lib.format.open_memmap(out / f"{split}.{a}.npy", mode="w+", dtype=dtypes[a], shape=shapes[a])
+              for a in shapes}
+    at = 0
+    for block, count in zip(blocks, counts, strict=True):
+        with np.load(block, allow_pickle=False) as z:
+            for a, target in arrays.items():
+                target[at : at + count] = z[a]
+        at += count
+    real = int(arrays["n_real"].sum())
+    stats = {"rows": n, "tokens": real, "loss_tokens": int(arrays["loss_mask"].sum(dtype=np.int64)),
+             "pad_tokens": n * seq_len - real, "fill": round(real / max(1, n * seq_len), 4)}
+    for target in arrays.values():
+        target.flush()
+    del arrays
+    return stats

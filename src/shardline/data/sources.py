@@ -1,9 +1,10 @@
 """Where examples come from: the task's own data set (`data.task`), local files (.jsonl, .json arrays, .parquet; a
 file, a directory of shards or a glob), or a hub dataset.
 
-Rows are read by their data format (`shardline.data.formats`) into `Example`s and split by row (or by
-`data.group_by`) into train/validation/test. Rows that cannot be read are counted by reason, never silently
-dropped; rows that are not what their format says (a number where text belongs) are errors naming the row.
+A source is fingerprinted from its bytes and read as a stream of rows, each read by its data format
+(`shardline.data.formats`) into an `Example`; nothing here holds a source in memory. Rows that cannot be read are
+counted by reason, never silently dropped; rows that are not what their format says (a number where text belongs)
+are errors naming the row.
 """
 
 from __future__ import annotations
@@ -11,50 +12,69 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import random
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardline.data.example import Example
 from shardline.data.formats import RowProblem, detect
 from shardline.errors import DataError
-from shardline.spec import DataSpec
+from shardline.spec import DataSpec, SourceSpec
 from shardline.tasks import get_task
 
 SPLITS = ("train", "validation", "test")
 
 
-@dataclass
-class SourceData:
-    splits: dict[str, list[Example]]
+@dataclass(frozen=True)
+class Source:
+    """One source of examples: a user's rows read by their format, or the task's own generated set (`bundled`)."""
+
+    name: str
+    weight: float
     fingerprint: str
-    """sha256 of the source content and split settings: part of the dataset version."""
-    dropped: Counter = field(default_factory=Counter)
-    rows_read: int = 0
-    format: str = "question_answer"
-    """The data format its rows were read in (`shardline.data.formats`)."""
+    """sha256 of the source's content (files' names and bytes, a hub dataset's fingerprint, the generated set)."""
+    reading: DataSpec
+    """How its rows read: `data` with this source's path, format and columns."""
+    rows: Callable[[], Rows] | None = None
+    """A fresh pass over its rows (None for the generated set)."""
+    bundled: dict[str, list[Example]] | None = None
+    """The generated set, already split."""
 
 
-def load_source(spec: DataSpec) -> SourceData:
-    if spec.path is None:
-        return _bundled(spec)
-    rows, fingerprint = _read_rows(spec.path)
-    return _split_rows(rows, spec, fingerprint)
+def open_sources(spec: DataSpec) -> list[Source]:
+    """The sources `data` names (`data.sources`, or the one `data.path`, or the task's own set), fingerprinted from
+    their bytes without reading a row."""
+    if not spec.sources and spec.path is None:
+        return [_bundled(spec)]
+    entries = spec.sources or [SourceSpec(path=spec.path or "", format=spec.format, columns=spec.columns)]
+    sources = []
+    for entry in entries:
+        reading = spec.model_copy(update={"path": entry.path, "format": entry.format, "columns": entry.columns,
+                                          "sources": []})
+        rows, fingerprint = _read_rows(entry.path)
+        sources.append(Source(name=entry.name or _source_name(entry.path), weight=entry.weight,
+                              fingerprint=fingerprint, reading=reading, rows=rows))
+    return sources
+
+
+def _source_name(path: str) -> str:
+    name = Path(path.rstrip("/").replace("*", "")).name or path
+    return Path(name).stem if Path(name).suffix in SUFFIXES else name
 
 
 def head_examples(spec: DataSpec, n: int) -> list[Example]:
-    """The first `n` readable examples of the source, read as preparation will read them (a preflight check that
+    """The first `n` readable examples of each source, read as preparation will read them (a preflight check that
     fails on bad data before a run directory exists)."""
-    if spec.path is None:
-        return []
-    rows, _ = _read_rows(spec.path)
-    return [ex for _, ex in read_examples(rows, spec, Counter(), limit=n)]
+    out: list[Example] = []
+    for source in open_sources(spec):
+        if source.rows is not None:
+            out += [ex for _, ex in read_examples(source.rows(), source.reading, Counter(), limit=n)]
+    return out
 
 
-def _bundled(spec: DataSpec) -> SourceData:
+def _bundled(spec: DataSpec) -> Source:
     task = get_task(spec.task)
     if task.bundled_splits is None:
         raise DataError("data.path", f"is unset, and data.task={spec.task} brings no data of its own",
@@ -65,8 +85,7 @@ def _bundled(spec: DataSpec) -> SourceData:
     for name in SPLITS:
         for ex in splits[name]:
             digest.update(json.dumps([name, *ex.to_dict().values()]).encode())
-    n = sum(len(v) for v in splits.values())
-    return SourceData(splits=splits, fingerprint=digest.hexdigest(), rows_read=n)
+    return Source(name="generated", weight=1.0, fingerprint=digest.hexdigest(), reading=spec, bundled=splits)
 
 
 ROW_ERRORS = ("not_text", "not_a_conversation", "unknown_role")
@@ -76,7 +95,7 @@ Rows = Iterable[tuple[str, Any]]
 """(where: `file:line` or `file#row`, the row) pairs."""
 
 
-def _read_rows(path_or_name: str) -> tuple[Rows, str]:
+def _read_rows(path_or_name: str) -> tuple[Callable[[], Rows], str]:
     files = _local_files(path_or_name)
     if files is None:
         return _hub_rows(path_or_name)
@@ -86,7 +105,7 @@ def _read_rows(path_or_name: str) -> tuple[Rows, str]:
         with path.open("rb") as f:
             for chunk in iter(lambda f=f: f.read(1 << 20), b""):
                 digest.update(chunk)
-    return (pair for path in files for pair in _file_rows(path)), digest.hexdigest()
+    return (lambda: (pair for path in files for pair in _file_rows(path))), digest.hexdigest()
 
 
 def _local_files(path_or_name: str) -> list[Path] | None:
@@ -149,7 +168,7 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
     return head.startswith(prefix)
 
 
-def _hub_rows(name: str) -> tuple[Rows, str]:
+def _hub_rows(name: str) -> tuple[Callable[[], Rows], str]:
     try:
         import datasets
     except ImportError as e:
@@ -158,7 +177,7 @@ def _hub_rows(name: str) -> tuple[Rows, str]:
             "pip install 'shardline[hub]', or download the dataset to a .jsonl/.parquet file",
         ) from e
     ds = datasets.load_dataset(name, split="train")
-    return ((f"{name}#{i}", row) for i, row in enumerate(ds, 1)), f"hub:{name}:{ds._fingerprint}"
+    return (lambda: ((f"{name}#{i}", row) for i, row in enumerate(ds, 1))), f"hub:{name}:{ds._fingerprint}"
 
 
 def read_examples(rows: Rows, spec: DataSpec, dropped: Counter, limit: int | None = None,
@@ -197,40 +216,4 @@ def read_examples(rows: Rows, spec: DataSpec, dropped: Counter, limit: int | Non
         else:
             raise DataError(where, f"has no column {spec.group_by!r} (data.group_by)",
                             f"set data.group_by to one of {sorted(row)}, or unset it to split by row")
-        yield key, replace(ex, source=spec.path or "")
-
-
-def _split_rows(rows: Rows, spec: DataSpec, fingerprint: str) -> SourceData:
-    dropped: Counter = Counter()
-    groups: dict[Any, list[Example]] = {}
-    found: dict[str, str] = {}
-    for key, ex in read_examples(rows, spec, dropped, found=found):
-        groups.setdefault(key, []).append(ex)
-    n = sum(len(g) for g in groups.values())
-    if not groups:
-        raise DataError(spec.path or "data", f"no row could be read (dropped: {dict(dropped) or 'none'})",
-                        "check the rows against data.format (docs/data.md)")
-    # Whole groups (a row, without data.group_by) go to one split: test first, then validation, each until it
-    # holds the rows asked; the rest trains.
-    keys = list(groups)
-    random.Random(spec.seed).shuffle(keys)
-    n_test, n_val = spec.test_size or 0, spec.validation_size
-    if n <= n_test + n_val:
-        raise DataError(spec.path or "data", f"only {n} rows, not enough for data.test_size={n_test} + "
-                        f"data.validation_size={n_val} plus training data",
-                        "lower data.test_size / data.validation_size or use more data")
-    splits: dict[str, list[Example]] = {name: [] for name in SPLITS}
-    for key in keys:
-        split = ("test" if len(splits["test"]) < n_test else
-                 "validation" if len(splits["validation"]) < n_val else "train")
-        splits[split].extend(groups[key])
-    if not splits["train"]:
-        raise DataError(spec.path or "data", f"data.group_by={spec.group_by} leaves no group for training",
-                        "lower data.test_size / data.validation_size, or group by a finer column")
-    if spec.train_size is not None:
-        splits["train"] = splits["train"][: spec.train_size]
-    settings = (f"{fingerprint}:{spec.seed}:{spec.train_size}:{n_val}:{n_test}:{spec.columns.model_dump_json()}:"
-                f"{spec.format}:{spec.group_by}")
-    return SourceData(
-        splits=splits, fingerprint=hashlib.sha256(settings.encode()).hexdigest(), dropped=dropped, rows_read=n,
-        format=found["format"])
+        yield key, ex

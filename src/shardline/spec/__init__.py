@@ -27,6 +27,7 @@ from shardline.spec.sections import (
     RunSpec,
     SecretRef,
     SlurmSpec,
+    SourceSpec,
     StorageSpec,
     TaskName,
     Toleration,
@@ -39,5 +40,6 @@ __all__ = [
     "CostSpec", "DataFormat", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec",
     "LoraSpec",
     "ModelSpec", "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning",
-    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "StorageSpec", "TaskName", "Toleration", "TpuSpec", "TrainSpec",
+    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec", "TaskName", "Toleration", "TpuSpec",
+    "TrainSpec",
 ]

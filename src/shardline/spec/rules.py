@@ -71,6 +71,7 @@ def check_combinations(spec: JobSections) -> None:
             "'chat' needs a tokenizer with a chat template, but no model.path or model.tokenizer is set",
             "use data.prompt_format=plain with the trained tokenizer, or point model.tokenizer at one",
         )
+    check_data_sources(spec)
     # Installed packages (flash-attn, trackers) are checked where training starts: shardline/environment.py.
     w = spec.observe.wandb_project
     if w is not None and not w.strip():
@@ -228,3 +229,13 @@ def check_tpu(spec: JobSections) -> None:
     if launch.min_nnodes is not None:
         raise SpecError("launch.min_nnodes", "is torchrun's elastic node range; a TPU job grows and shrinks by "
                         "whole slices", "unset launch.min_nnodes and use launch.tpu.min_slices (--target rayjob)")
+
+
+def check_data_sources(spec: JobSections) -> None:
+    d = spec.data
+    if d.sources and (d.path is not None or d.format != "auto" or d.columns != type(d.columns)()):
+        raise SpecError("data.sources", "is set together with data.path/format/columns, which describe one source",
+                        "move the path, format and columns into the entries of data.sources, or use data.path alone")
+    names = [s.name for s in d.sources if s.name]
+    if len(set(names)) != len(names):
+        raise SpecError("data.sources", f"names a source twice ({names})", "give each source its own name")

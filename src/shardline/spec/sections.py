@@ -95,7 +95,23 @@ class ColumnsSpec(Section):
     text: str = "text"
 
 
+class SourceSpec(Section):
+    """One source of a mixture (`data.sources`): its rows, how they read, and its share of the training examples."""
+
+    path: str
+    """As `data.path`: a file, a directory or glob of shards, or a hub dataset name."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of the training examples drawn from this source (weights 3 and 1: 75 % and 25 %); a source
+    whose share exceeds its rows is repeated, one below them is subsampled, both by a draw seeded by data.seed."""
+    format: DataFormat = "auto"
+    columns: ColumnsSpec = ColumnsSpec()
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Names the source in summaries, metrics and the report; None: the file's or dataset's name."""
+
+
 class DataSpec(Section):
+    sources: list[SourceSpec] = []
+    """Several sources mixed by weight (docs/data.md#mixtures); empty: the one source `path` (or the task's own)."""
     path: str | None = None
     """A local .jsonl, .json (an array of rows) or .parquet file, a directory or glob of such shards, or a hub
     dataset name; None uses the task's own data set (`task`)."""
@@ -132,7 +148,7 @@ class DataSpec(Section):
     @model_validator(mode="after")
     def _default_task(self) -> DataSpec:
         if self.task is None:  # the generated set is text-to-SQL; a user's own data is not assumed to be
-            self.task = "text_to_sql" if self.path is None else "none"
+            self.task = "text_to_sql" if self.path is None and not self.sources else "none"
         if self.test_size is None:  # held-out rows only where something scores them
             self.test_size = 200 if self.task == "text_to_sql" else 0
         return self

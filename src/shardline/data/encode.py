@@ -1,0 +1,185 @@
+"""Tokenizing sources into documents, chunk by chunk, on the node's cores, resumable.
+
+A source's examples are cut into chunks of `CHUNK` examples in stream order; each chunk is rendered
+(`shardline.data.render`) in a worker process (one per core, from `POOL_MIN_EXAMPLES` examples on; in this
+process below that) and written as one `.npz` of flat token ids, loss flags and document lengths per split, plus
+the examples as JSON lines, renamed into place when complete. A preparation interrupted and started again finds the
+chunks already written and skips their tokenization. No pickle is written or read: arrays only.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from shardline.data.example import Example
+from shardline.data.render import render
+from shardline.data.sources import Source, read_examples
+from shardline.data.splits import Assignment
+from shardline.data.tokenizer import load_tokenizer
+from shardline.spec import JobSpec
+from shardline.tasks import get_task
+
+CHUNK = 4096
+POOL_MIN_EXAMPLES = 50_000
+SPLITS = ("train", "validation", "test")
+Advance = Callable[[int, int], None]
+"""(examples, tokens) done since the last call."""
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    tokenizer_dir: str
+    task: str
+    prompt_format: str
+    assistant_turns: str
+    seq_len: int
+
+    @classmethod
+    def of(cls, spec: JobSpec, tokenizer_dir: Path) -> EncodeSettings:
+        d = spec.data
+        return cls(str(tokenizer_dir), str(d.task), d.prompt_format, d.assistant_turns, spec.train.seq_len)
+
+
+_worker: dict = {}
+
+
+def _init(settings: EncodeSettings) -> None:
+    _worker.update(settings=settings, tok=load_tokenizer(settings.tokenizer_dir),
+                   template=get_task(settings.task).prompt)  # type: ignore[arg-type]
+
+
+def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]:
+    """Render (split, example, times) items into per-split flat ids, loss flags and document lengths; a text is
+    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped."""
+    s: EncodeSettings = _worker["settings"]
+    tok, template = _worker["tok"], _worker["template"]
+    out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths")}
+    too_long = Counter()
+    for split, ex, times in items:
+        r = render(tok, ex, template, s.prompt_format, s.assistant_turns)  # type: ignore[arg-type]
+        ids, loss = np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8)
+        if ex.kind == "text":
+            pieces = [(ids[a : a + s.seq_len], loss[a : a + s.seq_len].copy()) for a in range(0, len(ids), s.seq_len)]
+            for _, piece_loss in pieces:
+                piece_loss[0] = 0  # a piece's first token has nothing before it to be predicted from
+        elif len(ids) > s.seq_len:
+            too_long[split] += 1
+            continue
+        else:
+            pieces = [(ids, loss)]
+        for _ in range(times):
+            for piece_ids, piece_loss in pieces:
+                out[f"{split}.ids"].append(piece_ids)
+                out[f"{split}.loss"].append(piece_loss)
+                out[f"{split}.lengths"].append(len(piece_ids))
+    arrays = {}
+    for split in SPLITS:
+        ids = out[f"{split}.ids"]
+        arrays[f"{split}.ids"] = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+        arrays[f"{split}.loss"] = np.concatenate(out[f"{split}.loss"]) if ids else np.zeros(0, np.uint8)
+        arrays[f"{split}.lengths"] = np.asarray(out[f"{split}.lengths"], dtype=np.int32)
+        arrays[f"{split}.too_long"] = np.asarray([too_long[split]], dtype=np.int64)
+    return arrays
+
+
+def _items(source: Source, a: Assignment, name: str) -> Iterator[tuple[str, Example, int]]:
+    """(split, example, times) for every readable example of `source`, in stream order."""
+    if source.bundled is not None:
+        examples: Iterator[Example] = (ex for split in ("train", "test", "validation")
+                                       for ex in source.bundled[split])
+    else:
+        examples = (ex for _, ex in read_examples(source.rows(), source.reading, Counter()))
+    ordinal = extra_at = 0
+    for i, ex in enumerate(examples):
+        split = a.held.get(i, "train")
+        times = 1
+        if split == "train":
+            times = a.repeats
+            if extra_at < len(a.extra) and a.extra[extra_at] == ordinal:
+                times += 1
+                extra_at += 1
+            ordinal += 1
+        yield split, replace(ex, source=name), times
+
+
+def _chunks(items: Iterator[tuple[str, Example, int]]) -> Iterator[list[tuple[str, Example, int]]]:
+    chunk: list[tuple[str, Example, int]] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def chunk_path(work: Path, source_index: int, chunk: int) -> Path:
+    return work / "chunks" / f"{source_index:03d}-{chunk:07d}.npz"
+
+
+def encode_source(source: Source, index: int, a: Assignment, settings: EncodeSettings, work: Path,
+                  advance: Advance | None = None) -> int:
+    """Write `source`'s chunks under `work/chunks/` (those already there are kept); returns the number of chunks.
+    At most two chunks per worker are in memory at once, whatever the source's size."""
+    (work / "chunks").mkdir(parents=True, exist_ok=True)
+    workers = _cores() if a.examples >= POOL_MIN_EXAMPLES else 1
+    n_chunks = 0
+    if workers <= 1:
+        _init(settings)
+        for n_chunks, chunk in enumerate(_chunks(_items(source, a, source.name)), 1):
+            if not _skip(work, index, n_chunks - 1, chunk, advance):
+                _write(n_chunks - 1, chunk, encode_chunk(chunk), work, index, advance)
+        return n_chunks
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=(settings,)) as pool:
+        in_flight: deque[tuple[int, list, Future]] = deque()
+        for n_chunks, chunk in enumerate(_chunks(_items(source, a, source.name)), 1):
+            if _skip(work, index, n_chunks - 1, chunk, advance):
+                continue
+            in_flight.append((n_chunks - 1, chunk, pool.submit(encode_chunk, chunk)))
+            while len(in_flight) > 2 * workers or (in_flight and in_flight[0][2].done()):
+                k, done, future = in_flight.popleft()
+                _write(k, done, future.result(), work, index, advance)
+        for k, done, future in in_flight:
+            _write(k, done, future.result(), work, index, advance)
+    return n_chunks
+
+
+def _skip(work: Path, index: int, k: int, chunk: list, advance: Advance | None) -> bool:
+    """A chunk a previous, interrupted preparation completed."""
+    if not chunk_path(work, index, k).exists():
+        return False
+    if advance:
+        advance(len(chunk), 0)
+    return True
+
+
+def _write(k: int, chunk: list, arrays: dict, work: Path, index: int, advance: Advance | None) -> None:
+    examples = {split: "".join(json.dumps(ex.to_dict()) + "\n" for s, ex, _ in chunk if s == split)
+                for split in SPLITS}
+    for split, text in examples.items():
+        arrays[f"{split}.examples"] = np.frombuffer(text.encode(), dtype=np.uint8)
+    final = chunk_path(work, index, k)
+    tmp = final.with_name(f".{final.stem}.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, final)  # complete or absent: a resumed preparation trusts what it finds
+    if advance:
+        advance(len(chunk), int(sum(len(arrays[f"{s}.ids"]) for s in SPLITS)))
+
+
+def read_chunk(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,112 @@
+"""Which examples go where, decided in one streaming pass: the held-out splits of each source, and how many times
+each training example enters the mixture.
+
+A source is split by row (or by `data.group_by`: whole groups), with a draw seeded by `data.seed` and the source's
+place in the list; `data.test_size` and `data.validation_size` rows per source are held out, exactly, and the rest
+trains. The training mixture gives each source its weight's share of the training examples (`data.train_size`
+caps the total): a share below the source's rows is a seeded subset of them, a larger one repeats them (whole
+passes, then a seeded subset). Memory is a few bytes per row, never the rows themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardline.data.sources import Source, read_examples
+from shardline.errors import DataError
+from shardline.spec import DataSpec
+
+
+@dataclass
+class Assignment:
+    """A source's examples (in stream order, readable rows only) by split, and its training multiplicities."""
+
+    examples: int
+    held: dict[int, str]
+    """Example index → `test` or `validation`; every other example trains."""
+    dropped: Counter = field(default_factory=Counter)
+    format: str = "question_answer"
+    repeats: int = 1
+    """Every training example enters the mixture this many times (0 when the source's share is below its size) …"""
+    extra: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """… and the training examples of these ordinals (sorted, among training examples) once more."""
+
+    @property
+    def train_examples(self) -> int:
+        return self.examples - len(self.held)
+
+    @property
+    def mixed(self) -> int:
+        """Training examples this source contributes to the mixture."""
+        return self.repeats * self.train_examples + len(self.extra)
+
+
+def assign(source: Source, index: int, data: DataSpec) -> Assignment:
+    """One pass over `source`: count and check its rows, and draw its held-out examples."""
+    if source.bundled is not None:  # the generated set comes split
+        order = [(i, split) for split in ("test", "validation") for i in range(len(source.bundled[split]))]
+        n_train = len(source.bundled["train"])
+        held = {n_train + k: split for k, (_, split) in enumerate(order)}
+        return Assignment(examples=n_train + len(order), held=held)
+    dropped: Counter = Counter()
+    found: dict[str, str] = {}
+    groups = array("Q")
+    n = 0
+    for key, _ in read_examples(source.rows(), source.reading, dropped, found=found):
+        n += 1
+        if data.group_by is not None:
+            groups.append(int.from_bytes(hashlib.blake2b(str(key).encode(), digest_size=8).digest(), "little"))
+    if n == 0:
+        raise DataError(source.reading.path or source.name, f"no row could be read (dropped: {dict(dropped)})",
+                        "check the rows against data.format (docs/data.md)")
+    n_test, n_val = data.test_size or 0, data.validation_size
+    if n <= n_test + n_val:
+        raise DataError(source.reading.path or source.name, f"only {n} rows, not enough for data.test_size={n_test}"
+                        f" + data.validation_size={n_val} plus training data",
+                        "lower data.test_size / data.validation_size or use more data")
+    rng = np.random.default_rng([data.seed, index])
+    if data.group_by is None:
+        chosen = rng.choice(n, n_test + n_val, replace=False)
+        held = {int(i): "test" for i in chosen[:n_test]} | {int(i): "validation" for i in chosen[n_test:]}
+    else:
+        held = _held_groups(np.frombuffer(groups, dtype=np.uint64), n_test, n_val, rng, data.group_by)
+    return Assignment(examples=n, held=held, dropped=dropped, format=found["format"])
+
+
+def _held_groups(keys: np.ndarray, n_test: int, n_val: int, rng: np.random.Generator, column: str
+                 ) -> dict[int, str]:
+    """Whole groups, drawn in a seeded order, fill test then validation until each holds the rows asked."""
+    unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    split_of = np.full(len(unique), 0, dtype=np.uint8)  # 0 train, 1 test, 2 validation
+    filled = {1: 0, 2: 0}
+    for g in rng.permutation(len(unique)):
+        target = 1 if filled[1] < n_test else 2 if filled[2] < n_val else 0
+        if target == 0:
+            break
+        split_of[g] = target
+        filled[target] += int(counts[g])
+    if not (split_of == 0).any():
+        raise DataError(f"data.group_by={column}", "leaves no group for training",
+                        "lower data.test_size / data.validation_size, or group by a finer column")
+    rows = split_of[inverse]
+    return {int(i): ("test" if rows[i] == 1 else "validation") for i in np.flatnonzero(rows)}
+
+
+def draw_mixture(sources: list[Source], assignments: list[Assignment], data: DataSpec) -> None:
+    """Set each assignment's training multiplicities: its weight's share of the mixture's training examples."""
+    available = sum(a.train_examples for a in assignments)
+    total = min(available, data.train_size) if data.train_size is not None else available
+    weights = np.array([s.weight for s in sources], dtype=np.float64)
+    for i, (source, a) in enumerate(zip(sources, assignments, strict=True)):
+        share = round(total * weights[i] / weights.sum())
+        a.repeats, rest = divmod(share, a.train_examples)
+        rng = np.random.default_rng([data.seed, i, 1])
+        a.extra = np.sort(rng.choice(a.train_examples, rest, replace=False)) if rest else a.extra
+        if share == 0:
+            raise DataError(f"data.sources ({source.name})", f"its weight {source.weight} gives it no training "
+                            f"example of {total}", "raise its weight, or drop the source")
