@@ -164,8 +164,8 @@ def _skip(work: Path, index: int, k: int, chunk: list, advance: Advance | None) 
 
 
 def _write(k: int, chunk: list, arrays: dict, work: Path, index: int, advance: Advance | None) -> None:
-    examples = {split: "".join(json.dumps(ex.to_dict()) + "\n" for s, ex, _ in chunk if s == split)
-                for split in SPLITS}
+    examples = {split: "".join((json.dumps(ex.to_dict()) + "\n") * times for s, ex, times in chunk if s == split)
+                for split in SPLITS}  # a training example repeated by the mixture is listed as often as it trains
     for split, text in examples.items():
         arrays[f"{split}.examples"] = np.frombuffer(text.encode(), dtype=np.uint8)
     final = chunk_path(work, index, k)
