@@ -224,20 +224,47 @@ def test_spec_errors_are_shardline_errors():
 
 
 @pytest.mark.slow
-def test_a_conversation_dataset_trains_on_two_ranks_and_exports_with_its_chat_template(tmp_path, chat_tokenizer):
+def test_a_mixture_of_conversations_and_text_trains_on_two_ranks_resumes_exactly_and_exports(tmp_path, chat_tokenizer):
+    """Two sources (chat turns and raw text, weights 3:1) on 2 ranks: validation loss per source, sample
+    generations beside their references in eval.json and the report, a resume from the step-3 checkpoint that
+    trains steps 4-6 to the same losses, and an export whose tokenizer renders conversations as training did."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.conftest import only_run, read_metrics
 
-    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i, 1 + i % 2)} for i in range(120)])
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i, 1 + i % 2)} for i in range(90)])
+    books = _write_jsonl(tmp_path / "books.jsonl", [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(
+        20 + 7 * i))} for i in range(30)])
     runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), f"data.path={chat}", f"model.tokenizer={chat_tokenizer}", "data.test_size=null",
-            "data.validation_size=8", "train.max_steps=4", "checkpoint.every_steps=2"]
+    sets = [*small_overrides(runs), f"data.sources=[{{path: {chat}, weight: 3}}, {{path: {books}, weight: 1}}]",
+            f"model.tokenizer={chat_tokenizer}", "data.test_size=null", "data.validation_size=6",
+            "train.max_steps=6", "checkpoint.every_steps=3", "train.eval_every=3", "train.sample_generations=3",
+            "train.eval_max_new_tokens=8"]
     out = run_cli("train", *[a for o in sets for a in ("--set", o)], "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = only_run(runs)
-    losses = [r["loss"] for r in read_metrics(run, "train")]
-    assert len(losses) == 4 and losses[-1] < losses[0]
+    full = read_metrics(run, "train")
+    assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6] and full[-1]["loss"] < full[0]["loss"]
+    evals = [e for e in read_metrics(run, "eval") if "val_loss" in e]
+    assert set(evals[-1]["val_loss_by_source"]) == {"chat", "books"}
+    samples = json.loads((run / "eval.json").read_text())["samples"]
+    assert len(samples) == 3 and {s["source"] for s in samples} == {"chat"}  # raw text asks nothing
+    assert all(s["gold"].startswith("answer ") and s["question"].endswith("<|im_start|>assistant\n")
+               for s in samples)
+    assert "Validation loss by source" in (run / "report" / "index.html").read_text()
+
+    # a kill during the final save: step 6 never committed, steps 4-6 are trained again from step 3
+    (run / "checkpoints" / "step-00000006" / "COMMITTED").unlink()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(ln for ln in lines if not any(
+        f'"step": {s},' in ln or f'"step": {s}}}' in ln for s in (4, 5, 6))) + "\n")
+    out = run_cli("train", str(run), "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    resumed = read_metrics(run, "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full[3:], resumed[3:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
     out = run_cli("export", str(run), "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -81,6 +81,12 @@ class StepSampler:
         return [make_batch(rows, self.micro_indices(step, k, rank)) for k in range(self.accum)]
 
 
+def select_rows(rows: PackedRows, index: np.ndarray) -> PackedRows:
+    """The rows at `index` (in memory): a part of a split, e.g. one source's validation rows."""
+    return PackedRows(**{a: np.asarray(getattr(rows, a))[index] for a in ("tokens", "loss_mask", "position_ids",
+                                                                          "n_real")})
+
+
 def eval_batches(rows: PackedRows, batch_rows: int, rank: int, world: int) -> list[Batch]:
     """All rows, split over ranks; every rank gets the same number of batches (FSDP needs lockstep),
     the last ones possibly empty of loss tokens."""

@@ -82,6 +82,10 @@ class PreparedData:
         arrays = {a: np.load(self.file(f"{split}.{a}.npy"), mmap_mode="r") for a in ARRAYS}
         return PackedRows(**arrays)
 
+    def row_sources(self, split: str) -> np.ndarray:
+        """Each packed row's source (an index into meta["sources"]); validation rows never mix sources."""
+        return np.load(self.file(f"{split}.source.npy"))
+
     def examples(self, split: str) -> list[Example]:
         with self.file(f"{split}.jsonl").open() as f:
             return [Example(**json.loads(line)) for line in f]

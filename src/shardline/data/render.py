@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
-from shardline.data.template import PromptTemplate, encode_answer, encode_prompt
+from shardline.data.template import PromptTemplate, encode_answer, encode_prompt, stop_ids
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
 
@@ -75,3 +75,18 @@ def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], tr
         spans.append((len(before), len(through)))
     loss = [int(any(a < end and b > start for start, end in spans)) for a, b in encoded["offset_mapping"]]
     return Rendered(list(encoded["input_ids"]), loss)
+
+
+def generation_prompt(tok: PreTrainedTokenizerBase, ex: Example, template: PromptTemplate, fmt: PromptFormat
+                      ) -> tuple[list[int], str, list[int]] | None:
+    """What a model is asked and should answer for `ex`: the prompt ids (a conversation up to its last assistant
+    turn, with the template's generation prompt), the reference answer, and the ids generation stops at; None for a
+    text, which asks nothing."""
+    if ex.kind == "text":
+        return None
+    if ex.kind == "chat":
+        last = max(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
+        ids = tok.apply_chat_template(ex.messages[:last], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        return list(ids), ex.messages[last]["content"], stop_ids(tok, "chat")
+    return encode_prompt(tok, template, ex.question, ex.context, fmt, ex.prompt), ex.answer, stop_ids(tok, fmt)

@@ -109,6 +109,11 @@ def plot_loss(recs: RunRecords):
     val = [(r["step"], r["val_loss"]) for r in recs.evals if r.get("val_loss") is not None]
     if val:
         ax.plot(*zip(*val, strict=True), "o-", color="tab:orange", label="validation loss")
+    names = sorted({n for r in recs.evals for n in r.get("val_loss_by_source") or {}})
+    for name in names:  # a mixture: each source's validation loss
+        points = [(r["step"], r["val_loss_by_source"][name]) for r in recs.evals
+                  if name in (r.get("val_loss_by_source") or {})]
+        ax.plot(*zip(*points, strict=True), ".--", lw=1, label=f"validation: {name}")
     _mark_resumes(ax, recs)
     ax.set_ylabel("loss")
     ax.legend(loc="upper right")
@@ -397,8 +402,9 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput 
                  for c in recs.checkpoints]
     resume_rows = [[r["step"], r.get("world"), r.get("rng_restored"), r.get("location")] for r in recs.resumes]
     samples = evaluation.get("samples") or []
-    sample_rows = [["✓" if s.get("match") else "✗", s.get("question"), s.get("gold"), s.get("pred")]
-                   for s in samples[:10]]
+    sample_rows = [[{True: "✓", False: "✗"}.get(s.get("match"), ""), s.get("question"), s.get("gold"), s.get("pred")]
+                   for s in samples[:10]]  # a user's own data has no verdict: its answers beside the references
+    by_source = next((r["val_loss_by_source"] for r in reversed(recs.evals) if "val_loss_by_source" in r), {})
     spec_text = (run_dir / "spec.yaml").read_text() if (run_dir / "spec.yaml").is_file() else ""
     title = html.escape(manifest.get("run_id") or run_dir.name)
     parts = [
@@ -408,6 +414,8 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput 
         _failure_box(run_dir, manifest),
         "<h2>Summary</h2>", headline,
         "<h2>Plots</h2>", f"<div class='plots'>{''.join(figures)}</div>",
+        *(["<h2>Validation loss by source</h2>", _grid(["source", "validation loss"], list(by_source.items()))]
+          if by_source else []),
         "<h2>Final evaluation</h2>",
         _grid(["", "question", "gold", "prediction"], sample_rows) if sample_rows
         else f"<p>{html.escape(_evaluation_absent(manifest, status))}</p>",

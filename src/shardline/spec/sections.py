@@ -178,6 +178,10 @@ class TrainSpec(Section):
     """Test examples generated for at the end and scored by the task's metric (text_to_sql: execution
     accuracy); 0 skips it. A task without a generation metric (`data.task: none`) skips it always."""
     eval_max_new_tokens: int = Field(96, ge=1)
+    sample_generations: int = Field(4, ge=0)
+    """Where the task has no generation metric (a user's own data, `data.task: none`): validation examples the
+    model answers at the end, shown beside their references in eval.json and the report (conversations up to their
+    last assistant turn, prompts, instructions; never raw text); 0 skips it."""
     loss_chunk_tokens: int | None = Field(4096, ge=0)
     """The LM head and cross-entropy over chunks of this many loss-bearing tokens, each recomputed in backward, so
     the whole [tokens, vocab] logits never exist; 0 or null: the model's whole logits (transformers' path)."""

@@ -1,4 +1,5 @@
-"""Evaluation on the sharded model: validation loss, and greedy generation scored by the task's metric.
+"""Evaluation on the sharded model: validation loss, greedy generation scored by the task's metric, and sample
+generations beside their references where no metric scores them.
 
 Every rank runs the same number of forward passes (FSDP all-gathers in lockstep): validation batches
 are padded to equal counts, and generation uses `synced_gpus` so ranks that finish early keep
@@ -19,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
+from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
 from shardline.model.context_parallel import context_parallel_batch, shard_batch
@@ -61,8 +63,9 @@ def rank_part(model: nn.Module, batch: Batch, cp_mesh: DeviceMesh | None) -> Ite
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device,
-                    chunk_tokens: int | None = None, cp_mesh: DeviceMesh | None = None) -> float:
+def validation_loss_sums(model: nn.Module, batches: list[Batch], device: torch.device,
+                         chunk_tokens: int | None = None, cp_mesh: DeviceMesh | None = None) -> tuple[float, int]:
+    """The summed loss and the loss-bearing tokens of `batches` over all ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in batches:
@@ -71,7 +74,13 @@ def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device
         total[1] += part.n_loss_tokens
     dist.all_reduce(total)
     model.train()
-    return float(total[0] / total[1].clamp(min=1))
+    return float(total[0]), int(total[1])
+
+
+def validation_loss(model: nn.Module, batches: list[Batch], device: torch.device,
+                    chunk_tokens: int | None = None, cp_mesh: DeviceMesh | None = None) -> float:
+    total, tokens = validation_loss_sums(model, batches, device, chunk_tokens, cp_mesh)
+    return total / max(tokens, 1)
 
 
 def unique_questions(examples: list[Example]) -> list[Example]:
@@ -99,30 +108,25 @@ def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[i
     return [c[: next((i for i, t in enumerate(c) if t in stop), len(c))] for c in continuations]
 
 
-def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
-                    task: Task, pad: int, device: torch.device, batch_size: int = 16,
-                    ranks_per_row: int = 1) -> GenerationScores | None:
-    """Greedy-generate an answer for each distinct question of `examples` (split over the data-parallel ranks:
-    `ranks_per_row` consecutive ranks, tensor- and context-parallel peers, generate the same questions together;
-    context-parallel peers each run whole prompts) with the task's prompt; rank 0 returns the
-    task's scores of them, other ranks None. The task must have a metric."""
-    assert task.score is not None, f"task {task.name} has no generation metric"
-    examples = unique_questions(examples)
+def generate_texts(model: nn.Module, tok: PreTrainedTokenizerBase, prompts: list[list[int]], stops: list[list[int]],
+                   spec: JobSpec, pad: int, device: torch.device, batch_size: int = 16, ranks_per_row: int = 1
+                   ) -> list[str] | None:
+    """Greedy continuations of `prompts` (each cut at its own stop ids), split over the data-parallel ranks
+    (`ranks_per_row` consecutive ranks, tensor- and context-parallel peers, generate the same prompts together;
+    context-parallel peers each run whole prompts); rank 0 returns them all in order, other ranks None."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_rank, dp_world = data_parallel_rank(rank, world, ranks_per_row)
-    per_rank = -(-len(examples) // dp_world)
-    mine = list(range(dp_rank * per_rank, min(len(examples), (dp_rank + 1) * per_rank)))
+    per_rank = -(-len(prompts) // dp_world)
+    mine = list(range(dp_rank * per_rank, min(len(prompts), (dp_rank + 1) * per_rank)))
     n_batches = -(-per_rank // batch_size)
     model.eval()
-    fmt = spec.data.prompt_format
-    stop = stop_ids(tok, fmt)  # EOS, or the chat template's end of turn
     predictions: list[tuple[int, str]] = []
     for b in range(n_batches):
         index = mine[b * batch_size : (b + 1) * batch_size]
         todo = index or [0]  # a rank with no work still steps in lockstep
-        prompts = [encode_prompt(tok, task.prompt, examples[i].question, examples[i].context, fmt, examples[i].prompt)
-                   for i in todo]
-        outputs = _generate(model, prompts, pad, stop, spec.train.eval_max_new_tokens, device, world > 1)
+        stop = sorted({t for i in todo for t in stops[i]})
+        outputs = _generate(model, [prompts[i] for i in todo], pad, stop, spec.train.eval_max_new_tokens, device,
+                            world > 1)
         if index:
             texts = [tok.decode(o, skip_special_tokens=True).strip() for o in outputs]
             predictions += list(zip(index, texts, strict=True))
@@ -132,4 +136,36 @@ def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: li
     if rank != 0:
         return None
     texts = dict(p for part in gathered for p in part)
-    return task.score(examples, [texts[i] for i in range(len(examples))], spec.data)
+    return [texts[i] for i in range(len(prompts))]
+
+
+def generation_eval(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
+                    task: Task, pad: int, device: torch.device, batch_size: int = 16,
+                    ranks_per_row: int = 1) -> GenerationScores | None:
+    """Greedy-generate an answer for each distinct question of `examples` with the task's prompt (`generate_texts`);
+    rank 0 returns the task's scores of them, other ranks None. The task must have a metric."""
+    assert task.score is not None, f"task {task.name} has no generation metric"
+    examples = unique_questions(examples)
+    fmt = spec.data.prompt_format
+    stop = stop_ids(tok, fmt)  # EOS, or the chat template's end of turn
+    prompts = [encode_prompt(tok, task.prompt, ex.question, ex.context, fmt, ex.prompt) for ex in examples]
+    texts = generate_texts(model, tok, prompts, [stop] * len(prompts), spec, pad, device, batch_size,
+                           ranks_per_row)
+    if texts is None:
+        return None
+    return task.score(examples, texts, spec.data)
+
+
+def sample_generations(model: nn.Module, tok: PreTrainedTokenizerBase, examples: list[Example], spec: JobSpec,
+                       task: Task, pad: int, device: torch.device, ranks_per_row: int = 1) -> list[dict] | None:
+    """Greedy answers to the examples that ask something (not raw text), beside their references: what a run on a
+    user's own data shows in its report (rank 0; other ranks None)."""
+    asked = [(ex, q) for ex in examples if (q := generation_prompt(tok, ex, task.prompt, spec.data.prompt_format))]
+    if not asked:
+        return []
+    texts = generate_texts(model, tok, [q[0] for _, q in asked], [q[2] for _, q in asked], spec, pad, device,
+                           ranks_per_row=ranks_per_row)
+    if texts is None:
+        return None
+    return [{"question": tok.decode(q[0], skip_special_tokens=False)[-600:], "gold": q[1], "pred": text,
+             "source": ex.source} for (ex, q), text in zip(asked, texts, strict=True)]

@@ -13,14 +13,16 @@ import json
 import logging
 import statistics
 import time
+from itertools import zip_longest
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from torch.profiler import record_function
 
-from shardline.data.loader import StepSampler, eval_batches, make_batch
+from shardline.data.loader import StepSampler, eval_batches, make_batch, select_rows
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
@@ -53,7 +55,14 @@ from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
 from shardline.training.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.training.distributed import DistContext
-from shardline.training.evaluate import generation_eval, rank_part, token_loss_sum, validation_loss
+from shardline.training.evaluate import (
+    generation_eval,
+    rank_part,
+    sample_generations,
+    token_loss_sum,
+    validation_loss,
+    validation_loss_sums,
+)
 from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -414,16 +423,33 @@ class Trainer:
         raise Preempted(self.step)
 
     def validate(self) -> float:
+        """Validation loss over every validation row (and per source, for a mixture), logged as an eval record."""
         phase, self.phase = self.phase, "validation"
         maybe_fail("validation", self.ctx.rank, self.step)
         started = time.perf_counter()
         rows = self.data.rows("validation")
-        batches = eval_batches(rows, self.spec.train.micro_batch_size, self.dp_rank, self.dp_world)
-        loss = validation_loss(self.model, batches, self.ctx.device, self.spec.train.loss_chunk_tokens, self.cp_mesh)
+        names = self.data.meta.get("sources") or []
+        t = self.spec.train
+        by_source: dict[str, float] = {}
+        if len(names) > 1:  # each source's rows on their own; the whole is their token-weighted mean
+            sums = []
+            for i, name in enumerate(names):
+                part = select_rows(rows, np.flatnonzero(self.data.row_sources("validation") == i))
+                batches = eval_batches(part, t.micro_batch_size, self.dp_rank, self.dp_world)
+                total, tokens = validation_loss_sums(self.model, batches, self.ctx.device, t.loss_chunk_tokens,
+                                                     self.cp_mesh)
+                by_source[name] = total / max(tokens, 1)
+                sums.append((total, tokens))
+            loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1)
+        else:
+            batches = eval_batches(rows, t.micro_batch_size, self.dp_rank, self.dp_world)
+            loss = validation_loss(self.model, batches, self.ctx.device, t.loss_chunk_tokens, self.cp_mesh)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss,
+                                        **({"val_loss_by_source": by_source} if by_source else {}),
                                         "seconds": round(time.perf_counter() - started, 3)})
-        self._say(f"step {self.step}: validation loss {loss:.4f}")
+        per = " · ".join(f"{name} {value:.4f}" for name, value in by_source.items())
+        self._say(f"step {self.step}: validation loss {loss:.4f}" + (f" ({per})" if per else ""))
         self.phase = phase
         return loss
 
@@ -515,8 +541,10 @@ class Trainer:
     def evaluate_generation(self) -> dict:
         """Greedy generations for the first `train.eval_examples` test examples, scored by the task's metric
         (`data.task`); the scores on rank 0, {} elsewhere and for a task without a generation metric."""
+        if self.task.score is None:
+            return self._sample_generations()
         n = min(self.spec.train.eval_examples, len(self.data.examples("test")))
-        if self.task.score is None or n == 0:
+        if n == 0:
             return {}
         examples = self.data.examples("test")[:n]
         self.phase = "sql_evaluation" if self.phase != "evaluation" else self.phase
@@ -537,6 +565,32 @@ class Trainer:
             self.console.print(f"{mark}{s['question']}\n   gold: {s['gold']}\n   pred: {s['pred']}")
         self._say(f"{result.headline} ({seconds:.0f}s)")
         return {**result.scores, "eval_n": result.n}
+
+    def _sample_generations(self) -> dict:
+        """A few validation examples answered by the model beside their references (sources taken in turn), for
+        data no metric scores: written to eval.json for the report."""
+        k = self.spec.train.sample_generations
+        if k == 0:
+            return {}
+        by_source: dict[str, list] = {}
+        for ex in self.data.examples("validation"):
+            if ex.kind != "text":  # raw text asks nothing
+                by_source.setdefault(ex.source, []).append(ex)
+        picked = [ex for group in zip_longest(*by_source.values()) for ex in group if ex is not None][:k]
+        start = time.perf_counter()
+        samples = sample_generations(self.model, self.tokenizer, picked, self.spec, self.task,
+                                     self.data.meta["pad_id"], self.ctx.device, self.spec.parallel.ranks_per_row)
+        if not samples:
+            return {}
+        (self.run_dir / "eval.json").write_text(json.dumps(
+            {"task": self.task.name, "n": len(samples), "metric": "none: the model's answers beside the references",
+             "samples": samples}, indent=2))
+        for s in samples[:3]:
+            self.console.print(f"{s['question'][-200:]}\n   reference: {s['gold']}\n   model: {s['pred']}",
+                               markup=False, highlight=False)
+        self._say(f"{len(samples)} sample generations beside their references in eval.json "
+                  f"({time.perf_counter() - start:.0f}s)")
+        return {}
 
 
 def _recompute_fraction(spec: JobSpec) -> float:
