@@ -189,3 +189,27 @@ def test_lora_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_
     exported_val = unpacked_loss(model, data)
     print(f"LoRA: shardline val loss {shardline_val:.6f}, exported {exported_val:.6f}")
     assert exported_val == pytest.approx(shardline_val, rel=1e-4)
+
+
+def test_a_multi_turn_conversation_renders_with_smollm2s_own_template_and_trains_on_its_assistant_turns(tok):
+    """SmolLM2's ChatML template (shipped with the checkpoint, no generation markers): the ids are exactly
+    `apply_chat_template`'s, and the loss-bearing tokens decode to each assistant turn and its `<|im_end|>`."""
+    from shardline.data.render import render_chat
+
+    messages = [{"role": "system", "content": "You are a SQL assistant."},
+                {"role": "user", "content": "How many users are there?"},
+                {"role": "assistant", "content": "SELECT COUNT(*) FROM users;"},
+                {"role": "user", "content": "And how many are older than 30?"},
+                {"role": "assistant", "content": "SELECT COUNT(*) FROM users WHERE age > 30;"}]
+    r = render_chat(tok, messages)
+    assert r.ids == list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+    runs, run = [], []
+    for t, m in zip(r.ids, r.loss, strict=True):
+        if m:
+            run.append(t)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    assert runs == ["SELECT COUNT(*) FROM users;<|im_end|>", "SELECT COUNT(*) FROM users WHERE age > 30;<|im_end|>"]
+    last = render_chat(tok, messages, assistant_turns="last")
+    assert tok.decode([t for t, m in zip(last.ids, last.loss, strict=True) if m]) == runs[1]

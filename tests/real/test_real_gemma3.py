@@ -71,3 +71,30 @@ def test_gemma3_fine_tunes_on_two_ranks_from_its_pretrained_loss_and_exports(rea
     exported_val = unpacked_loss(model, data)
     print(f"validation {shardline_val:.4f} after 2 steps, exported {exported_val:.4f}")
     assert exported_val == pytest.approx(shardline_val, rel=1e-4)
+
+
+def test_conversations_on_gemma3s_base_checkpoint_without_a_chat_template_are_a_named_error(real, tmp_path):
+    """The pretrained Gemma 3 base ships no chat template: chat rows are refused before a run exists, by name;
+    its own text trains as raw documents with its BOS."""
+    from shardline.data.preflight import preflight
+    from shardline.data.render import render
+    from shardline.data.sources import head_examples
+    from shardline.errors import DataError
+    from shardline.tasks import get_task
+    from tests.conftest import small_spec
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(DataError, match="no chat template") as e:
+        preflight(small_spec(tmp_path, f"data.path={chat}", f"model.path={real}"))
+    assert e.value.where == "model.path"
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "A plain document."}) + "\n")
+    spec = small_spec(tmp_path, f"data.path={text}", f"model.path={real}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real)
+    r = render(tok, head_examples(spec.data, 1)[0], get_task("none").prompt, "plain")
+    assert r.ids == [tok.bos_token_id, *tok.encode("A plain document.", add_special_tokens=False), tok.eos_token_id]
+    assert r.loss == [0] + [1] * (len(r.ids) - 1)
