@@ -224,34 +224,56 @@ def test_spec_errors_are_shardline_errors():
 
 
 @pytest.mark.slow
-def test_a_mixture_of_conversations_and_text_trains_on_two_ranks_resumes_exactly_and_exports(tmp_path, chat_tokenizer):
-    """Two sources (chat turns and raw text, weights 3:1) on 2 ranks: validation loss per source, sample
-    generations beside their references in eval.json and the report, a resume from the step-3 checkpoint that
-    trains steps 4-6 to the same losses, and an export whose tokenizer renders conversations as training did."""
+def test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports(tmp_path, chat_tokenizer):
+    """Six sources, one per format (and layout), on 2 ranks: validation loss per source, sample generations
+    beside their references in eval.json and the report, a resume from the step-3 checkpoint that trains steps 4-6 to
+    the same losses, and an export whose tokenizer renders conversations as training did."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.conftest import only_run, read_metrics
 
-    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i, 1 + i % 2)} for i in range(90)])
-    books = _write_jsonl(tmp_path / "books.jsonl", [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(
-        20 + 7 * i))} for i in range(30)])
+    chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i, 1 + i % 2)} for i in range(60)])
+    shards = tmp_path / "sharegpt"
+    shards.mkdir()
+    for k in range(2):
+        _write_jsonl(shards / f"part-{k}.jsonl", [{"conversations": [{"from": "human", "value": f"hello {k} {i}?"},
+                                                                     {"from": "gpt", "value": f"world {i}."}]}
+                                                  for i in range(20)])
+    pc = tmp_path / "pc.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"{WORDS[i % 9]} {i}? Answer:", "completion": f" {WORDS[i % 7]}"}
+                                         for i in range(30)]), pc)
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": f"translate {i}", "input": "good morning", "output": "bonjour"}
+                                  for i in range(30)]))
+    qa = _write_jsonl(tmp_path / "qa.jsonl", [{"question": f"how are you {i}", "answer": "today"} for i in range(30)])
+    books = tmp_path / "books"
+    books.mkdir()
+    _write_jsonl(books / "a.jsonl", [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + 9 * i))}
+                                     for i in range(30)])
+    sources = [(chat, 3), (shards, 1), (pc, 1), (alpaca, 1), (qa, 1), (books / "*.jsonl", 1)]
+    mixture = "data.sources=[" + ", ".join(f"{{path: '{path}', weight: {w}}}" for path, w in sources) + "]"
     runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), f"data.sources=[{{path: {chat}, weight: 3}}, {{path: {books}, weight: 1}}]",
-            f"model.tokenizer={chat_tokenizer}", "data.test_size=null", "data.validation_size=6",
-            "train.max_steps=6", "checkpoint.every_steps=3", "train.eval_every=3", "train.sample_generations=3",
-            "train.eval_max_new_tokens=8"]
+    sets = [*small_overrides(runs), mixture, f"model.tokenizer={chat_tokenizer}", "data.test_size=null",
+            "data.validation_size=4", "train.max_steps=6", "checkpoint.every_steps=3", "train.eval_every=3",
+            "train.sample_generations=5", "train.eval_max_new_tokens=8"]
     out = run_cli("train", *[a for o in sets for a in ("--set", o)], "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = only_run(runs)
     full = read_metrics(run, "train")
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6] and full[-1]["loss"] < full[0]["loss"]
+    names = ["chat", "sharegpt", "pc", "alpaca", "qa", "books"]
+    setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
+    assert [s["name"] for s in setup["data_sources"]] == names
+    assert [s["format"] for s in setup["data_sources"]] == list(FORMATS)
     evals = [e for e in read_metrics(run, "eval") if "val_loss" in e]
-    assert set(evals[-1]["val_loss_by_source"]) == {"chat", "books"}
+    assert list(evals[-1]["val_loss_by_source"]) == names
     samples = json.loads((run / "eval.json").read_text())["samples"]
-    assert len(samples) == 3 and {s["source"] for s in samples} == {"chat"}  # raw text asks nothing
-    assert all(s["gold"].startswith("answer ") and s["question"].endswith("<|im_start|>assistant\n")
-               for s in samples)
-    assert "Validation loss by source" in (run / "report" / "index.html").read_text()
+    assert [s["source"] for s in samples] == names[:5]  # sources in turn; raw text asks nothing
+    assert samples[0]["question"].endswith("<|im_start|>assistant\n") and samples[0]["gold"].startswith("answer ")
+    assert samples[1]["gold"].startswith("world ") and samples[2]["gold"].strip() in WORDS
+    assert [s["gold"] for s in samples[3:]] == ["bonjour", "today"] and all(s["pred"] is not None for s in samples)
+    report = (run / "report" / "index.html").read_text()
+    assert "Data sources" in report and all(f"<td>{n}</td>" in report for n in names)
 
     # a kill during the final save: step 6 never committed, steps 4-6 are trained again from step 3
     (run / "checkpoints" / "step-00000006" / "COMMITTED").unlink()

@@ -60,7 +60,11 @@ def open_sources(spec: DataSpec) -> list[Source]:
 
 
 def _source_name(path: str) -> str:
-    name = Path(path.rstrip("/").replace("*", "")).name or path
+    """A file's stem, a directory's name, a glob's directory, a hub dataset's name."""
+    location = Path(path.rstrip("/"))
+    if any(ch in location.name for ch in "*?["):
+        location = location.parent
+    name = location.name or path
     return Path(name).stem if Path(name).suffix in SUFFIXES else name
 
 

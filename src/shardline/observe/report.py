@@ -405,6 +405,9 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput 
     sample_rows = [[{True: "✓", False: "✗"}.get(s.get("match"), ""), s.get("question"), s.get("gold"), s.get("pred")]
                    for s in samples[:10]]  # a user's own data has no verdict: its answers beside the references
     by_source = next((r["val_loss_by_source"] for r in reversed(recs.evals) if "val_loss_by_source" in r), {})
+    source_rows = [[s["name"], s["format"], s["weight"], s["train_examples"], s["tokens"].get("train", 0),
+                    f"{100 * s['share_of_train_tokens']:.1f}%", by_source.get(s["name"], "–")]
+                   for s in recs.setup.get("data_sources") or []]
     spec_text = (run_dir / "spec.yaml").read_text() if (run_dir / "spec.yaml").is_file() else ""
     title = html.escape(manifest.get("run_id") or run_dir.name)
     parts = [
@@ -414,8 +417,9 @@ def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput 
         _failure_box(run_dir, manifest),
         "<h2>Summary</h2>", headline,
         "<h2>Plots</h2>", f"<div class='plots'>{''.join(figures)}</div>",
-        *(["<h2>Validation loss by source</h2>", _grid(["source", "validation loss"], list(by_source.items()))]
-          if by_source else []),
+        *(["<h2>Data sources</h2>", _grid(["source", "format", "weight", "training examples", "training tokens",
+                                           "share of training tokens", "validation loss"], source_rows)]
+          if len(source_rows) > 1 else []),
         "<h2>Final evaluation</h2>",
         _grid(["", "question", "gold", "prediction"], sample_rows) if sample_rows
         else f"<p>{html.escape(_evaluation_absent(manifest, status))}</p>",

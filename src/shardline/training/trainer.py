@@ -198,6 +198,12 @@ class Trainer:
         stats = self.data.stats["splits"]["train"]
         self._say(f"data {self.data.version}: {stats['rows']} rows of {t.seq_len} tokens, "
                   f"{stats['kept']} examples, fill {100 * stats['fill']:.1f}%")
+        data_sources = [{k: src[k] for k in ("name", "format", "weight", "train_examples", "tokens",
+                                              "share_of_train_tokens")} for src in self.data.stats.get("sources", [])]
+        if len(data_sources) > 1:
+            self._say("sources: " + " · ".join(f"{s['name']} ({s['format']}) {s['tokens'].get('train', 0):,} train "
+                                               f"tokens, {100 * s['share_of_train_tokens']:.1f}%"
+                                               for s in data_sources))
         self.planned_peak = _planned_peak(self.spec)
         if self.planned_peak:
             self._say(f"memory plan: peak {self.planned_peak / 2**30:.2f} GiB per device (shardline plan)")
@@ -207,7 +213,7 @@ class Trainer:
                     world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
                     tensor_parallel_weights=split_weights(self.model),
                     loss_parallel=splits_vocabulary(self.model), dataset_version=self.data.version,
-                    process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
+                    data_sources=data_sources, process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _counters(self) -> dict:
