@@ -13,6 +13,7 @@ The walk-through in docs/python-api.md is executed by the tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from shardline.planning import memory
 from shardline.planning.devices import Device, current_device, get_device
 from shardline.planning.memory import MemoryPlan, Suggestion
 from shardline.run_status import RunStatus, list_runs, read_status
-from shardline.rundir import with_run_id
+from shardline.rundir import run_path, with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, resolve_data, spec_to_yaml
 
@@ -246,7 +247,14 @@ def render(spec: JobSpec, target: str, task: str = "train", out: str | Path | No
 
 def launch(spec: JobSpec, target: str, task: str = "train") -> Run:
     """Submit to `target` and record where it runs (`<run.dir>/<run id>/launch.json`); returns at once."""
-    record = get_backend(target).submit(with_run_id(spec, claim=True), task)
+    claimed = with_run_id(spec, claim=True)
+    try:
+        record = get_backend(target).submit(claimed, task)
+    except BaseException:
+        if spec.run.id is None:  # a refused launch leaves no run behind: only the empty directory it claimed
+            with contextlib.suppress(OSError):
+                run_path(claimed).rmdir()
+        raise
     run_dir = Path(spec.run.dir) / record.run_id
     save_record(run_dir, record)
     return Run(record)

@@ -186,14 +186,16 @@ def test_a_conversation_needs_a_tokenizer_with_a_chat_template(tmp_path):
     assert e.value.where == "model.tokenizer"
 
 
-def test_train_refuses_bad_input_with_exit_2_before_a_run_directory_exists(tmp_path, chat_tokenizer):
+def test_train_and_launch_refuse_bad_input_with_exit_2_before_a_run_directory_exists(tmp_path, chat_tokenizer):
     runs = tmp_path / "runs"
     chat = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _conversation(i)} for i in range(30)])
     cases = [("model.path=/nonexistent/model", "model.path: /nonexistent/model does not exist"),
              (f"data.path={_write_jsonl(tmp_path / 'odd.jsonl', [{'a': 1}] * 5)}", "match no data format"),
              (f"data.path={chat}", "model.path: is unset, so shardline trains a byte-level BPE")]
-    for setting, message in cases:
-        out = run_cli("train", *[a for o in small_overrides(runs) for a in ("--set", o)], "--set", setting,
+    cases.append(("launch", cases[0][0], cases[0][1]))  # a detached local launch checks the same, first
+    for verb, setting, message in [("train", *c) for c in cases[:3]] + cases[3:]:
+        target = ["--target", "local"] if verb == "launch" else []
+        out = run_cli(verb, *target, *[a for o in small_overrides(runs) for a in ("--set", o)], "--set", setting,
                       "--set", "data.validation_size=4", "--set", "data.test_size=0", timeout=120)
         assert out.returncode == 2 and message in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
         assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())

@@ -185,10 +185,12 @@ class LocalBackend:
         if task != "train":
             raise SpecError("--task", f"a detached local launch runs train, not {task}",
                             f"run `shardline {task}` in the foreground instead")
+        from shardline.data.preflight import preflight
         from shardline.environment import check_environment
 
         torchrun_command(spec, Path("spec.yaml"))  # launch settings checked before anything is written
         check_environment(spec)
+        preflight(spec)  # the model's location, the data's format and first rows
         if spec.run.id is not None:  # a resume (or the id the API claimed): never while the run still runs
             refuse_if_running(run_path(spec))
         spec, run_dir = create_run(spec)
