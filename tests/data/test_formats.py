@@ -77,6 +77,28 @@ def test_conversation_ids_are_the_chat_templates_and_the_loss_is_transformers_as
         assert last.ids == r.ids and (0 < sum(last.loss) < sum(r.loss) if turns > 1 else last.loss == r.loss)
 
 
+def test_marked_and_prefix_renderings_find_the_same_spans_and_a_transforming_template_falls_back(chat_tokenizer):
+    """Turns are located with one marked rendering; a template that rewrites contents (here: trims them) fails the
+    marks' check and is located by rendering each turn's prefix, with the same loss on what it says."""
+    from transformers import AutoTokenizer
+
+    from shardline.data import render as render_mod
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    for i in range(8):
+        messages = _conversation(i, 1 + i % 3)
+        text, spans = render_mod.chat_spans(tok, messages)
+        trained = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        assert spans == render_mod._prefix_spans(tok, messages, trained, text)
+    tok.chat_template = CHATML.replace("{{ message['content'] }}", "{{ message['content'] | trim }}")
+    messages = [{"role": "user", "content": "  hello  "}, {"role": "assistant", "content": "  world  "}]
+    text, spans = render_mod.chat_spans(tok, messages)
+    assert render_mod._marked_spans(tok, messages, [1], text) is None
+    assert [text[a:b] for a, b in spans] == ["world<|im_end|>"]
+    theirs = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert render_chat(tok, messages).loss == list(theirs["assistant_masks"])
+
+
 def test_messages_and_prompt_completion_tokenize_as_trls_sft_trainer(chat_tokenizer, tmp_path):
     """TRL's SFTTrainer prepares the same rows (assistant-only loss, completion-only loss): the same ids and the same
     loss-bearing tokens. Plain prompts differ by design in one place: shardline adds exactly one BOS."""

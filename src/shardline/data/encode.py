@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from shardline.data.example import Example
-from shardline.data.render import render
+from shardline.data.render import render_many
 from shardline.data.sources import Source, read_examples
 from shardline.data.splits import Assignment
 from shardline.data.tokenizer import load_tokenizer
@@ -64,8 +64,9 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
     tok, template = _worker["tok"], _worker["template"]
     out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths")}
     too_long = Counter()
-    for split, ex, times in items:
-        r = render(tok, ex, template, s.prompt_format, s.assistant_turns)  # type: ignore[arg-type]
+    rendered = render_many(tok, [ex for _, ex, _ in items], template, s.prompt_format,  # type: ignore[arg-type]
+                           s.assistant_turns)
+    for (split, ex, times), r in zip(items, rendered, strict=True):
         ids, loss = np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8)
         if ex.kind == "text":
             pieces = [(ids[a : a + s.seq_len], loss[a : a + s.seq_len].copy()) for a in range(0, len(ids), s.seq_len)]

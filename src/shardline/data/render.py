@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
@@ -41,28 +42,113 @@ def check_chat_template(tok: PreTrainedTokenizerBase, where: str, why: str) -> N
 
 def render(tok: PreTrainedTokenizerBase, ex: Example, template: PromptTemplate, fmt: PromptFormat,
            assistant_turns: str = "all") -> Rendered:
-    if ex.kind == "chat":
-        return render_chat(tok, ex.messages, ex.trained_from, assistant_turns)
-    if ex.kind == "text":
-        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        ids = bos + tok.encode(ex.text, add_special_tokens=False) + [tok.eos_token_id]
-        return Rendered(ids, [0] + [1] * (len(ids) - 1))
-    prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt)
-    answer = encode_answer(tok, ex.answer, fmt)
-    return Rendered(prompt + answer, [0] * len(prompt) + [1] * len(answer))
+    return render_many(tok, [ex], template, fmt, assistant_turns)[0]
+
+
+def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template: PromptTemplate, fmt: PromptFormat,
+                assistant_turns: str = "all") -> list[Rendered]:
+    """`render` of each example; the conversations' texts are tokenized in one batch call."""
+    out: list[Rendered | None] = [None] * len(examples)
+    chats: list[tuple[int, str, list[tuple[int, int]]]] = []
+    for k, ex in enumerate(examples):
+        if ex.kind == "chat":
+            chats.append((k, *chat_spans(tok, ex.messages, ex.trained_from, assistant_turns)))
+        elif ex.kind == "text":
+            bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+            ids = bos + tok.encode(ex.text, add_special_tokens=False) + [tok.eos_token_id]
+            out[k] = Rendered(ids, [0] + [1] * (len(ids) - 1))
+        else:
+            prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt)
+            answer = encode_answer(tok, ex.answer, fmt)
+            out[k] = Rendered(prompt + answer, [0] * len(prompt) + [1] * len(answer))
+    if chats:
+        for (k, _, spans), (ids, offsets) in zip(chats, _encode_with_offsets(tok, [t for _, t, _ in chats]),
+                                                 strict=True):
+            at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+            loss = np.zeros(len(ids), dtype=bool)
+            for start, end in spans:  # a token carries loss where its characters overlap a trained span
+                loss |= (at[:, 0] < end) & (at[:, 1] > start)
+            out[k] = Rendered(list(ids), loss.astype(np.uint8).tolist())
+    return out  # type: ignore[return-value]
+
+
+def _encode_with_offsets(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[tuple[list[int], list]]:
+    """Token ids and character offsets of texts, as `tok(texts, add_special_tokens=False)` gives them; through the
+    fast tokenizer's own batch call when there is one."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    encoded = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return list(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
+
+
+def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
+                assistant_turns: str = "all") -> Rendered:
+    return render_many(tok, [Example(messages=messages, trained_from=trained_from)], _NO_TEMPLATE, "plain",
+                       assistant_turns)[0]
 
 
 def _chat_text(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
-                assistant_turns: str = "all") -> Rendered:
+def chat_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
+               assistant_turns: str = "all") -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text as the chat template renders it, and the character spans that carry loss: each
+    trained assistant turn's content and its end of turn."""
     text = _chat_text(tok, messages, False)
-    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= trained_from]
     if assistant_turns == "last":
         trained = trained[-1:]
+    spans = _marked_spans(tok, messages, trained, text)
+    return text, spans if spans is not None else _prefix_spans(tok, messages, trained, text)
+
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no template trims or rewrites them
+
+
+def _marked_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained: list[int], text: str
+                  ) -> list[tuple[int, int]] | None:
+    """One more rendering, with each trained turn's content between marks: where the marks land is where the
+    contents are, provided that the marks removed give back the text exactly and each content is followed by the
+    template's end of turn; None otherwise (the template transforms contents: `_prefix_spans` then)."""
+    if any(_OPEN in m["content"] or _CLOSE in m["content"] for m in messages):
+        return None
+    keep = set(trained)
+    marked = _chat_text(tok, [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in keep else m
+                              for i, m in enumerate(messages)], False)
+    if (marked.count(_OPEN), marked.count(_CLOSE)) != (len(trained), len(trained)) or \
+            marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
+        return None
+    tail = _turn_end(tok)
+    spans, at = [], 0
+    for k in range(len(trained)):  # the k-th content's marks sit after 2k earlier marks
+        opening = marked.index(_OPEN, at)
+        at = marked.index(_CLOSE, opening)
+        start, end = opening - 2 * k, at - 2 * k - 1
+        if not text.startswith(tail, end):
+            return None
+        spans.append((start, end + len(tail)))
+    return spans
+
+
+_PROBE = "\ue002"
+_TURN_ENDS: dict[tuple[int, str], str] = {}
+
+
+def _turn_end(tok: PreTrainedTokenizerBase) -> str:
+    """What the template writes after an assistant turn's content, up to its line break (ChatML: `<|im_end|>`)."""
+    key = (id(tok), tok.chat_template or "")
+    if key not in _TURN_ENDS:
+        text = _chat_text(tok, [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}], False)
+        _TURN_ENDS[key] = text[text.rindex(_PROBE) + 1:].rstrip()
+    return _TURN_ENDS[key]
+
+
+def _prefix_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained: list[int], text: str
+                  ) -> list[tuple[int, int]]:
+    """Each trained turn by rendering the conversation up to it (with the generation prompt) and through it: the
+    turn is what lies between (two renderings per turn; for templates that transform contents)."""
     spans = []
     for i in trained:
         before = _chat_text(tok, messages[:i], True)
@@ -73,8 +159,10 @@ def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], tr
                             "be located", "set data.assistant_turns=last, or use a template that renders turns "
                             "in order")
         spans.append((len(before), len(through)))
-    loss = [int(any(a < end and b > start for start, end in spans)) for a, b in encoded["offset_mapping"]]
-    return Rendered(list(encoded["input_ids"]), loss)
+    return spans
+
+
+_NO_TEMPLATE = PromptTemplate(plain=lambda q, c: "", chat=lambda q, c: "", version="")
 
 
 def generation_prompt(tok: PreTrainedTokenizerBase, ex: Example, template: PromptTemplate, fmt: PromptFormat
