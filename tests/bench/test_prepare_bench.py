@@ -11,7 +11,6 @@ import pytest
 
 from tests.conftest import REPO
 
-pytest.importorskip("datasets")  # the baseline (shardline[hub])
 pytestmark = pytest.mark.slow  # three child processes, one of them datasets.map's worker pool
 
 SCRIPT = REPO / "bench" / "prepare.py"
@@ -53,7 +52,7 @@ def test_ratio_is_named_after_its_baseline_and_versions_are_reported(bench):
 def test_peak_memory_is_measured_and_the_memory_limited_run_reports_its_outcome(bench):
     doc, stdout = bench
     for r in (doc["shardline"], doc["datasets_map"]):
-        assert r["peak_rss_bytes"] > 0 and r["peak_tree_pss_bytes"] >= 0
+        assert r["peak_rss_bytes"] > 0 and r["peak_tree_pss_bytes"] > 0
     limited = doc["memory_limited"]
     assert limited["completed"], limited.get("error")  # 4 GiB is ample for 300 rows
     assert limited["conversations"] == ROWS and limited["peak_rss_bytes"] > 0

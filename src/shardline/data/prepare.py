@@ -340,28 +340,28 @@ def _write_split(split: str, chunks: list[tuple[int, Path]], spec: JobSpec, pad:
 
 
 def _concatenate(split: str, blocks: list[Path], out: Path, seq_len: int) -> dict:
-    """The window blocks' rows as one memory-mapped array per field, copied block by block."""
+    """The window blocks' rows as one .npy file per field, appended block by block with plain writes (a writable
+    memory map would keep every written page resident until the end)."""
     counts = []
     for block in blocks:
         with np.load(block, allow_pickle=False) as z:
             counts.append(len(z["n_real"]))
     n = sum(counts)
-    shapes = {"tokens": (n, seq_len), "loss_mask": (n, seq_len), "position_ids": (n, seq_len), "n_real": (n,),
-              "source": (n,)}
-    dtypes = {"tokens": np.int32, "loss_mask": np.uint8, "position_ids": np.int32, "n_real": np.int32,
-              "source": np.int16}
-    arrays = {a: np.lib.format.open_memmap(out / f"{split}.{a}.npy", mode="w+", dtype=dtypes[a], shape=shapes[a])
-              for a in shapes}
-    at = 0
-    for block, count in zip(blocks, counts, strict=True):
-        with np.load(block, allow_pickle=False) as z:
-            for a, target in arrays.items():
-                target[at : at + count] = z[a]
-        at += count
-    real = int(arrays["n_real"].sum())
-    stats = {"rows": n, "tokens": real, "loss_tokens": int(arrays["loss_mask"].sum(dtype=np.int64)),
-             "pad_tokens": n * seq_len - real, "fill": round(real / max(1, n * seq_len), 4)}
-    for target in arrays.values():
-        target.flush()
-    del arrays
-    return stats
+    fields = {"tokens": (np.int32, (n, seq_len)), "loss_mask": (np.uint8, (n, seq_len)),
+              "position_ids": (np.int32, (n, seq_len)), "n_real": (np.int32, (n,)), "source": (np.int16, (n,))}
+    real = loss_tokens = 0
+    for name, (dtype, shape) in fields.items():
+        with (out / f"{split}.{name}.npy").open("wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                      "shape": shape}
+            np.lib.format.write_array_header_2_0(f, header)
+            for block in blocks:
+                with np.load(block, allow_pickle=False) as z:
+                    values = np.ascontiguousarray(z[name], dtype=dtype)
+                f.write(values.tobytes())
+                if name == "n_real":
+                    real += int(values.sum(dtype=np.int64))
+                elif name == "loss_mask":
+                    loss_tokens += int(values.sum(dtype=np.int64))
+    return {"rows": n, "tokens": real, "loss_tokens": loss_tokens, "pad_tokens": n * seq_len - real,
+            "fill": round(real / max(1, n * seq_len), 4)}
