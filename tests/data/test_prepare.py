@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardline.data import assemble
 from shardline.data import prepare as prepare_mod
 from shardline.data.prepare import prepare
 from shardline.data.template import encode_answer, encode_prompt
@@ -85,7 +86,7 @@ def test_crash_mid_prepare_leaves_no_directory_that_counts(tmp_path, monkeypatch
     def crash(*a, **k):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(prepare_mod, "pack", crash)
+    monkeypatch.setattr(assemble, "pack", crash)
     with pytest.raises(OSError):
         prepare(spec)
     cache = prepare_mod.default_cache_dir(spec)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardline.data import encode
+from shardline.data import assemble, encode
 from shardline.data import prepare as prepare_mod
 from shardline.data.prepare import ARRAYS, prepare
 from tests.conftest import small_spec
@@ -87,7 +87,7 @@ def test_an_interrupted_preparation_resumes_from_the_chunks_it_completed(tmp_pat
 def test_packing_window_by_window_keeps_every_token_of_every_document(tmp_path, monkeypatch):
     source = _text(tmp_path / "docs.jsonl", 120)
     whole = prepare(_spec(tmp_path / "whole", source))
-    monkeypatch.setattr(prepare_mod, "WINDOW", 7)
+    monkeypatch.setattr(assemble, "WINDOW", 7)
     windows = prepare(_spec(tmp_path / "windows", source, "data.cache_dir=" + str(tmp_path / "other-cache")))
     for data in (whole, windows):
         rows = data.rows("train")

@@ -92,8 +92,9 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
     return arrays
 
 
-def _items(source: Source, a: Assignment, name: str) -> Iterator[tuple[str, Example, int]]:
-    """(split, example, times) for every readable example of `source`, in stream order."""
+def examples_in_order(source: Source, a: Assignment) -> Iterator[tuple[str, Example, int]]:
+    """(split, example, times in the mixture) for every readable example of `source`, in stream order (the
+    generated set: train, test, validation), each example named by its source."""
     if source.bundled is not None:
         examples: Iterator[Example] = (ex for split in ("train", "test", "validation")
                                        for ex in source.bundled[split])
@@ -109,7 +110,7 @@ def _items(source: Source, a: Assignment, name: str) -> Iterator[tuple[str, Exam
                 times += 1
                 extra_at += 1
             ordinal += 1
-        yield split, replace(ex, source=name), times
+        yield split, replace(ex, source=source.name), times
 
 
 def _chunks(items: Iterator[tuple[str, Example, int]]) -> Iterator[list[tuple[str, Example, int]]]:
@@ -136,14 +137,14 @@ def encode_source(source: Source, index: int, a: Assignment, settings: EncodeSet
     n_chunks = 0
     if workers <= 1:
         _init(settings)
-        for n_chunks, chunk in enumerate(_chunks(_items(source, a, source.name)), 1):
+        for n_chunks, chunk in enumerate(_chunks(examples_in_order(source, a)), 1):
             if not _skip(work, index, n_chunks - 1, chunk, advance):
                 _write(n_chunks - 1, chunk, encode_chunk(chunk), work, index, advance)
         return n_chunks
     context = multiprocessing.get_context("forkserver")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=(settings,)) as pool:
         in_flight: deque[tuple[int, list, Future]] = deque()
-        for n_chunks, chunk in enumerate(_chunks(_items(source, a, source.name)), 1):
+        for n_chunks, chunk in enumerate(_chunks(examples_in_order(source, a)), 1):
             if _skip(work, index, n_chunks - 1, chunk, advance):
                 continue
             in_flight.append((n_chunks - 1, chunk, pool.submit(encode_chunk, chunk)))

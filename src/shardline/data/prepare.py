@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from shardline.data.encode import EncodeSettings, chunk_path, encode_source, read_chunk
+from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
+from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
 from shardline.data.example import Example
-from shardline.data.packing import Document, PackedRows, pack
+from shardline.data.packing import PackedRows
 from shardline.data.render import check_chat_template, needs_chat_template
-from shardline.data.sources import SPLITS, Source, open_sources, read_examples
+from shardline.data.sources import SPLITS, Source, open_sources
 from shardline.data.splits import Assignment, assign, draw_mixture
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
@@ -40,8 +41,6 @@ from shardline.storage import check_locations, require_local
 from shardline.tasks import get_task
 
 PREPARE_VERSION = "1"
-PACKED_SPLITS = ("train", "validation")
-ARRAYS = ("tokens", "loss_mask", "position_ids", "n_real")
 Progress = Callable[[str, int, int | None, int], None]
 """(stage, examples done since the last call, the stage's total or None, tokens done since the last call)."""
 LOCATIONS = ("data.path", "data.cache_dir", "model.path", "model.tokenizer")
@@ -202,9 +201,9 @@ def _tokenizer_for(spec: JobSpec, sources: list[Source], assignments: list[Assig
         tok = load_tokenizer(src)
     else:
         texts = (t for source, a in zip(sources, assignments, strict=True)
-                 for split, ex in _split_examples(source, a) if split == "train" for t in _texts(ex))
+                 for split, ex, _ in examples_in_order(source, a) if split == "train" for t in _texts(ex))
         tok = train_bpe(texts, spec.model.arch.vocab_size)
-    first = next((ex for _, ex in _split_examples(sources[0], assignments[0])), None)
+    first = next((ex for _, ex, _ in examples_in_order(sources[0], assignments[0])), None)
     if first is not None and needs_chat_template(first, spec.data.prompt_format):
         check_chat_template(tok, spec.model.tokenizer and "model.tokenizer" or "model.path",
                             "data.prompt_format=chat" if first.kind == "prompt_answer" else "a conversation")
@@ -214,15 +213,6 @@ def _tokenizer_for(spec: JobSpec, sources: list[Source], assignments: list[Assig
         tok.save_pretrained(tmp)
         os.replace(tmp, saved)
     return tok
-
-
-def _split_examples(source: Source, a: Assignment):
-    """(split, example) of a source in stream order (the generated set: train, test, validation)."""
-    if source.bundled is not None:
-        yield from ((split, ex) for split in ("train", "test", "validation") for ex in source.bundled[split])
-        return
-    for i, (_, ex) in enumerate(read_examples(source.rows(), source.reading, Counter())):
-        yield a.held.get(i, "train"), ex
 
 
 def _texts(ex: Example) -> list[str]:
@@ -264,7 +254,8 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
                    "train_examples": a.mixed, "repeats": round(a.mixed / max(1, a.train_examples), 3),
                    "tokens": {}, "loss_tokens": {}} for s, a in zip(sources, assignments, strict=True)]
     for split in SPLITS:
-        split_stats = _write_split(split, chunks, spec, pad, out, work, per_source, dropped)
+        split_stats = write_split(split, chunks, spec.train.seq_len, spec.data.packing, pad, out, work,
+                                  per_source, dropped)
         stats["splits"][split] = split_stats
         if split in PACKED_SPLITS and not split_stats.get("rows"):
             raise DataError(
@@ -283,85 +274,3 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     # stats.json is written last: its presence marks a complete directory.
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
-
-
-WINDOW = 65_536
-"""Documents packed together (best-fit decreasing within a window): the packer's memory, whatever the data's size."""
-
-
-def _write_split(split: str, chunks: list[tuple[int, Path]], spec: JobSpec, pad: int, out: Path, work: Path,
-                 per_source: list[dict], dropped: Counter) -> dict:
-    """`split.jsonl` from the chunks' examples, and for a packed split its rows, window by window: validation rows
-    never mix sources (`split.source.npy` says each row's), so its loss can be told per source."""
-    seq_len, packing = spec.train.seq_len, spec.data.packing
-    blocks: list[Path] = []
-    window: list[Document] = []
-    window_source = -1
-    examples = too_long = 0
-
-    def flush() -> None:
-        if window:
-            rows = pack(window, seq_len, pad, packing)
-            block = work / "rows" / f"{split}-{len(blocks):06d}.npz"
-            block.parent.mkdir(exist_ok=True)
-            np.savez(block, source=np.full(len(rows.n_real), window_source, dtype=np.int16),
-                     **{a: getattr(rows, a) for a in ARRAYS})
-            blocks.append(block)
-            window.clear()
-
-    with (out / f"{split}.jsonl").open("wb") as jsonl:
-        for source_index, path in chunks:
-            z = read_chunk(path)
-            text = z[f"{split}.examples"].tobytes()
-            jsonl.write(text)
-            examples += text.count(b"\n")
-            too_long += int(z[f"{split}.too_long"][0])
-            ids, loss, lengths = z[f"{split}.ids"], z[f"{split}.loss"], z[f"{split}.lengths"]
-            entry = per_source[source_index]
-            entry["tokens"][split] = entry["tokens"].get(split, 0) + len(ids)
-            entry["loss_tokens"][split] = entry["loss_tokens"].get(split, 0) + int(loss.sum())
-            if split not in PACKED_SPLITS:
-                continue
-            if split == "validation" and source_index != window_source:
-                flush()
-            window_source = source_index
-            ends = np.cumsum(lengths)
-            for end, n in zip(ends.tolist(), lengths.tolist(), strict=True):
-                window.append(Document(ids=ids[end - n : end], loss=loss[end - n : end]))
-                if len(window) >= WINDOW:
-                    flush()
-        flush()
-    if too_long:
-        dropped[f"{split}:too_long"] += too_long
-    split_stats: dict = {"examples": examples, "kept": examples - too_long}
-    if split in PACKED_SPLITS and blocks:
-        split_stats |= _concatenate(split, blocks, out, seq_len)
-    return split_stats
-
-
-def _concatenate(split: str, blocks: list[Path], out: Path, seq_len: int) -> dict:
-    """The window blocks' rows as one .npy file per field, appended block by block with plain writes (a writable
-    memory map would keep every written page resident until the end)."""
-    counts = []
-    for block in blocks:
-        with np.load(block, allow_pickle=False) as z:
-            counts.append(len(z["n_real"]))
-    n = sum(counts)
-    fields = {"tokens": (np.int32, (n, seq_len)), "loss_mask": (np.uint8, (n, seq_len)),
-              "position_ids": (np.int32, (n, seq_len)), "n_real": (np.int32, (n,)), "source": (np.int16, (n,))}
-    real = loss_tokens = 0
-    for name, (dtype, shape) in fields.items():
-        with (out / f"{split}.{name}.npy").open("wb") as f:
-            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-                      "shape": shape}
-            np.lib.format.write_array_header_2_0(f, header)
-            for block in blocks:
-                with np.load(block, allow_pickle=False) as z:
-                    values = np.ascontiguousarray(z[name], dtype=dtype)
-                f.write(values.tobytes())
-                if name == "n_real":
-                    real += int(values.sum(dtype=np.int64))
-                elif name == "loss_mask":
-                    loss_tokens += int(values.sum(dtype=np.int64))
-    return {"rows": n, "tokens": real, "loss_tokens": loss_tokens, "pad_tokens": n * seq_len - real,
-            "fill": round(real / max(1, n * seq_len), 4)}
