@@ -118,3 +118,27 @@ def test_a_mixture_gives_each_source_its_weighted_share_the_same_every_time(tmp_
                                "data.train_size=null"))
     assert again.version == data.version and again.examples("train") == train
     assert all(np.array_equal(_arrays(again)[k], _arrays(data)[k]) for k in ARRAYS)
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_prepares_in_parallel_and_runs_once(tmp_path):
+    """Worker processes never run the caller's script again (multiprocessing would re-import a `__main__` file)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    source = _qa(tmp_path / "qa.jsonl", 300)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "print('script body runs', flush=True)\n"
+        "from shardline.data import encode\n"
+        "encode.POOL_MIN_EXAMPLES, encode.CHUNK = 0, 50\n"
+        "from shardline.spec.resolve import load_spec\n"
+        "from shardline.data.prepare import prepare\n"
+        f"data = prepare(load_spec('tiny', ['run.dir={tmp_path}', 'data.path={source}', 'data.validation_size=8',"
+        " 'data.train_size=null']))\n"
+        "print('prepared', data.stats['splits']['train']['examples'])\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("script body runs") == 1 and "prepared 292" in out.stdout

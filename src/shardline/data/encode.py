@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -142,7 +144,8 @@ def encode_source(source: Source, index: int, a: Assignment, settings: EncodeSet
                 _write(n_chunks - 1, chunk, encode_chunk(chunk), work, index, advance)
         return n_chunks
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=(settings,)) as pool:
+    with _main_not_rerun(), ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
+                                                initargs=(settings,)) as pool:
         in_flight: deque[tuple[int, list, Future]] = deque()
         for n_chunks, chunk in enumerate(_chunks(examples_in_order(source, a)), 1):
             if _skip(work, index, n_chunks - 1, chunk, advance):
@@ -154,6 +157,22 @@ def encode_source(source: Source, index: int, a: Assignment, settings: EncodeSet
         for k, done, future in in_flight:
             _write(k, done, future.result(), work, index, advance)
     return n_chunks
+
+
+@contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Workers start without running the caller's script again: multiprocessing re-imports a `__main__` that has a
+    file (a user's script calling `prepare` without an `if __name__ == "__main__"` guard would run twice)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _skip(work: Path, index: int, k: int, chunk: list, advance: Advance | None) -> bool:
