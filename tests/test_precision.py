@@ -48,3 +48,18 @@ def test_the_run_keeps_the_choice_made_where_it_was_created(tmp_path):
     # a resume reads spec.yaml: the concrete value, not auto, so other hardware cannot flip it
     again, _ = create_run(read_spec(run_dir / "spec.yaml"))
     assert again.train.precision == expected.precision
+
+
+def test_auto_is_fp32_on_gpus_without_bf16_tensor_cores_and_the_planner_agrees():
+    """T4 and V100 have no bf16 tensor cores (the catalogue gives them no bf16 peak): bf16 would be emulated."""
+    from shardline.planning.devices import get_device, planned_precision
+    from tests.conftest import run_cli
+
+    slow = choose_precision("auto", accelerator=True, native_bf16=False)
+    assert slow.precision == "fp32" and "T4, V100" in slow.reason
+    assert choose_precision("bf16", accelerator=True, native_bf16=False).precision == "bf16"  # asked for
+    assert [planned_precision("auto", get_device(d)) for d in ("t4", "v100", "v100-16gb", "a100", "h100", "l4")] == [
+        "fp32", "fp32", "fp32", "bf16", "bf16", "bf16"]
+    assert get_device("Tesla V100-SXM2-16GB").memory_bytes == 16_384 * 2**20
+    out = run_cli("plan", "tiny", "--device", "t4", timeout=120)
+    assert " · fp32 · " in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

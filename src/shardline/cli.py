@@ -192,8 +192,8 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.api import plan as plan_spec
+    from shardline.planning.devices import planned_precision
     from shardline.planning.memory import gib, layout_name, plan_rows, suggest
-    from shardline.precision import choose_precision
 
     spec = _resolve(args)
     if not args.dry_run and (args.no_step or args.json or args.world is not None or args.rank):
@@ -212,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
         f"{', offload' if p.offload else ''}) · micro-batch {t.micro_batch_size} × {t.seq_len} tokens · "
-        f"{choose_precision(t.precision, accelerator=device.kind != 'cpu').precision} · AC {ac}", highlight=False)
+        f"{planned_precision(t.precision, device)} · AC {ac}", highlight=False)
     console.print(f"family: {plan.family.name} — {plan.family.adds}", highlight=False)
     table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
     table.add_column("component")

@@ -123,6 +123,11 @@ GPUS: tuple[Accelerator, ...] = (
     # T4 datasheet: FP16 65 (dense), FP32 8.1; no BF16 or TF32 tensor cores (bf16 is emulated: no peak);
     # GDDR6 320 GB/s. nvidia-smi: "Tesla T4" 15360 MiB.
     Accelerator("t4", "T4 16GB", (("t4",),), 15_360, None, 8.1, None, 320.0, "PCIe Gen3 x16, 32 GB/s"),
+    # V100 datasheet (SXM2 32GB): FP16 tensor 125 (dense), FP32 15.7; no BF16 or TF32 tensor cores (bf16 is
+    # emulated: no peak); HBM2 900 GB/s. nvidia-smi: "Tesla V100-SXM2-32GB" 32768 MiB (the 16GB part: 16384).
+    Accelerator("v100", "V100 32GB", (("v100",),), 32_768, None, 15.7, None, 900.0, "NVLink 2, 300 GB/s"),
+    Accelerator("v100-16gb", "V100 16GB", (("v100", "16gb"),), 16_384, None, 15.7, None, 900.0,
+                "NVLink 2, 300 GB/s"),
 )
 
 # TPUs (kind="tpu"): one device is one chip. Figures from Google Cloud's public TPU pages (cloud.google.com/tpu/docs/

@@ -42,10 +42,15 @@ def cpu_bf16_feature(cpuinfo: str | None = None) -> str | None:
     return None
 
 
-def choose_precision(requested: str, accelerator: bool, cpuinfo: str | None = None) -> PrecisionChoice:
-    """The precision a run uses: `requested` unless it is `auto`; `accelerator` when it runs on a GPU or TPU."""
+def choose_precision(requested: str, accelerator: bool, cpuinfo: str | None = None,
+                     native_bf16: bool = True) -> PrecisionChoice:
+    """The precision a run uses: `requested` unless it is `auto`; `accelerator` when it runs on a GPU or TPU, and
+    `native_bf16` whether that accelerator has bf16 tensor cores (T4 and V100 have none: bf16 is emulated there)."""
     if requested != "auto":
         return PrecisionChoice(requested, "train.precision in the spec")
+    if accelerator and not native_bf16:
+        return PrecisionChoice("fp32", "auto: this GPU has no bf16 tensor cores (compute capability below 8.0, "
+                               "e.g. T4, V100), where bf16 is emulated")
     if accelerator:
         return PrecisionChoice("bf16", "auto: the accelerator multiplies bf16 natively")
     if feature := cpu_bf16_feature(cpuinfo):
@@ -60,3 +65,10 @@ def emulated_bf16_warning(requested: str, accelerator: bool, cpuinfo: str | None
         return None
     return (f"warning: train.precision=bf16 on a CPU without native bf16 matmul: emulated, {EMULATED_SLOWDOWN}; "
             "train.precision=auto or fp32 is faster here")
+
+
+def cuda_native_bf16() -> bool:
+    """Whether this process's CUDA GPU has bf16 tensor cores (torch's check without emulation)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)

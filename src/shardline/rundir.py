@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from shardline.errors import SpecError
-from shardline.precision import PrecisionChoice, choose_precision
+from shardline.precision import PrecisionChoice, choose_precision, cuda_native_bf16
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file, spec_hash, spec_to_yaml
 from shardline.spec.resume_policy import changed_fields, check_resume
@@ -133,7 +133,7 @@ def _choose_precision(spec: JobSpec) -> tuple[JobSpec, PrecisionChoice | None]:
         return spec, None
     import torch
 
-    choice = choose_precision("auto", accelerator=torch.cuda.is_available())
+    choice = choose_precision("auto", accelerator=torch.cuda.is_available(), native_bf16=cuda_native_bf16())
     spec = spec.model_copy(deep=True)
     spec.train.precision = choice.precision
     return spec, choice

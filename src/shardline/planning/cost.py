@@ -209,7 +209,9 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
     if from_run is not None:
         step_s, source = measured_step_time(spec, from_run)
     else:
-        precision = choose_precision(spec.train.precision, accelerator=device_kind != "cpu").precision
+        gpu = match_device(device_name) if device_kind == "cuda" else None
+        precision = choose_precision(spec.train.precision, accelerator=device_kind != "cpu",
+                                     native_bf16=gpu is None or gpu.bf16_tflops is not None).precision
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         if spec.train.peak_tflops is not None:
             peak, where = spec.train.peak_tflops, "train.peak_tflops"

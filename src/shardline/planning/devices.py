@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardline.errors import SpecError
 from shardline.hardware import GPUS, match_device
+from shardline.precision import choose_precision
 
 MiB, GiB = 2**20, 2**30
 
@@ -42,6 +43,9 @@ class Device:
     name: str
     memory_bytes: int
     kind: str  # "cuda" | "cpu"
+    native_bf16: bool = True
+    """A GPU with bf16 tensor cores (the catalogue gives it a bf16 peak; T4 and V100 have none). For the CPU,
+    `train.precision: auto` reads the CPU's own flags."""
 
     @property
     def runtime_bytes(self) -> int:
@@ -69,12 +73,13 @@ def get_device(name: str, memory_gb: float | None = None) -> Device:
     if name.lower() == "cpu":
         device = Device("cpu (host RAM)", host_memory_bytes(), "cpu")
     elif (gpu := match_device(name)) is not None and gpu.kind == "gpu":
-        device = Device(gpu.name, gpu.memory_bytes, "cuda")
+        device = Device(gpu.name, gpu.memory_bytes, "cuda", gpu.bf16_tflops is not None)
     else:
         raise SpecError("--device", f"unknown device {name!r}", f"choose one of {', '.join(device_names())} "
                         "or give --memory-gb")
     if memory_gb is not None:
-        device = Device(f"{device.name}, {memory_gb:g} GiB given", int(memory_gb * GiB), device.kind)
+        device = Device(f"{device.name}, {memory_gb:g} GiB given", int(memory_gb * GiB), device.kind,
+                        device.native_bf16)
     return device
 
 
@@ -92,4 +97,9 @@ def cuda_device(name: str, total_bytes: int) -> Device:
     gpu = match_device(name)
     if gpu is None:
         return Device(name, total_bytes, "cuda")
-    return Device(gpu.name, gpu.memory_bytes, "cuda")
+    return Device(gpu.name, gpu.memory_bytes, "cuda", gpu.bf16_tflops is not None)
+
+
+def planned_precision(requested: str, device: Device) -> str:
+    """`train.precision` as a run on `device` would choose it (bf16 or fp32)."""
+    return choose_precision(requested, accelerator=device.kind != "cpu", native_bf16=device.native_bf16).precision

@@ -57,8 +57,8 @@ from shardline.planning.devices import (
     GiB,
     current_device,
     get_device,
+    planned_precision,
 )
-from shardline.precision import choose_precision
 from shardline.spec import JobSpec, LoraSpec, ModelSpec, TrainSpec
 
 if TYPE_CHECKING:
@@ -380,7 +380,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     pb = param_budget(shape, lora)
     # FSDP shards over dp_shard × cp (context-parallel peers' gradients are summed like data parallel's)
     shard = (p.dp_shard or spec.world_size // (p.dp_replicate * p.ranks_per_row)) * p.cp
-    c = 2 if choose_precision(t.precision, accelerator=dev.kind != "cpu").precision == "bf16" else 4
+    c = 2 if planned_precision(t.precision, dev) == "bf16" else 4
     n = t.micro_batch_size * t.seq_len // p.cp  # context parallel: this rank's tokens
     d = shape.hidden
 

@@ -22,7 +22,7 @@ from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora
-from shardline.planning.devices import Device
+from shardline.planning.devices import Device, planned_precision
 from shardline.planning.memory import (
     COMPONENTS,
     model_shape,
@@ -31,7 +31,6 @@ from shardline.planning.memory import (
     shape_config,
     tensor_parallel_shape,
 )
-from shardline.precision import choose_precision
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.fake_world import fake_process_group
@@ -157,7 +156,7 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
         raise SpecError("parallel.cp", f"is {spec.parallel.cp}: the dry run does not split rows over a "
                         "context-parallel group (its step would count whole rows per rank)",
                         "plan it without --dry-run (shardline plan SPEC models cp)")
-    precision = choose_precision(spec.train.precision, accelerator=device.kind != "cpu").precision
+    precision = planned_precision(spec.train.precision, device)
     c = 2 if precision == "bf16" else 4
     result: dict = {"world": spec.world_size, "rank": rank, "dp_replicate": spec.parallel.dp_replicate,
                     "dp_shard": spec.parallel.dp_shard or spec.world_size // (spec.parallel.dp_replicate

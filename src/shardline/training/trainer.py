@@ -46,7 +46,7 @@ from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.planning.memory import planned_peak_bytes
-from shardline.precision import choose_precision, emulated_bf16_warning
+from shardline.precision import choose_precision, cuda_native_bf16, emulated_bf16_warning
 from shardline.procfs import process_start_epoch
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
@@ -81,7 +81,8 @@ class Trainer:
     def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
                  console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
         accelerator = ctx.device.type != "cpu"
-        self.precision = choose_precision(spec.train.precision, accelerator)
+        self.precision = choose_precision(spec.train.precision, accelerator,
+                                          native_bf16=ctx.device.type != "cuda" or cuda_native_bf16())
         self.precision_warning = emulated_bf16_warning(spec.train.precision, accelerator)
         self.chose_precision = spec.train.precision == "auto"
         if self.chose_precision:  # a cluster worker's spec: chosen here, on the device it trains on
