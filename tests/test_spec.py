@@ -102,3 +102,25 @@ def test_explicit_warmup_longer_than_the_run_is_refused_with_the_default_named()
     with pytest.raises(SpecError) as e:
         load_spec("tiny", ["train.max_steps=2", "train.warmup_steps=5"])
     assert e.value.where == "train.warmup_steps" and "5% of max_steps" in e.value.fix
+
+
+def test_an_unknown_field_suggests_the_closest_one_also_inside_a_list_of_sections():
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["trian.lr=1e-4"])
+    assert e.value.where == "trian" and e.value.fix.startswith("did you mean train?")
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", ["data.sources=[{path: a.jsonl, wieght: 2}]"])
+    assert e.value.where == "data.sources.0.wieght" and "did you mean data.sources.0.weight?" in e.value.fix
+    assert "path, weight, format, columns, name" in e.value.fix
+
+
+@pytest.mark.parametrize(("overrides", "field", "words"), [
+    (["model.lora.enabled=true", "model.lora.target_modules=[q_proj, lm_head]", "parallel.tp=2"],
+     "model.lora.target_modules", "split over the vocabulary"),
+    (["data.sources=[{path: a.jsonl}]", "data.path=b.jsonl"], "data.sources", "describe one source"),
+    (["data.sources=[{path: a.jsonl, name: x}, {path: b.jsonl, name: x}]"], "data.sources", "twice"),
+])
+def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):
+    with pytest.raises(SpecError) as e:
+        load_spec("tiny", overrides)
+    assert e.value.where == field and words in e.value.problem

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -81,7 +83,10 @@ def _validation_to_spec_error(err: ValidationError, data: dict[str, Any]) -> Spe
     if kind == "extra_forbidden":
         section = ".".join(str(p) for p in first["loc"][:-1])
         fields = _known_fields(section)
-        return SpecError(path, "unknown field", f"remove it; fields of '{section or 'spec'}': {fields}")
+        close = difflib.get_close_matches(str(first["loc"][-1]), fields, n=1, cutoff=0.6)
+        hint = f"did you mean {section + '.' if section else ''}{close[0]}? " if close else ""
+        return SpecError(path, "unknown field",
+                         f"{hint}remove it; fields of '{section or 'spec'}': {', '.join(fields)}")
     value = first.get("input")
     if isinstance(value, dict):
         value = "{...}"
@@ -90,11 +95,15 @@ def _validation_to_spec_error(err: ValidationError, data: dict[str, Any]) -> Spe
     return SpecError(path, f"invalid value {value!r}: {first['msg']}", "see `shardline config show` for types")
 
 
-def _known_fields(section: str) -> str:
+def _known_fields(section: str) -> list[str]:
     model: Any = JobSpec
     for part in filter(None, section.split(".")):
+        if part.isdigit():  # an entry of a list of sections (data.sources.0)
+            continue
         model = model.model_fields[part].annotation
-    return ", ".join(model.model_fields)
+        while not hasattr(model, "model_fields"):  # list[Section], Section | None
+            model = next(a for a in typing.get_args(model) if a is not type(None))
+    return list(model.model_fields)
 
 
 def load_spec(source: str | None = None, overrides: list[str] | None = None,

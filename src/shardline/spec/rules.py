@@ -132,6 +132,12 @@ def check_tensor_parallel_degree(spec: JobSections) -> None:
     if world % p.tp:
         raise SpecError("parallel.tp", f"{p.tp} does not divide the world size {world}",
                         "choose a tp that divides launch.nnodes × parallel.nproc_per_node")
+    lora = spec.model.lora
+    if lora.enabled and any(t.split(".")[-1] == "lm_head" for t in lora.target_modules or []):
+        raise SpecError("model.lora.target_modules", f"includes lm_head with parallel.tp={p.tp}: under tensor "
+                        "parallel the head is split over the vocabulary, and a LoRA factor on a split head is not "
+                        "built", "drop lm_head from the targets (or train with tp=1; the head can be trained fully "
+                        "with LoRA off)")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:
