@@ -76,7 +76,8 @@ def test_spec_hash_ignores_run_id_but_not_settings():
 def test_cli_bad_spec_exits_2_with_field_and_fix():
     out = run_cli("config", "show", "--set", "train.global_batch_size=17", "--nproc", "2")
     assert out.returncode == 2
-    assert "train.global_batch_size" in out.stdout and "fix:" in out.stdout and "Traceback" not in out.stderr
+    assert "train.global_batch_size" in out.stderr and "fix:" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""  # `config show ... > spec.yaml` never writes the error into the file
 
 
 def test_cli_config_show_prints_resolved_spec():
@@ -87,7 +88,7 @@ def test_cli_config_show_prints_resolved_spec():
 
 def test_local_train_refuses_multi_node_spec_before_starting(tmp_path):
     out = run_cli("train", "llama-3.1-70b-fsdp", "--set", f"run.dir={tmp_path}")
-    assert out.returncode == 2 and "launch.nnodes" in out.stdout
+    assert out.returncode == 2 and "launch.nnodes" in out.stderr
     assert not any(tmp_path.iterdir())
 
 
@@ -124,3 +125,10 @@ def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):
     with pytest.raises(SpecError) as e:
         load_spec("tiny", overrides)
     assert e.value.where == field and words in e.value.problem
+
+
+def test_cli_says_its_version():
+    from shardline import __version__
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"shardline {__version__}"

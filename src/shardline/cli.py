@@ -13,8 +13,11 @@ from rich.table import Table
 
 from shardline.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
 from shardline.spec.resolve import preset_names
+from shardline.version import __version__
 
 console = Console(soft_wrap=True)
+errors = Console(stderr=True, soft_wrap=True)
+"""Errors go to stderr: `shardline config show ... > spec.yaml` never writes an error into the file."""
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -311,6 +314,7 @@ def cmd_gpucheck(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description="Train LLMs with FSDP2 from one job spec.")
+    parser.add_argument("--version", action="version", version=f"shardline {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     p = verbs.add_parser("train", help="train locally under torchrun (default spec: the tiny preset)")
     _add_spec_args(p)
@@ -425,10 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ShardlineError as e:
-        console.print(f"[bold red]error:[/] {e.where}: {e.problem}\n  fix: {e.fix}", highlight=False)
+        errors.print(f"[bold red]error:[/] {e.where}: {e.problem}\n  fix: {e.fix}", highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # before any worker ran (data preparation): the run, if any, is marked failed
-        console.print("interrupted: nothing was trained in this attempt", highlight=False)
+        errors.print("interrupted: nothing was trained in this attempt", highlight=False)
         return EXIT_INTERRUPTED
 
 

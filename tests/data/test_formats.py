@@ -219,7 +219,7 @@ def test_train_and_launch_refuse_bad_input_with_exit_2_before_a_run_directory_ex
         target = ["--target", "local"] if verb == "launch" else []
         out = run_cli(verb, *target, *[a for o in small_overrides(runs) for a in ("--set", o)], "--set", setting,
                       "--set", "data.validation_size=4", "--set", "data.test_size=0", timeout=120)
-        assert out.returncode == 2 and message in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        assert out.returncode == 2 and message in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
         assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
 
 
