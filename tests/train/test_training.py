@@ -63,6 +63,11 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     # resharded 2 → 1 rank, same weights, bf16: 1 and 2 ranks batch the validation rows differently, so the kernels
     # round each logit differently (bf16 eps 7.8e-3); the mean over ~1k tokens agrees to ~1e-3, bounded at 5e-3
     assert after == pytest.approx(before, rel=5e-3)
+    events = [e["event"] for e in read_metrics(run, "event")]
+    assert "resume" not in events and events.count("evaluation_restore") == 1  # an evaluation is not a resume
+    from shardline.observe.report import read_records
+
+    assert read_records(run / "metrics.jsonl").resumes == []
 
 
 def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path):

@@ -285,7 +285,10 @@ class Trainer:
             self.step, self.consumed_tokens = int(counters["step"]), int(counters["consumed_tokens"])
         else:
             self.step = step
-        self._event(event="resume", step=step, location=store.path(step), rng_restored=rng, world=self.ctx.world,
+        # an evaluation of a finished run loads weights only: not a resume of training (the report, goodput and
+        # Prometheus count resumes)
+        self._event(event="resume" if with_optimizer else "evaluation_restore", step=step,
+                    location=store.path(step), rng_restored=rng, world=self.ctx.world,
                     restore_s=round(time.perf_counter() - started, 3))
         self._say(f"resumed from {store.path(step)} at step {step}"
                   + ("" if rng or not with_optimizer else " (new world size: fresh RNG streams)"))
