@@ -223,9 +223,9 @@ def test_lora_defaults_to_the_familys_attention_projections(name, checkpoints):
 
 
 def test_unsupported_architectures_are_named_errors_listing_the_supported_families():
-    from transformers import Qwen3MoeConfig, T5Config
+    from transformers import DbrxConfig, Qwen3MoeConfig, T5Config
 
-    for config in (Qwen3MoeConfig(), T5Config()):
+    for config in (Qwen3MoeConfig(), DbrxConfig(), T5Config()):  # DBRX keeps its experts in ffn_config
         with pytest.raises(SpecError, match="Qwen3 \\(qwen3\\).*Phi-3 \\(phi3\\)") as e:
             family_of(config)
         assert e.value.where == "model.path"

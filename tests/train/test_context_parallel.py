@@ -49,6 +49,17 @@ def test_soft_capped_attention_is_refused_under_cp_by_name():
     check_context_parallel(gemma2, 1)
 
 
+def test_attention_dropout_is_refused_under_cp_by_name_not_dropped():
+    from transformers import LlamaConfig
+
+    dropping = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           attention_dropout=0.1)
+    with pytest.raises(SpecError, match="attention_dropout is 0.1"):
+        check_context_parallel(dropping, 2)
+    check_context_parallel(dropping, 1)
+    check_context_parallel(LlamaConfig(hidden_size=64, num_attention_heads=4), 2)
+
+
 def test_a_ranks_tokens_attend_over_the_whole_row_as_per_document_attention_does(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "tests" / "model" / "cp_attention_worker.py"), str(tmp_path / "out.json")]

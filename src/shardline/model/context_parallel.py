@@ -43,6 +43,10 @@ def check_context_parallel(config, cp: int) -> None:
     if cp > 1 and getattr(config, "attn_logit_softcapping", None):
         raise SpecError("parallel.cp", f"{family_of(config).name} soft-caps its attention scores, which the "
                         "context-parallel attention does not compute", "set parallel.cp=1 for this model")
+    if cp > 1 and getattr(config, "attention_dropout", 0.0):
+        raise SpecError("parallel.cp", f"the model's attention_dropout is {config.attention_dropout}, which the "
+                        "context-parallel attention does not apply (it would train without it, silently)",
+                        "set parallel.cp=1, or attention_dropout to 0 in the model's config.json")
 
 
 @dataclass

@@ -97,7 +97,8 @@ def family_of(config: Any, where: str = "model.path") -> Family:
     refused = None
     if cfg.get("is_encoder_decoder"):
         refused = "an encoder-decoder"
-    elif any(cfg.get(k) for k in _EXPERT_FIELDS):
+    elif any(section.get(k) for section in (cfg, *(v for v in cfg.values() if isinstance(v, dict)))
+             for k in _EXPERT_FIELDS):  # also a nested block's experts (DBRX: ffn_config.moe_num_experts)
         refused = "a mixture-of-experts model"
     elif "vision_config" in cfg or "text_config" in cfg:
         refused = "a multimodal model (a vision tower beside the language model)"
