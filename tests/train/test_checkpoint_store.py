@@ -73,6 +73,24 @@ def test_sync_save_blocks_until_committed_and_is_the_cpu_default(ctx, tmp_path, 
     assert t.checkpointer.pending is None and (tmp_path / "run" / "checkpoints" / step_name(1) / COMMITTED).exists()
 
 
+def test_an_extended_run_takes_its_next_step_at_the_new_schedules_learning_rate(ctx, tmp_path, prepared):
+    """max_steps 4 → 8 (checkpoint.allow_spec_change): the optimizer's saved lr is the old schedule's; the first
+    step after the resume must be at the new schedule's, and so must the ones after it."""
+    from shardline.training.optim import lr_factor
+
+    short = ("checkpoint.async_save=false", "train.warmup_steps=1", "train.lr=1e-3")
+    t = _trainer(ctx, tmp_path, prepared, "train.max_steps=4", *short)
+    t.train_step()
+    t.train_step()
+    t.save_checkpoint()
+    longer = _trainer(ctx, tmp_path, prepared, "train.max_steps=8", "checkpoint.allow_spec_change=true", *short)
+    longer.load_checkpoint(2)
+    new = longer.spec.train
+    assert lr_factor(2, new) != lr_factor(2, t.spec.train)  # the schedules differ at the step resumed
+    records = [longer.train_step() for _ in range(2)]
+    assert [r.lr for r in records] == pytest.approx([1e-3 * lr_factor(k, new) for k in (2, 3)], rel=1e-12)
+
+
 def test_resume_policy_separates_safe_flaggable_and_breaking_changes(tmp_path):
     base = small_spec(tmp_path)
     assert check_resume(base, small_spec(tmp_path, "parallel.nproc_per_node=2")) == []

@@ -65,7 +65,7 @@ from shardline.training.evaluate import (
 )
 from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
-from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from shardline.training.parallelize import data_parallel_rank, device_mesh, parallelize
 from shardline.training.profiling import StepProfiler
 from shardline.training.signals import Preempted, StopRequest
@@ -283,6 +283,12 @@ class Trainer:
             counters = state["train"]
             self.scheduler.load_state_dict(counters["scheduler"])
             self.step, self.consumed_tokens = int(counters["step"]), int(counters["consumed_tokens"])
+            # the optimizer's saved learning rate is the old schedule's; a run extended or given a new lr
+            # (checkpoint.allow_spec_change) takes its next step at this spec's schedule
+            rate = self.spec.train.lr * lr_factor(self.step, self.spec.train)
+            for group in self.optimizer.param_groups:
+                group["lr"] = rate
+            self.scheduler.base_lrs = [self.spec.train.lr] * len(self.optimizer.param_groups)
         else:
             self.step = step
         # an evaluation of a finished run loads weights only: not a resume of training (the report, goodput and
@@ -360,7 +366,7 @@ class Trainer:
         with record_function("shardline.clip"):
             max_norm = self.spec.train.max_grad_norm or float("inf")
             grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step takes
         with record_function("shardline.optimizer"):
             self.optimizer.step()
             self.scheduler.step()
