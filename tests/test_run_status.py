@@ -146,7 +146,7 @@ def test_training_a_run_again_while_it_still_runs_is_refused_and_changes_nothing
     record_process(run_dir, os.getpid(), "launcher")  # this test process: alive
     before = read_manifest(run_dir)
     assert main(["train", str(run_dir)]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # errors go to stderr
     assert "is still running: launcher" in out and "shardline cancel" in out
     assert read_manifest(run_dir) == before
 

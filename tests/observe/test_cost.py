@@ -131,7 +131,8 @@ def test_projection_is_steps_times_step_time_times_devices_times_price():
 
 def _cli(capsys, *args: str) -> tuple[int, str]:
     code = main(list(args))
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err  # errors go to stderr
 
 
 def test_plan_prints_the_projected_cost_estimated_and_measured(tmp_path, capsys):

@@ -62,7 +62,7 @@ def test_report_of_a_crashed_resumed_run_renders_every_plot(tmp_path):
 def test_report_cli_and_failures_that_never_raise(tmp_path, capsys):
     run = _crashed_then_resumed_run(tmp_path)
     assert main(["report", str(run)]) == 0 and "index.html" in capsys.readouterr().out
-    assert main(["report", str(tmp_path)]) == 2 and "not a run directory" in capsys.readouterr().out
+    assert main(["report", str(tmp_path)]) == 2 and "not a run directory" in capsys.readouterr().err
     said = []
     empty = tmp_path / "empty"
     empty.mkdir()

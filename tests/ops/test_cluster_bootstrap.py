@@ -226,7 +226,7 @@ def test_cli_writes_one_multi_document_file_in_apply_order(tmp_path):
 def test_cli_reports_bad_input_with_exit_code_2(tmp_path, capsys):
     assert main(["cluster", "bootstrap", "tiny", "--set", "parallel.nproc_per_node=1", "--out", str(tmp_path),
                  "--cpu", "many"]) == 2
-    assert "--cpu" in capsys.readouterr().out
+    assert "--cpu" in capsys.readouterr().err
 
 
 def test_managed_prometheus_adds_one_pod_monitoring_for_rank_0_of_every_job_in_the_namespace(tmp_path):

@@ -164,7 +164,7 @@ def test_dry_run_of_the_maxtext_preset_says_it_does_not_apply(capsys):
     with pytest.raises(SpecError, match="does not apply"):
         dry_run(load_spec("maxtext-v6e-multislice"))
     assert main(["plan", "maxtext-v6e-multislice", "--dry-run"]) == 2
-    assert "does not apply" in capsys.readouterr().out
+    assert "does not apply" in capsys.readouterr().err
 
 
 def test_absent_lora_targets_and_worlds_that_do_not_divide_are_named_errors():
@@ -179,6 +179,6 @@ def test_launch_to_a_cluster_refuses_a_spec_that_fails_the_sharding_check(tmp_pa
     monkeypatch.chdir(tmp_path)
     bad = ["--set", "model.lora.enabled=true", "--set", "model.lora.target_modules=[wq]"]
     assert main(["launch", "tiny", "--target", "slurm", *bad]) == 2
-    assert "--skip-dry-run" in capsys.readouterr().out
+    assert "--skip-dry-run" in capsys.readouterr().err
     assert main(["render", "tiny", "--target", "slurm", "--out", str(tmp_path / "r")]) == 0
     assert "sharding check passed: world 2" in capsys.readouterr().err
