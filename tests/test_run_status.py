@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from shardline.run_status import (
     eta_seconds,
     format_duration,
@@ -162,3 +164,24 @@ def test_a_launcher_settling_its_attempt_never_marks_a_newer_attempt(tmp_path):
     assert settle(run_dir, exit_code=1, attempt=1)["status"] == "starting"
     assert read_manifest(run_dir)["status"] == "starting"
     assert settle(run_dir, exit_code=1, attempt=2)["status"] == "failed"  # its own attempt: settled
+
+
+@pytest.mark.slow
+def test_two_trainings_of_one_run_started_at_once_train_it_once(tmp_path):
+    """Both pass the live-process check when started within a second (neither has recorded itself yet): the
+    launcher's lock on the run directory lets exactly one train; the other is refused, and no step is recorded
+    twice."""
+    from shardline.rundir import create_run
+    from tests.conftest import REPO, read_metrics, small_spec
+
+    _, run_dir = create_run(small_spec(tmp_path, "train.max_steps=3", "train.precision=fp32",
+                                       "observe.metrics_port=null", "observe.report=false"))
+    cmd = [sys.executable, "-m", "shardline.cli", "train", str(run_dir)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, _, err in results if code == 2)
+    assert "another shardline process" in refused or "is still running" in refused
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3]

@@ -129,10 +129,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardline.jsonl import read_jsonl
     from shardline.procfs import process_start_epoch
     from shardline.run_status import refuse_if_running
-    from shardline.rundir import create_run, read_manifest, run_path
+    from shardline.rundir import claim_run, create_run, read_manifest, run_path
 
     spec = _resolve(args)
     if spec.run.id is not None:  # a resume: never while the run still runs, and /metrics on loopback here
+        if run_path(spec).is_dir():
+            claim_run(run_path(spec))  # atomic: of two launches at once, one is refused here
         refuse_if_running(run_path(spec))
         record = record_path(run_path(spec))
         spec = local_spec(spec, json.loads(record.read_text()).get("target") if record.is_file() else None)
@@ -140,6 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_environment(spec)  # the workers check too; here the error comes before a run directory exists
     preflight(spec)  # the model's location, the data's format and first rows: before a run directory exists
     spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup
+    claim_run(run_dir)  # a new run's directory is new: held for this launcher's life
     console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
     if chosen := read_manifest(run_dir).get("precision"):
         console.print(f"precision {chosen['chosen']}: {chosen['reason']}", highlight=False, markup=False)

@@ -214,3 +214,28 @@ def _versions() -> dict[str, str]:
 
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "peft": peft.__version__, "shardline": __version__, "platform": platform.platform()}
+
+
+_CLAIMS: dict[Path, object] = {}
+"""Open claim files of this process by run directory: their locks hold until it exits (the kernel drops them on
+any death; a lock is per open file, so a second claim of one run by this process must not reopen it)."""
+
+
+def claim_run(run_dir: Path) -> None:
+    """Make this process the run's only launcher on this host, atomically: an exclusive lock on
+    `run_dir/.launcher.lock`, held for the process's life. A second launcher (`shardline train RUN` twice within a
+    second) gets a SpecError; where the filesystem has no locks, the live-process check alone guards the run."""
+    if run_dir.resolve() in _CLAIMS:
+        return
+    handle = (run_dir / ".launcher.lock").open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise SpecError(str(run_dir), "is being launched by another shardline process on this host",
+                        f"wait for it (`shardline wait {run_dir}`) or stop it (`shardline cancel {run_dir}`), then "
+                        "train it again to resume") from None
+    except OSError:  # no locks on this filesystem
+        handle.close()
+        return
+    _CLAIMS[run_dir.resolve()] = handle

@@ -46,7 +46,7 @@ from shardline.run_status import (
     refuse_if_running,
     settle,
 )
-from shardline.rundir import create_run, read_manifest, read_spec, run_path, update_attempt
+from shardline.rundir import claim_run, create_run, read_manifest, read_spec, run_path, update_attempt
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.rules import require_torch_engine
@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = parser.parse_args(argv).run_dir
     console = Console(soft_wrap=True)
     try:
+        claim_run(run_dir)  # the detached launcher is the run's one launcher while it lives
         spec = read_spec(run_dir / "spec.yaml")
         from shardline.data.prepare import prepare
 
