@@ -114,9 +114,19 @@ def test_kill_9_of_the_whole_run_is_found_dead_by_the_next_command(tmp_path):
 
 
 def test_bad_data_found_after_the_run_was_created_marks_it_failed_with_the_file(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "q", "answer": "a"}\nnot json\n')
+    # the preflight reads the first rows before a run exists: a bad row among them leaves no run behind ...
+    early = tmp_path / "early.jsonl"
+    early.write_text('{"question": "q", "answer": "a"}\nnot json\n')
     runs = tmp_path / "runs"
+    out = run_cli("train", "tiny", *_sets(runs, f"data.path={early}", "observe.report=false"))
+    assert out.returncode == EXIT_BAD_INPUT and f"{early}:2" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not runs.exists() or not any(runs.iterdir())
+    # ... one further down is found while preparing, after the run was created: the run is failed with the file
+    from shardline.data.preflight import PREFLIGHT_ROWS
+
+    bad = tmp_path / "bad.jsonl"
+    rows = "".join(f'{{"question": "q{i}", "answer": "a{i}"}}\n' for i in range(PREFLIGHT_ROWS + 50))
+    bad.write_text(rows + "not json\n")
     out = run_cli("train", "tiny", *_sets(runs, f"data.path={bad}", "observe.report=false"))
     assert out.returncode == EXIT_BAD_INPUT, out.stdout[-2000:] + out.stderr[-2000:]
     run_dir = only_run(runs)
