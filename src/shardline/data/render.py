@@ -133,12 +133,12 @@ def _marked_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], 
 
 
 _PROBE = "\ue002"
-_TURN_ENDS: dict[tuple[int, str], str] = {}
+_TURN_ENDS: dict[tuple[str, ...], str] = {}
 
 
 def _turn_end(tok: PreTrainedTokenizerBase) -> str:
     """What the template writes after an assistant turn's content, up to its line break (ChatML: `<|im_end|>`)."""
-    key = (id(tok), tok.chat_template or "")
+    key = (tok.chat_template or "", str(tok.eos_token), str(tok.bos_token))  # what a template's text depends on
     if key not in _TURN_ENDS:
         text = _chat_text(tok, [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}], False)
         _TURN_ENDS[key] = text[text.rindex(_PROBE) + 1:].rstrip()
