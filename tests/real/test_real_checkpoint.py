@@ -113,12 +113,9 @@ def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(r
 
 
 # bf16 with one row: CPUs without bf16 matrix units (AVX2 only) emulate it at ~2 GFLOP/s, and two ranks' worth of
-# rows would take minutes there; the two-rank bf16 reduction is covered by the tiny model's FSDP tests. bf16's bound:
-# each logit rounds to half an eps (7.8e-3 / 2) in kernels whose blocking differs by CPU class (AMX brgemm, emulated
-# AVX2 GEMMs) and between packed and one-at-a-time shapes; over a few hundred loss tokens the mean loss moves by a
-# few 1e-3, so 1e-2 (a masking or normalisation error moves it by tens of percent).
+# rows would take minutes there; the two-rank bf16 reduction is covered by the tiny model's FSDP tests.
 @pytest.mark.parametrize(("nproc", "precision", "tol", "n_rows"),
-                         [(2, "fp32", 2e-4, 2), (1, "bf16", 1e-2, 1)])
+                         [(2, "fp32", 2e-4, 2), (1, "bf16", 5e-3, 1)])
 def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_time(
         real, tok, user_file, tmp_path, nproc, precision, tol, n_rows):
     """Packing, masking, position ids, the block-diagonal mask and the loss normalisation, against transformers."""
@@ -134,14 +131,22 @@ def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_tim
     docs = documents_of_rows(prepared_of(run_dir), rows)
     reference = _reference_documents(tok, user_file)
     assert docs and all(d in reference for d in docs), "a packed document differs from the template's rendering"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(real, dtype=dtype).eval()
-    oracle = _oracle_loss(model, docs, reference)
+    exact = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval(), docs, reference)
     n_loss = sum(len(d) - reference[d] for d in docs)
-    print(f"{nproc} rank(s) {precision}: shardline {logged['loss']:.6f} vs transformers {oracle:.6f} "
-          f"over {len(docs)} examples, {n_loss} loss tokens")
     assert logged["tokens"] == n_loss
-    assert logged["loss"] == pytest.approx(oracle, rel=tol)
+    if precision == "fp32":
+        print(f"{nproc} rank(s) fp32: shardline {logged['loss']:.6f} vs transformers {exact:.6f} "
+              f"over {len(docs)} examples, {n_loss} loss tokens")
+        assert logged["loss"] == pytest.approx(exact, rel=tol)
+        return
+    # bf16: both shardline and transformers' own bf16 model round every activation to bf16 (eps 7.8e-3) in kernels
+    # whose blocking differs by CPU class; the scale of that noise is measured here, as transformers' bf16 loss's
+    # distance from the exact (fp32) loss, and shardline's bf16 loss must be as close to exact, within 3× of it
+    # (and of the `tol` floor: a masking or normalisation error moves the loss by tens of percent)
+    theirs = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.bfloat16).eval(), docs, reference)
+    print(f"1 rank bf16: shardline {logged['loss']:.6f}, transformers bf16 {theirs:.6f}, exact (fp32) {exact:.6f} "
+          f"over {len(docs)} examples, {n_loss} loss tokens")
+    assert abs(logged["loss"] - exact) <= max(3 * abs(theirs - exact), tol * exact)
 
 
 def test_sharded_load_of_the_real_checkpoint_matches_from_pretrained_and_stays_tied(real, tmp_path):

@@ -146,4 +146,7 @@ def test_a_none_task_run_validates_without_loading_any_text_to_sql_code(tmp_path
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sql_modules"] == [] and out["generated"] == {} and out["loss"] > 0
     assert out["sql_after_choosing_it"]  # the check above can see an import when one happens
-    assert not (run_dir / "eval.json").exists()
+    # no metric scores a user's own data: a few answers beside their references instead, and no SQL score
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    assert evaluation["task"] == "none" and evaluation["samples"] and "sql_execution_accuracy" not in evaluation
+    assert all({"question", "gold", "pred"} <= set(s) for s in evaluation["samples"])

@@ -46,7 +46,12 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     assert summary["steps"] == 30 and summary["mean_mfu"] > 0 and summary["grace_needed_s"] > 0
     assert manifest["versions"]["peft"] and manifest["spec"]["train"]["max_steps"] == 30
     assert manifest["dataset_version"] == summary["dataset_version"]
-    assert 0.8 < summary["mem_planned_bytes"] / summary["mem_peak_bytes"] < 1.2  # planned vs measured, logged
+    # planned vs measured, logged: the plan models the training step; the peak RSS is a high-water mark, which the
+    # generation at step 15 raises by what the CPU's kernels keep for each new shape (oneDNN's primitives and JIT
+    # code on AMX), so the step's own peak is read before it
+    training_peak = max(r["mem_peak_bytes"] for r in train if r["step"] < 15)
+    assert 0.8 < summary["mem_planned_bytes"] / training_peak < 1.2, (summary["mem_planned_bytes"], training_peak)
+    assert summary["mem_peak_bytes"] >= training_peak
     assert "planned" in stdout
 
     # `shardline export` writes a Hugging Face directory that loads with from_pretrained.
