@@ -24,7 +24,7 @@ import numpy as np
 
 from shardline.data.example import Example
 from shardline.data.render import render_many
-from shardline.data.sources import Source, read_examples
+from shardline.data.sources import SPLITS, Source, read_examples
 from shardline.data.splits import Assignment
 from shardline.data.tokenizer import load_tokenizer
 from shardline.spec import JobSpec
@@ -32,7 +32,6 @@ from shardline.tasks import get_task
 
 CHUNK = 4096
 POOL_MIN_EXAMPLES = 50_000
-SPLITS = ("train", "validation", "test")
 Advance = Callable[[int, int], None]
 """(examples, tokens) done since the last call."""
 

@@ -247,10 +247,10 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
     for a in assignments:
         dropped.update(a.dropped)
     stats: dict = {"rows_read": sum(a.examples + sum(a.dropped.values()) for a in assignments),
-                   "format": assignments[0].format if sources[0].bundled is None else "question_answer",
+                   "format": assignments[0].format,
                    "splits": {}}
-    per_source = [{"name": s.name, "weight": s.weight, "format": a.format if s.bundled is None else
-                   "question_answer", "rows_read": a.examples + sum(a.dropped.values()), "dropped": dict(a.dropped),
+    per_source = [{"name": s.name, "weight": s.weight, "format": a.format,
+                   "rows_read": a.examples + sum(a.dropped.values()), "dropped": dict(a.dropped),
                    "train_examples": a.mixed, "repeats": round(a.mixed / max(1, a.train_examples), 3),
                    "tokens": {}, "loss_tokens": {}} for s, a in zip(sources, assignments, strict=True)]
     for split in SPLITS:

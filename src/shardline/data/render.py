@@ -61,15 +61,21 @@ def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template:
             prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt)
             answer = encode_answer(tok, ex.answer, fmt)
             out[k] = Rendered(prompt + answer, [0] * len(prompt) + [1] * len(answer))
-    if chats:
-        for (k, _, spans), (ids, offsets) in zip(chats, _encode_with_offsets(tok, [t for _, t, _ in chats]),
-                                                 strict=True):
-            at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-            loss = np.zeros(len(ids), dtype=bool)
-            for start, end in spans:  # a token carries loss where its characters overlap a trained span
-                loss |= (at[:, 0] < end) & (at[:, 1] > start)
-            out[k] = Rendered(list(ids), loss.astype(np.uint8).tolist())
+    for (k, _, _), rendered in zip(chats, _with_loss(tok, [(text, spans) for _, text, spans in chats]), strict=True):
+        out[k] = rendered
     return out  # type: ignore[return-value]
+
+
+def _with_loss(tok: PreTrainedTokenizerBase, texts: list[tuple[str, list[tuple[int, int]]]]) -> list[Rendered]:
+    """Texts tokenized in one batch, a token carrying loss where its characters overlap a trained span."""
+    out = []
+    for (_, spans), (ids, offsets) in zip(texts, _encode_with_offsets(tok, [t for t, _ in texts]), strict=True):
+        at = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        loss = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            loss |= (at[:, 0] < end) & (at[:, 1] > start)
+        out.append(Rendered(list(ids), loss.astype(np.uint8).tolist()))
+    return out
 
 
 def _encode_with_offsets(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[tuple[list[int], list]]:
@@ -84,8 +90,7 @@ def _encode_with_offsets(tok: PreTrainedTokenizerBase, texts: list[str]) -> list
 
 def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
                 assistant_turns: str = "all") -> Rendered:
-    return render_many(tok, [Example(messages=messages, trained_from=trained_from)], _NO_TEMPLATE, "plain",
-                       assistant_turns)[0]
+    return _with_loss(tok, [chat_spans(tok, messages, trained_from, assistant_turns)])[0]
 
 
 def _chat_text(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -160,9 +165,6 @@ def _prefix_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], 
                             "in order")
         spans.append((len(before), len(through)))
     return spans
-
-
-_NO_TEMPLATE = PromptTemplate(plain=lambda q, c: "", chat=lambda q, c: "", version="")
 
 
 def generation_prompt(tok: PreTrainedTokenizerBase, ex: Example, template: PromptTemplate, fmt: PromptFormat
