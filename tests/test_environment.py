@@ -56,7 +56,7 @@ def test_eval_needs_flash_attn_but_not_the_trackers(packages_absent):
 
 def test_local_train_stops_before_creating_a_run_when_a_package_is_missing(packages_absent, tmp_path, capsys):
     code = cli.main(["train", "tiny", "--set", f"run.dir={tmp_path}", "--set", "observe.wandb_project=sql-ft"])
-    assert code == 2 and "observe.wandb_project" in capsys.readouterr().out
+    assert code == 2 and "observe.wandb_project" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
