@@ -28,7 +28,7 @@ EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class RunSpec(Section):
@@ -45,21 +45,34 @@ class ArchSpec(Section):
     """Llama-architecture shape, used when the model is built from a config rather than loaded."""
 
     vocab_size: int = Field(2048, ge=256)
+    """Vocabulary size: the size the byte-level BPE is trained to; the model takes the tokenizer's if larger."""
     hidden_size: int = Field(256, ge=8)
+    """Width of the residual stream."""
     intermediate_size: int = Field(688, ge=8)
+    """Width of the MLP's gated hidden layer."""
     num_layers: int = Field(4, ge=1)
+    """Decoder blocks."""
     num_heads: int = Field(4, ge=1)
+    """Attention (query) heads; hidden_size must divide by it."""
     num_kv_heads: int = Field(4, ge=1)
+    """Key/value heads (grouped-query attention); num_heads must divide by it."""
     max_position_embeddings: int = Field(2048, ge=16)
+    """Longest position the rotary embedding is built for; at least train.seq_len."""
     rope_theta: float = Field(10000.0, gt=0)
+    """Rotary embedding base."""
     tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
 
 
 class LoraSpec(Section):
     enabled: bool = False
+    """Train low-rank adapters on a frozen base instead of every weight."""
     r: int = Field(16, ge=1)
+    """Adapter rank."""
     alpha: float = Field(16.0, gt=0)
+    """Adapter scale numerator: the update is (alpha / r) · B·A."""
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
     target_modules: list[str] | None = None
     """Module names to adapt; None: the family's attention projections (q/k/v/o_proj; Phi-3's qkv_proj, o_proj)."""
 
@@ -74,6 +87,8 @@ class ModelSpec(Section):
     tokenizer: str | None = None
     """Tokenizer directory; defaults to `path`. With neither, a byte-level BPE is trained on the data."""
     attn_implementation: AttentionImpl = "sdpa"
+    """sdpa (torch's scaled-dot-product attention, per-document masks when packed) | flash_attention_2 (needs
+    flash-attn) | eager."""
     init_seed: int = 0
     """Seed of the random initialisation when the model is built from `arch`."""
     lora: LoraSpec = LoraSpec()
@@ -83,16 +98,27 @@ class ColumnsSpec(Section):
     """The source's column name for each field a data format reads (docs/data.md): map yours here."""
 
     question: str = "question"
+    """question_answer: the question."""
     context: str = "context"
+    """question_answer: the optional context (a schema for text_to_sql)."""
     answer: str = "answer"
+    """question_answer: the answer the loss is on."""
     messages: str = "messages"
+    """messages: the list of {role, content} turns."""
     conversations: str = "conversations"
+    """conversations: ShareGPT's list of {from, value} turns."""
     prompt: str = "prompt"
+    """prompt_completion: the prompt."""
     completion: str = "completion"
+    """prompt_completion: the completion the loss is on."""
     instruction: str = "instruction"
+    """instruction: the instruction."""
     input: str = "input"
+    """instruction: the optional input."""
     output: str = "output"
+    """instruction: the output the loss is on."""
     text: str = "text"
+    """text: the document (loss on every token)."""
 
 
 class SourceSpec(Section):
@@ -104,6 +130,7 @@ class SourceSpec(Section):
     """Relative share of the training examples drawn from this source (weights 3 and 1: 75 % and 25 %); a source
     whose share exceeds its rows is repeated, one below them is subsampled, both by a draw seeded by data.seed."""
     format: DataFormat = "auto"
+    """How this source's rows read, as `data.format`."""
     columns: ColumnsSpec = ColumnsSpec()
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Names the source in summaries, metrics and the report; None: the file's or dataset's name."""
@@ -135,6 +162,7 @@ class DataSpec(Section):
     train_size: int | None = Field(4000, ge=1)
     """Training examples (generated), or the cap on training rows taken from `path` (None: all)."""
     validation_size: int = Field(200, ge=1)
+    """Rows held out for the validation loss."""
     test_size: int | None = Field(None, ge=0)
     """Rows held out for the task's generation metric; None: 200 where the task scores generations
     (text_to_sql), 0 where none does (written out in the resolved spec)."""
@@ -156,28 +184,39 @@ class DataSpec(Section):
 
 class TrainSpec(Section):
     max_steps: int = Field(300, ge=1)
+    """Optimizer steps."""
     seed: int = 0
     """Seeds the sampler (data order) and dropout."""
     micro_batch_size: int = Field(8, ge=1)
+    """Rows of seq_len tokens per rank per forward."""
     global_batch_size: int = Field(16, ge=1)
+    """Rows per optimizer step; gradient accumulation = global / (data-parallel ranks × micro)."""
     seq_len: int = Field(256, ge=16)
+    """Tokens per row."""
     lr: float = Field(3e-3, gt=0)
+    """Peak learning rate (AdamW)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The cosine schedule decays to lr × this."""
     warmup_steps: int | None = Field(None, ge=0)
     """Linear warmup steps; None: 5% of max_steps, rounded down (written out in the resolved spec)."""
     weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay, on matrices only (norms and biases are not decayed)."""
     max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None: no clipping (the norm is still logged)."""
     precision: Precision = "auto"
     """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
     (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""
     peak_tflops: float | None = Field(None, gt=0)
     """Per-device peak for MFU; None: the device table on GPU, a matmul probe on CPU."""
     log_every: int = Field(10, ge=1)
+    """Steps between step lines and records (the first and last step are always logged)."""
     eval_every: int = Field(100, ge=1)
+    """Steps between validation losses (also at the end)."""
     eval_examples: int = Field(200, ge=0)
     """Test examples generated for at the end and scored by the task's metric (text_to_sql: execution
     accuracy); 0 skips it. A task without a generation metric (`data.task: none`) skips it always."""
     eval_max_new_tokens: int = Field(96, ge=1)
+    """Most tokens generated per answer in the end-of-run evaluation."""
     sample_generations: int = Field(4, ge=0)
     """Where the task has no generation metric (a user's own data, `data.task: none`): validation examples the
     model answers at the end, shown beside their references in eval.json and the report (conversations up to their
@@ -218,6 +257,8 @@ class ParallelSpec(Section):
     offload: bool = False
     """Keep parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (re-gathered in backward); False keeps them, trading
+    memory for communication."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """none | full (recompute whole blocks) | selective (keep matmul/attention outputs, recompute the rest)."""
     activation_checkpointing_every: int = Field(1, ge=1)
@@ -258,9 +299,13 @@ class CheckpointSpec(Section):
 
 class Toleration(Section):
     key: str
+    """Taint key the pods tolerate."""
     operator: Literal["Exists", "Equal"] = "Exists"
+    """Exists (any value) | Equal (`value`)."""
     value: str | None = None
+    """Taint value, with operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect tolerated; None: all."""
 
 
 class SecretRef(Section):
@@ -274,6 +319,7 @@ class StorageSpec(Section):
     """Shared storage for run directories, prepared data and checkpoints; the container's working directory."""
 
     kind: Literal["none", "gcsfuse", "pvc"] = "none"
+    """none (the container's own disk) | gcsfuse (`bucket`) | pvc (`claim`)."""
     bucket: str | None = None
     """GCS bucket (kind gcsfuse), mounted whole at mount_path (writes) and read_path (cached reads)."""
     claim: str | None = None
@@ -288,6 +334,7 @@ class StorageSpec(Section):
 
 class KubernetesSpec(Section):
     namespace: str = Field("default", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Namespace of the job's objects."""
     context: str | None = None
     """kubeconfig context for engines/status/logs/wait/cancel (None: the current context)."""
     service_account: str = Field("shardline-trainer", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -303,8 +350,11 @@ class KubernetesSpec(Section):
     topology: str | None = None
     """Kueue TAS: node label of the topology level all pods must share, e.g. cloud.google.com/gce-topology-block."""
     topology_mode: Literal["required", "preferred"] = "preferred"
+    """Kueue TAS: `required` waits for one topology domain; `preferred` packs as close as it can."""
     node_selector: dict[str, str] = {}
+    """Pod nodeSelector labels."""
     tolerations: list[Toleration] = []
+    """Pod tolerations."""
     gpu_resource: str | None = "nvidia.com/gpu"
     """Extended resource requested per process (nproc_per_node per pod); null on CPU-only clusters."""
     cpu: Quantity | None = None
@@ -338,6 +388,7 @@ class NetcheckSpec(Section):
     """`shardline netcheck` / worker `--task netcheck`: the collective bandwidth sweep (ops/netcheck.py)."""
 
     ops: list[CollectiveOp] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+    """Collectives measured."""
     min_bytes: int = Field(1 << 20, ge=4)
     """Smallest message size (bytes of the whole buffer, as nccl-tests counts them)."""
     max_bytes: int | None = Field(None, ge=4)
@@ -345,6 +396,7 @@ class NetcheckSpec(Section):
     factor: int = Field(2, ge=2)
     """Each size is the previous one times this."""
     warmup: int = Field(5, ge=0)
+    """Untimed iterations per size before the timed ones."""
     iters: int = Field(20, ge=1)
     """Timed iterations per size; the time reported is their mean on the slowest rank."""
     expect_busbw_gbps: float | None = Field(None, gt=0)
@@ -367,8 +419,11 @@ class SlurmSpec(Section):
     """sbatch settings for `--target slurm` (engines/slurm.py)."""
 
     partition: str | None = None
+    """sbatch --partition."""
     account: str | None = None
+    """sbatch --account."""
     qos: str | None = None
+    """sbatch --qos."""
     time_limit: str = Field("24:00:00", pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$")
     """sbatch --time: minutes, HH:MM:SS or D-HH:MM:SS; the job gets SIGUSR1 launch.grace_seconds before it."""
     gpus_per_node: int | None = Field(None, ge=0)
@@ -536,6 +591,7 @@ class CostSpec(Section):
     gpu: str | None = None
     """Price-table row (h100, h200, b200, a100, l4, or a row of `prices`); null: the device the run uses."""
     provisioning: Provisioning = "on-demand"
+    """How the devices are bought: on-demand | spot | dws-flex-start | reservation (the price-table column)."""
     usd_per_device_hour: float | None = Field(None, ge=0)
     """$ per device-hour, overriding the table; a CPU run is priced only with this (a device is a rank)."""
     prices: dict[str, dict[Provisioning, float]] = {}
