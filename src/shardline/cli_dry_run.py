@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from shardline.api import DryRun, dry_run
-from shardline.errors import EXIT_OK
-from shardline.planning.memory import gib, layout_name
+from shardline.errors import EXIT_OK, SpecError
+from shardline.planning.memory import gib, layout_name, model_shape
 from shardline.spec import JobSpec
 
 UNSEEN = ("not seen by the simulation: CUDA context and workspaces, NCCL buffers, allocator fragmentation, "
@@ -65,10 +65,31 @@ def cmd_dry_run(args: argparse.Namespace, spec: JobSpec, console: Console) -> in
     return EXIT_OK
 
 
+def cannot_judge(spec: JobSpec) -> str | None:
+    """What keeps the dry run from judging `spec` on this machine, or None. Neither is a fault of the spec: a
+    context-parallel group is not simulated, and a model whose config.json is only where the job runs (a path in
+    the pod, a hub model the planner does not know offline) cannot be built here."""
+    if spec.parallel.cp > 1:  # training/dry_run.py refuses it: its step would count whole rows per rank
+        return f"parallel.cp={spec.parallel.cp}: the dry run does not simulate a context-parallel group"
+    path = spec.model.path
+    if path is None or (Path(path).expanduser() / "config.json").is_file():
+        return None  # a readable config.json is judged: a broken one is the spec's error
+    try:
+        model_shape(spec.model)  # a hub model the planner knows offline, or one in the Hugging Face cache
+    except SpecError:  # without a config.json here, its one error: neither known offline nor cached
+        return (f"model.path {path!r}: no config.json on this machine and not a hub model the planner knows "
+                "offline, so the model is built only where the job runs")
+    return None
+
+
 def sharding_check(spec: JobSpec) -> str:
-    """`plan --dry-run --no-step` as one line for `launch` and `render`; raises what the check finds."""
+    """`plan --dry-run --no-step` as one line for `launch` and `render`; raises what the check finds. A spec it
+    cannot judge here (`cannot_judge`) passes with a line that says what went unchecked and why."""
     if spec.train.engine != "torch":
         return f"sharding check: does not apply ({spec.train.engine} trains with its own code)"
+    unchecked = cannot_judge(spec)
+    if unchecked is not None:
+        return f"sharding check not run (it cannot judge this spec here): {unchecked}"
     r = dry_run(spec, step=False).result
     s = r["sharding"]
     notes = f"; {len(s['notes'])} parameters leave ranks with only padding" if s["notes"] else ""

@@ -19,6 +19,7 @@ import torch
 
 from shardline.api import dry_run
 from shardline.cli import main
+from shardline.cli_dry_run import cannot_judge
 from shardline.errors import SpecError
 from shardline.planning.memory import plan_memory
 from shardline.spec.resolve import load_spec, preset_names
@@ -182,3 +183,53 @@ def test_launch_to_a_cluster_refuses_a_spec_that_fails_the_sharding_check(tmp_pa
     assert "--skip-dry-run" in capsys.readouterr().err
     assert main(["render", "tiny", "--target", "slurm", "--out", str(tmp_path / "r")]) == 0
     assert "sharding check passed: world 2" in capsys.readouterr().err
+
+
+def _stub_sbatch(tmp_path, monkeypatch):
+    """An `sbatch` that records its arguments and accepts the job: `launch` to slurm submits without a cluster."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/sbatch-args\necho 42\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize(("value", "named"), [
+    ("parallel.cp=2", "parallel.cp=2"),
+    ("model.path=/data/models/only-inside-the-pod", "model.path '/data/models/only-inside-the-pod'"),
+    ("model.path=acme/a-model-the-planner-does-not-know-7b", "model.path 'acme/a-model-the-planner-does-not-know-7b'"),
+])
+def test_launch_goes_on_with_a_note_where_the_sharding_check_cannot_judge_the_spec(value, named, tmp_path,
+                                                                                    monkeypatch, capsys):
+    _stub_sbatch(tmp_path, monkeypatch)
+    assert main(["launch", "tiny", "--target", "slurm", "--set", value, "--set", "run.dir=runs"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("sharding check not run")]
+    assert len(notes) == 1 and named in notes[0], out
+    assert (tmp_path / "sbatch-args").is_file() and "launched" in out
+    assert main(["render", "tiny", "--target", "slurm", "--set", value, "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "sharding check not run" in err and named in err and "FAILED" not in err
+
+
+def test_launch_still_refuses_what_the_sharding_check_can_judge_beside_what_it_cannot(tmp_path, monkeypatch,
+                                                                                     capsys):
+    _stub_sbatch(tmp_path, monkeypatch)
+    # a readable config.json that is no decoder: the check reads it, so a broken one is refused, not noted
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["launch", "tiny", "--target", "slurm", "--set", f"model.path={tmp_path / 'broken'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and "lacks a decoder field" in err and "--skip-dry-run" in err
+    # a context-parallel spec is still held to the spec's rules before any check
+    assert main(["launch", "tiny", "--target", "slurm", "--set", "parallel.cp=2", "--set", "train.seq_len=192"]) == 2
+    assert "train.seq_len" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch-args").exists()
+
+
+def test_hub_models_the_planner_knows_and_readable_config_files_are_judged_not_noted(tmp_path):
+    assert cannot_judge(load_spec("llama-3.1-8b-lora")) is None  # meta-llama/Llama-3.1-8B, known offline
+    (tmp_path / "config.json").write_text("{}")
+    assert cannot_judge(load_spec("tiny", [f"model.path={tmp_path}"])) is None  # read here, judged (and refused)
+    assert cannot_judge(load_spec("tiny")) is None
