@@ -12,10 +12,42 @@ from pathlib import Path
 import pytest
 
 from shardline.data.prepare import PreparedData, prepare
+from shardline.precision import cpu_bf16_feature
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
+SUITE_BUDGET_MIN = 40
+"""The README's test command must finish within this on the slow CPU class (2 cores, AVX2 only)."""
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_report_header(config) -> str:
+    """The CPU class decides the suite's time and what `train.precision: auto` picks: say which one this is."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    feature = cpu_bf16_feature()
+    bf16 = f"native bf16 matmul ({feature})" if feature else "bf16 emulated (the slow class: AVX2 only)"
+    return f"cpu: {model}, {os.cpu_count()} cores, {bf16}"
+
+
+def pytest_runtest_logreport(report) -> None:
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Where the suite's time goes, by module: the budget is spent by the few modules that launch real runs."""
+    if not _SECONDS:
+        return
+    by_module: dict[str, list[float]] = {}
+    for nodeid, seconds in _SECONDS.items():
+        by_module.setdefault(nodeid.split("::")[0], []).append(seconds)
+    total = sum(_SECONDS.values())
+    terminalreporter.section("time by module (setup + call + teardown)")
+    for module, times in sorted(by_module.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        terminalreporter.write_line(f"{sum(times):8.1f} s  {len(times):4d} tests  {module}")
+    terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  in all ({total / 60:.1f} min; "
+                                f"budget {SUITE_BUDGET_MIN} min on the slow class)")
 
 
 def small_overrides(run_dir: Path) -> list[str]:
