@@ -9,7 +9,8 @@ JobSet hostnames appear only once that pod has an IP), and torchrun treats a fai
 which resolves `PET_MASTER_ADDR` (set by the manifest, or injected by Kubeflow Trainer) with backoff and
 then replaces itself with the given command, so signals and the exit code are torchrun's own. `--chdir`
 enters the shared storage first where the engine cannot set the container's working directory (a
-TrainJob's runtime patches carry no `workingDir`).
+TrainJob's runtime patches carry no `workingDir`); the Kubeflow SDK replaces this whole command with its own, and
+its entry point enters the storage instead (engines/kubeflow_sdk.py).
 """
 
 from __future__ import annotations

@@ -36,7 +36,10 @@ def _runtime_pod(spec: JobSpec) -> tuple[dict, dict]:
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != SPEC_VOLUME]
     node = pod["containers"][0]
     node["volumeMounts"] = [m for m in node["volumeMounts"] if m["name"] != SPEC_VOLUME]
-    if "workingDir" in node:  # as the TrainJob does: the command enters the storage directory itself
+    # Not the storage as workingDir: the SDK writes its function file into the working directory, and on shared
+    # storage every pod would rewrite that one file while others run it. The command enters the storage (as the
+    # TrainJob's does); the SDK's command, which replaces it, enters it in its entry point (engines/kubeflow_sdk.py).
+    if "workingDir" in node:
         node["command"] = k8s_pod.node_command(spec, "train", workdir=node.pop("workingDir"))
     meta: dict = {"labels": {"app.kubernetes.io/name": "shardline"}}
     if annotations := k8s_pod.pod_annotations(spec):
