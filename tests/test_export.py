@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardline.data.prepare import prepare
-from shardline.data.tokenizer import special_ids
+from shardline.data.tokenizer import special_ids, train_bpe
 from shardline.errors import ShardlineError, SpecError
 from shardline.export import export_run
 from shardline.model.build import build_model
 from shardline.rundir import create_run, read_manifest
 from shardline.spec.resolve import spec_to_yaml
+from shardline.tasks.text_to_sql.generate import generate_splits
 from shardline.training.trainer import Trainer
 from tests.conftest import REPO, small_spec
 
@@ -152,6 +153,71 @@ def test_lora_adapter_loads_with_peft(lora_run, tmp_path):
     print(f"lora merged: max |logit diff| = {_max_diff(got, expected):.3e}")
     info = json.loads((merged_out / "shardline_export.json").read_text())
     assert (info["lora"], info["merged"], info["format"]) == (True, True, "full")
+
+
+@pytest.fixture(scope="module")
+def multimodal_gemma3(tmp_path_factory):
+    """A tiny Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and larger ship so: a vision tower beside the
+    language model, whose keys sit under `model.language_model.`), random weights, a BPE tokenizer beside it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    path = tmp_path_factory.mktemp("gemma3-multimodal")
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=16,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    # image tokens above the tokenizer's 400 ids: text never contains them
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=510,
+                          boi_token_index=508, eoi_token_index=509)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).float().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def multimodal_lora_run(ctx, session_dir, multimodal_gemma3) -> Trainer:
+    return _trained(ctx, session_dir, "export-lora-gemma3-mm", f"model.path={multimodal_gemma3}",
+                    "model.lora.enabled=true", "model.lora.r=4")
+
+
+def test_lora_adapter_of_a_multimodal_gemma3_loads_onto_the_base_it_names(multimodal_lora_run, multimodal_gemma3,
+                                                                          tmp_path):
+    """shardline trains the language model of a multimodal checkpoint alone; its adapter must still load onto that
+    checkpoint (as `from_pretrained` builds it: Gemma3ForConditionalGeneration) and change its logits as in
+    training — it matched no module and left the base's logits (the gemma-3-12b-lora preset's case)."""
+    t = multimodal_lora_run
+    ids = _ids(t)
+    expected = _logits(t.model, ids)
+    out = export_run(t.run_dir, tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(multimodal_gemma3)
+    assert not [m for m in config["target_modules"] if "vision" in m]  # its q/k/v projections did not train
+
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32).eval()
+    assert type(base).__name__ == json.loads((out / "shardline_base.json").read_text())["class"]
+    assert type(base).__name__ == "Gemma3ForConditionalGeneration"
+    base_logits = _logits(base, ids)
+    got = _logits(PeftModel.from_pretrained(base, out).eval(), ids)
+    print(f"multimodal gemma3 lora: max |logit diff| to shardline {_max_diff(got, expected):.3e}, "
+          f"to the base {_max_diff(got, base_logits):.3e}")
+    assert _max_diff(got, base_logits) > 1e-4  # the adapter changes the model
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_peft_would_load_as_nothing_is_refused_by_name(multimodal_lora_run, monkeypatch, tmp_path):
+    """peft only warns when an adapter's weights match no module of the base; export checks the load itself."""
+    import shardline.export
+
+    monkeypatch.setattr(shardline.export, "_module_renamer", lambda trained, base: None)  # the text model's paths
+    with pytest.raises(ShardlineError, match="does not load onto Gemma3ForConditionalGeneration.*16 weights match "
+                       "no module.*22 LoRA weights would stay untrained") as e:  # 16 + the vision tower's q/k/v
+        export_run(multimodal_lora_run.run_dir, tmp_path / "adapter")
+    assert e.value.where == str(tmp_path / "adapter") and "--merge-lora" in e.value.fix
+    assert not (tmp_path / "adapter").exists() and not list(tmp_path.glob(".adapter.tmp-*"))
 
 
 def test_export_refuses_uncommitted_step(full_run, tmp_path):

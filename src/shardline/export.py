@@ -4,8 +4,11 @@ Runs in one process without a process group: the model is rebuilt exactly as the
 (plain, no FSDP) and the DCP shards of any world size are read into it with `no_dist=True`. Full
 fine-tunes give `save_pretrained` safetensors + tokenizer + generation config; LoRA runs give a peft
 adapter directory (the base is rebuilt from the spec, noted in `shardline_base.json`), or with
-`merge_lora` the merged full model. The result is built in a temporary sibling directory and renamed
-into place, so `out` is either complete or absent.
+`merge_lora` the merged full model. An adapter names its base (`base_model_name_or_path`: `model.path`) with
+the module paths of the model `from_pretrained` builds from it — a multimodal Gemma 3, whose language model alone
+trained, keeps it under `model.language_model.` — and export proves on a meta-device copy of that base that peft
+loads every adapter weight into a module and leaves none of its LoRA modules without one. The result is built
+in a temporary sibling directory and renamed into place, so `out` is either complete or absent.
 """
 
 from __future__ import annotations
@@ -16,18 +19,21 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerBase
 
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
-from shardline.model.build import build_model
+from shardline.model.build import build_model, causal_lm
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.rundir import checkpoint_location, read_manifest
@@ -39,6 +45,9 @@ from shardline.training.checkpoint_storage import WeightsOnlyLoadPlanner
 
 EXPORT_INFO = "shardline_export.json"
 BASE_INFO = "shardline_base.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""What peft puts before a module's path in an adapter's weight names."""
 
 
 def checkpoint_store(spec: JobSpec, run_dir: Path) -> CheckpointStore:
@@ -125,8 +134,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         if full:
             _save_full(model.merge_and_unload() if lora else model, ids, tmp)
         else:
-            model.save_pretrained(tmp, safe_serialization=True)
-            (tmp / BASE_INFO).write_text(json.dumps(_base_info(spec, len(tok), ids), indent=2) + "\n")
+            base = _save_adapter(model, spec, len(tok), ids, tmp, out)
+            (tmp / BASE_INFO).write_text(json.dumps(_base_info(spec, len(tok), ids, base), indent=2) + "\n")
         tok.save_pretrained(tmp)
         info = {"run_id": spec.run.id, "step": step, "checkpoint": store.path(step), "spec_hash": spec_hash(spec),
                 "dataset_version": dataset_version, "lora": lora, "merged": lora and merge_lora,
@@ -171,12 +180,74 @@ def _save_full(model: nn.Module, ids: dict[str, int], out: Path) -> None:
         model.generation_config.save_pretrained(out)
 
 
-def _base_info(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> dict:
+def _base_skeleton(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> nn.Module:
+    """The base an adapter of this run loads onto, on the meta device: what `AutoModelForCausalLM.from_pretrained
+    (model.path)` builds (the whole multimodal model for a multimodal Gemma 3), else the random-init model."""
+    if spec.model.path is None:
+        return build_model(spec.model, vocab_size, ids, device="meta")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model.path), dtype=torch.float32)
+
+
+def _save_adapter(model: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[str, int], out: Path,
+                  where: Path) -> nn.Module:
+    """peft's adapter of the trained model in `out`, its modules renamed to their paths in the base it names,
+    checked to load there whole (else an error about `where`, the export's destination); returns that base (meta)."""
+    base = _base_skeleton(spec, vocab_size, ids)
+    rename = _module_renamer(causal_lm(model), base)
+    # peft takes the name from the model's config; a multimodal checkpoint's text config carries none
+    model.peft_config["default"].base_model_name_or_path = spec.model.path
+    model.save_pretrained(out, safe_serialization=True)
+    if rename is not None:
+        config = LoraConfig.from_pretrained(out)
+        # Exact module paths: the attention names alone would also match the vision tower's q/k/v projections.
+        config.target_modules = sorted(rename(name) for name in model.targeted_module_names)
+        config.save_pretrained(out)
+        weights = load_file(out / ADAPTER_WEIGHTS)
+        save_file({PEFT_PREFIX + rename(k.removeprefix(PEFT_PREFIX)): v for k, v in weights.items()},
+                  out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    _check_adapter_loads(base, spec, out, where)
+    return base
+
+
+def _module_renamer(trained: nn.Module, base: nn.Module) -> Callable[[str], str] | None:
+    """Module path in the trained causal LM -> path in `base`, when base holds the trained decoder deeper (a
+    multimodal Gemma 3's `model.language_model` for the text model's `model`); None when the paths agree."""
+    ours, theirs = _path_of(trained, trained.get_decoder()), _path_of(base, base.get_decoder())
+    if ours == theirs:
+        return None
+    return lambda name: theirs + name[len(ours):] if name == ours or name.startswith(ours + ".") else name
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _check_adapter_loads(base: nn.Module, spec: JobSpec, out: Path, where: Path) -> None:
+    """Load the adapter as `PeftModel.from_pretrained` does, onto the meta base: peft only warns when weights match
+    no module (and then applies nothing); here any unmatched weight or weightless LoRA module is an error."""
+    config = LoraConfig.from_pretrained(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's own warning about the keys, reported below instead
+        peft_model = get_peft_model(base, config, low_cpu_mem_usage=True)
+        result = peft_model.load_adapter(str(out), "default", low_cpu_mem_usage=True)
+    missing = sorted(k for k in result.missing_keys if "lora_" in k)
+    if missing or result.unexpected_keys:
+        raise ShardlineError(str(where), f"the adapter does not load onto {type(base).__name__} of "
+                             f"{spec.model.path or 'model.init_seed'}: {len(result.unexpected_keys)} weights match "
+                             f"no module (e.g. {sorted(result.unexpected_keys)[:2]}), {len(missing)} LoRA weights "
+                             f"would stay untrained (e.g. {missing[:2]})",
+                             "export with --merge-lora (a full model, no module names to match) and report this "
+                             "model's layout as a shardline bug")
+
+
+def _base_info(spec: JobSpec, vocab_size: int, ids: dict[str, int], base: nn.Module) -> dict:
     m = spec.model
     if m.path is not None:
-        how = f"AutoModelForCausalLM.from_pretrained({m.path!r}, dtype=torch.float32)"
+        how = f"AutoModelForCausalLM.from_pretrained({m.path!r}, dtype=torch.float32) (a {type(base).__name__})"
     else:
         how = (f"random init from spec arch with init_seed {m.init_seed}: shardline.model.build.build_model("
                "ModelSpec(**model_spec), vocab_size, special_ids) with the values in this file")
     return {"model_path": m.path, "init_seed": None if m.path else m.init_seed, "how": how,
-            "vocab_size": vocab_size, "special_ids": ids, "model_spec": m.model_dump(mode="json")}
+            "class": type(base).__name__, "vocab_size": vocab_size, "special_ids": ids,
+            "model_spec": m.model_dump(mode="json")}

@@ -61,6 +61,8 @@ def test_gemma3_fine_tunes_on_two_ranks_from_its_pretrained_loss_and_exports(rea
     assert shardline_val < before - 0.05  # it learned the user's data
     exported = tmp_path / "export"
     cli("export", str(run_dir), "--out", str(exported))
+    if lora:  # the adapter names the base it trained on, for `PeftModel.from_pretrained` to be given
+        assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == str(real)
     model = PeftModel.from_pretrained(base, exported).eval() if lora else _pretrained(exported)
     if not lora:
         from safetensors import safe_open
