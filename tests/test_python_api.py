@@ -98,6 +98,6 @@ def test_the_walk_through_in_docs_runs_as_written(tmp_path, monkeypatch):
     assert run.status().phase == "succeeded"
     assert len(namespace["steps"]) == 6 and namespace["committed"] == [3, 6]
     assert "refused: train.global_batch_size" in printed
-    assert "finished · step 6/6" in printed and "goodput " in printed and "startup" in printed
+    assert "succeeded · step 6/6" in printed and "goodput " in printed and "startup" in printed
     assert namespace["jobset"]["kind"] == "JobSet" and "B200" in printed
     assert (tmp_path / "runs" / run.id / "report" / "index.html").is_file()

@@ -3,6 +3,7 @@ come from its own records, and `shardline runs` lists runs newest first."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -185,3 +186,115 @@ def test_two_trainings_of_one_run_started_at_once_train_it_once(tmp_path):
     refused = next(err for code, _, err in results if code == 2)
     assert "another shardline process" in refused or "is still running" in refused
     assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3]
+
+
+# ---- one outcome word, and runs on other hosts ---------------------------------------------------------------
+def _words_in_runs_table(out: str) -> dict[str, str]:
+    """Run id → the word in the `status` column of `shardline runs`' table."""
+    rows = [[cell.strip() for cell in re.split("[│┃]", line)] for line in out.splitlines()
+            if len(re.findall("[│┃]", line)) > 2]
+    header, *body = rows
+    column = header.index("status")
+    return {row[1]: row[column] for row in body}
+
+
+def _word_of_status(out: str) -> str:
+    """The outcome in `shardline status`' first line: `<run id> (<target>): <word>`."""
+    return out.splitlines()[0].split("): ", 1)[1].split(" · ")[0].strip()
+
+
+def test_status_and_runs_name_every_outcome_with_the_same_word(tmp_path, capsys):
+    # was: `status` said "succeeded" (the engines' phase) where `runs` said "finished" (the manifest's word)
+    from shardline.cli import main
+    from shardline.run_status import LIVE, Status
+
+    runs = {}
+    for status in Status.__args__:
+        run_dir = _run(tmp_path, status=status)
+        if status in LIVE:
+            record_process(run_dir, os.getpid(), "launcher")
+        runs[status] = run_dir
+    runs["running elsewhere"] = _elsewhere(tmp_path, silent_s=5)
+    assert main(["runs", str(tmp_path / "runs")]) == 0
+    listed = _words_in_runs_table(capsys.readouterr().out)
+    printed = {}
+    for status, run_dir in runs.items():
+        assert main(["status", str(run_dir)]) == 0
+        printed[status] = _word_of_status(capsys.readouterr().out)
+    assert printed == {status: listed[run_dir.name] for status, run_dir in runs.items()}
+    assert printed["finished"] == "succeeded"  # the word `wait` and the cluster engines use
+    rows = json.loads(run_cli("runs", str(tmp_path / "runs"), "--json").stdout)
+    assert {r["run_id"]: r["outcome"] for r in rows} == {d.name: printed[s] for s, d in runs.items()}
+
+
+HEARTBEAT = ".launcher.heartbeat"
+
+
+def _elsewhere(tmp_path, silent_s: float):
+    """A run launched on node-7 in a run directory this host shares (NFS, a FUSE bucket): its manifest and its
+    launcher's heartbeat as that launcher wrote them, the last write `silent_s` ago."""
+    run_dir = _run(tmp_path, status="running", host="node-7",
+                   processes=[{"pid": 4242, "role": "launcher", "host": "node-7", "start_ticks": 1}])
+    then = time.time() - silent_s
+    (run_dir / HEARTBEAT).write_text(json.dumps({"host": "node-7", "pid": 4242, "time": then}))
+    for name in ("manifest.json", HEARTBEAT):
+        os.utime(run_dir / name, (then, then))
+    return run_dir
+
+
+def test_a_run_alive_on_another_host_is_reported_alive_there(tmp_path, capsys):
+    from shardline.cli import main
+
+    run_dir = _elsewhere(tmp_path, silent_s=5)
+    status = read_status(run_dir)
+    assert status.status == "running"
+    assert status.liveness == "alive on node-7 (last heartbeat 5s ago)"
+    assert main(["status", str(run_dir)]) == 0
+    assert "alive on node-7 (last heartbeat 5s ago)" in capsys.readouterr().out
+
+
+def test_training_a_run_alive_on_another_host_is_refused_and_says_how_to_override(tmp_path, capsys):
+    # was: its pid, absent on this host, read as "gone": the run was reset and trained here as well
+    from shardline.cli import main
+
+    run_dir = _elsewhere(tmp_path, silent_s=5)
+    before = read_manifest(run_dir), (run_dir / HEARTBEAT).read_text()
+    assert main(["train", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "is alive on node-7 (last heartbeat 5s ago)" in err
+    assert "shardline cancel" in err and "no heartbeat for 2m00s" in err  # the override: a dead host goes silent
+    assert (read_manifest(run_dir), (run_dir / HEARTBEAT).read_text()) == before
+    from shardline.run_status import refuse_if_running
+    from shardline.rundir import RunAliveElsewhere
+
+    with pytest.raises(RunAliveElsewhere):
+        refuse_if_running(run_dir)  # `launch --target local` and the Python API ask the same question
+
+
+def test_a_run_silent_on_another_host_is_presumed_dead_and_may_be_trained_here(tmp_path, capsys):
+    from shardline.cli import main
+    from shardline.run_status import refuse_if_running
+    from shardline.rundir import claim_run
+
+    run_dir = _elsewhere(tmp_path, silent_s=3600)
+    assert read_status(run_dir).liveness == "presumed dead on node-7 (no heartbeat for 1h00m)"
+    assert main(["status", str(run_dir)]) == 0
+    assert "presumed dead on node-7 (no heartbeat for 1h00m)" in capsys.readouterr().out
+    refuse_if_running(run_dir)
+    claim_run(run_dir)  # this launcher takes the run over, and says so in the heartbeat
+    beat = json.loads((run_dir / HEARTBEAT).read_text())
+    assert (beat["host"], beat["pid"]) == (socket.gethostname(), os.getpid())
+
+
+def test_an_attempt_just_created_on_another_host_is_refused_before_its_launcher_beats(tmp_path):
+    # this host's heartbeat from an earlier attempt is older than node-7's new manifest: the manifest names the host
+    from shardline.run_status import refuse_if_running
+    from shardline.rundir import RunAliveElsewhere
+
+    run_dir = _run(tmp_path, status="finished")
+    (run_dir / HEARTBEAT).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": 0}))
+    os.utime(run_dir / HEARTBEAT, (time.time() - 3600, time.time() - 3600))
+    update_manifest(run_dir, status="starting", host="node-7", processes=[])
+    assert read_status(run_dir).liveness == "alive on node-7 (last heartbeat 0s ago)"
+    with pytest.raises(RunAliveElsewhere):
+        refuse_if_running(run_dir)

@@ -96,3 +96,22 @@ def test_a_run_directory_under_a_path_with_a_yaml_comment_is_loaded_as_that_run(
     loaded = Spec.load(run_dir)
     assert (loaded.run.dir, loaded.run.id) == (str(run_dir.parent), run_dir.name)
     assert rundir.run_path(loaded) == run_dir
+
+
+def test_the_launcher_that_claims_a_run_keeps_a_heartbeat_with_its_host_and_pid(tmp_path, monkeypatch):
+    # other hosts sharing the run directory cannot see this pid: the heartbeat's age is what they can read
+    import os
+    import socket
+    import time
+
+    monkeypatch.setattr(rundir, "HEARTBEAT_EVERY_S", 0.1)
+    _, run_dir = rundir.create_run(small_spec(tmp_path))
+    rundir.claim_run(run_dir)
+    beat_file = run_dir / ".launcher.heartbeat"
+    beat = json.loads(beat_file.read_text())
+    assert (beat["host"], beat["pid"]) == (socket.gethostname(), os.getpid())
+    os.utime(beat_file, (time.time() - 3600, time.time() - 3600))
+    deadline = time.time() + 10
+    while time.time() - beat_file.stat().st_mtime > 60 and time.time() < deadline:
+        time.sleep(0.1)
+    assert time.time() - beat_file.stat().st_mtime < 60  # beaten again while the launcher lives

@@ -39,7 +39,7 @@ def cmd_render(args: argparse.Namespace, resolve: Callable, console: Console) ->
             note = sharding_check(spec)
         except ShardlineError as e:
             note = f"sharding check FAILED (launch will refuse it): {e}"
-        Console(stderr=True).print(note, highlight=False, markup=False)
+        Console(stderr=True, soft_wrap=True).print(note, highlight=False, markup=False)
     return EXIT_OK
 
 
@@ -47,7 +47,7 @@ def cmd_launch(args: argparse.Namespace, resolve: Callable, console: Console) ->
     spec = resolve(args)
     if _checks_sharding(args) and not args.dry_run:
         try:
-            console.print(sharding_check(spec), highlight=False)
+            console.print(sharding_check(spec), highlight=False, markup=False)
         except ShardlineError as e:
             raise ShardlineError(e.where, e.problem, f"{e.fix} (or launch anyway with --skip-dry-run)") from e
     if args.dry_run:
@@ -71,6 +71,8 @@ def print_state(state: RunState, console: Console, title: str) -> None:
                                                          else ""), highlight=False)
     for reason in state.reasons:
         console.print(f"  · {reason}", highlight=False, markup=False)
+    if state.run is not None and state.run.liveness is not None:
+        console.print(f"  · {state.run.liveness}", highlight=False, markup=False)
     if state.run is not None and state.run.goodput is not None:
         console.print(f"  · {state.run.goodput.line()}", highlight=False, markup=False)
     if state.ranks:
@@ -128,7 +130,7 @@ def cmd_runs(args: argparse.Namespace, console: Console) -> int:
         return "–" if v is None else format(v, fmt)
 
     for r in runs:
-        table.add_row(r.run_id, r.target, r.status,
+        table.add_row(r.run_id, r.target, r.outcome,  # the word `status` prints
                       f"{r.step}/{r.max_steps}" if r.step is not None else f"–/{r.max_steps or '–'}",
                       num(r.last_loss, ".4f"), num(r.val_loss, ".4f"), num(r.tokens_per_s_per_device, ",.0f"),
                       "–" if r.mfu is None else f"{100 * r.mfu:.1f}%",

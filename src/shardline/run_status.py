@@ -5,7 +5,8 @@ Local launchers record their processes in the manifest (`processes`: pid, host, 
 manifest says `starting`/`running` while every recorded process on this host is gone ended without telling
 anyone (kill -9, OOM killer, a closed laptop): `settle` marks it `failed` with the last committed checkpoint, the
 workers' failure records if they left any, and says so. Runs on other hosts or engines are left to their
-engine's status.
+engine's status: a pid means nothing on another host, so a live run there is known by its heartbeat in the run
+directory (`rundir.claim_run`), reported alive or presumed dead, and never launched again while it beats.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
 from shardline.clock import epoch, format_duration
 from shardline.errors import SpecError
@@ -28,10 +29,18 @@ from shardline.failures import failure_message, read_failures
 from shardline.goodput import Goodput, compute_goodput
 from shardline.jsonl import read_jsonl
 from shardline.procfs import proc_stat
-from shardline.rundir import manifest_lock, read_manifest, update_manifest, write_manifest
+from shardline.rundir import (
+    HEARTBEAT_STALE_S,
+    LIVE,
+    elsewhere,
+    manifest_lock,
+    read_manifest,
+    refuse_if_alive_elsewhere,
+    update_manifest,
+    write_manifest,
+)
 
 Status = Literal["starting", "running", "finished", "preempted", "failed", "unknown"]
-LIVE: tuple[str, ...] = ("starting", "running")
 RECORD_PROCESSES_ENV = "SHARDLINE_RECORD_PROCESSES"
 """Set by the local launcher: its workers add themselves to the manifest's processes (all on this host)."""
 RECENT_STEPS = 20
@@ -66,9 +75,18 @@ class RunStatus(BaseModel):
     """Time left at the recent step time (live runs only)."""
     goodput: Goodput | None = None
     """Productive step time over wall time, and the badput buckets, across every attempt (`shardline.goodput`)."""
+    liveness: str | None = None
+    """For a live run on another host: `alive on <host> (last heartbeat 5s ago)` or `presumed dead on <host>
+    (no heartbeat for 1h00m)`."""
+
+    @computed_field
+    @property
+    def outcome(self) -> str:
+        """The word `status`, `runs` and `wait` print for where the run is (`outcome_word`)."""
+        return outcome_word(self.status)
 
     def progress_line(self) -> str:
-        parts = [self.status]
+        parts = [self.outcome]
         if self.step is not None and self.max_steps:
             parts.append(f"step {self.step}/{self.max_steps}")
         if self.elapsed_s is not None:
@@ -84,6 +102,23 @@ class RunStatus(BaseModel):
         if self.goodput is not None and self.goodput.wall_s > 0:
             parts.append(f"goodput {100 * self.goodput.ratio:.0f}%")
         return " · ".join(parts)
+
+
+def outcome_word(status: str) -> str:
+    """The one word for a run's status that every command prints: the engines' phase (engines/backend.py), so a
+    local run and a cluster run that ended alike read alike; the manifest's `finished` is `succeeded`."""
+    return {"finished": "succeeded"}.get(status, status)
+
+
+def liveness(run_dir: Path, manifest: dict) -> str | None:
+    """How a live run on another host was last heard from (its heartbeat's age); None for runs here or ended."""
+    found = elsewhere(run_dir, manifest)
+    if found is None:
+        return None
+    host, silent = found
+    if silent <= HEARTBEAT_STALE_S:
+        return f"alive on {host} (last heartbeat {format_duration(silent)} ago)"
+    return f"presumed dead on {host} (no heartbeat for {format_duration(silent)})"
 
 
 def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
@@ -134,10 +169,12 @@ def live_processes(manifest: dict) -> list[dict]:
 
 
 def refuse_if_running(run_dir: Path) -> None:
-    """Refuse to launch a run again while a process of it lives on this host: two trainings would share its
-    checkpoints and metrics, and `cancel` could no longer reach the first."""
+    """Refuse to launch a run again while a process of it lives on this host, or while it is heard from on
+    another (`rundir.RunAliveElsewhere`): two trainings would share its checkpoints and metrics, and `cancel`
+    could no longer reach the first."""
     if not (run_dir / "manifest.json").is_file():
         return
+    refuse_if_alive_elsewhere(run_dir)
     manifest = read_manifest(run_dir)  # a run that already ended may keep its launcher a moment (the report)
     if manifest.get("status") in LIVE and (live := live_processes(manifest)):
         who = ", ".join(f"{p.get('role', 'process')} (pid {p['pid']})" for p in live)
@@ -240,7 +277,8 @@ def read_status(run_dir: Path, target: str = "local") -> RunStatus:
         tokens_per_s_per_device=last.get("tokens_per_s_per_device"), mfu=last.get("mfu"),
         cost_usd=last.get("cost_usd"), projected_cost_usd=projected, committed_step=_committed_step(records),
         started=datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds") if started else None,
-        elapsed_s=elapsed, eta_s=eta, goodput=compute_goodput(records, manifest, now if status in LIVE else None))
+        elapsed_s=elapsed, eta_s=eta, goodput=compute_goodput(records, manifest, now if status in LIVE else None),
+        liveness=liveness(run_dir, manifest))
 
 
 def list_runs(directory: Path) -> list[RunStatus]:

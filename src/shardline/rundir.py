@@ -9,11 +9,14 @@ import platform
 import secrets
 import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 
+from shardline.clock import format_duration
 from shardline.errors import SpecError
 from shardline.precision import PrecisionChoice, choose_precision, cuda_native_bf16
 from shardline.spec import JobSpec
@@ -22,6 +25,18 @@ from shardline.spec.resume_policy import changed_fields, check_resume
 from shardline.version import __version__
 
 ATTEMPTS_DIR = "attempts"
+LIVE: tuple[str, ...] = ("starting", "running")
+"""Manifest statuses of a run that has not ended."""
+HEARTBEAT_FILE = ".launcher.heartbeat"
+HEARTBEAT_EVERY_S = 15.0
+"""How often the launcher that claimed a run rewrites its heartbeat (host, pid, time)."""
+HEARTBEAT_STALE_S = 120.0
+"""A live run on another host whose run directory saw no write (heartbeat, manifest, metrics) for this long is
+presumed dead: longer than a few missed beats and an NFS client's attribute cache (60 s by default)."""
+
+
+class RunAliveElsewhere(SpecError):
+    """The run's launcher lives on another host that shares the run directory: its heartbeat is fresh."""
 
 
 def run_path(spec: JobSpec) -> Path:
@@ -222,9 +237,12 @@ any death; a lock is per open file, so a second claim of one run by this process
 
 
 def claim_run(run_dir: Path) -> None:
-    """Make this process the run's only launcher on this host, atomically: an exclusive lock on
-    `run_dir/.launcher.lock`, held for the process's life. A second launcher (`shardline train RUN` twice within a
-    second) gets a SpecError; where the filesystem has no locks, the live-process check alone guards the run."""
+    """Make this process the run's only launcher, atomically on this host: an exclusive lock on
+    `run_dir/.launcher.lock`, held for the process's life. A second launcher here (`shardline train RUN` twice
+    within a second) gets a SpecError; where the filesystem has no locks, the live-process check alone guards
+    the run. Other hosts sharing the run directory cannot see this process: it keeps a heartbeat there
+    (`HEARTBEAT_FILE`, rewritten every `HEARTBEAT_EVERY_S`) for its life, and a run still heard from on another
+    host is refused with `RunAliveElsewhere`."""
     if run_dir.resolve() in _CLAIMS:
         return
     handle = (run_dir / ".launcher.lock").open("a")
@@ -237,5 +255,79 @@ def claim_run(run_dir: Path) -> None:
                         "train it again to resume") from None
     except OSError:  # no locks on this filesystem
         handle.close()
-        return
+        handle = None
+    try:
+        refuse_if_alive_elsewhere(run_dir)  # before this launcher's first beat replaces the other host's
+    except SpecError:
+        if handle is not None:
+            handle.close()
+        raise
     _CLAIMS[run_dir.resolve()] = handle
+    write_heartbeat(run_dir)
+    threading.Thread(target=_keep_beating, args=(run_dir,), name=f"heartbeat {run_dir.name}", daemon=True).start()
+
+
+def write_heartbeat(run_dir: Path) -> None:
+    """This process's beat: host, pid and time, replaced atomically (a reader never sees half a file)."""
+    tmp = run_dir / f"{HEARTBEAT_FILE}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}))
+        os.replace(tmp, run_dir / HEARTBEAT_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _keep_beating(run_dir: Path) -> None:
+    while True:
+        time.sleep(HEARTBEAT_EVERY_S)
+        try:
+            write_heartbeat(run_dir)
+        except OSError:  # the run directory is gone (or unwritable): nobody is left to tell
+            return
+
+
+def _opened_mtime(path: Path) -> float | None:
+    try:
+        with path.open("rb") as f:  # opened, not only stat'ed: an NFS client revalidates what it cached on open
+            return os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return None
+
+
+def last_heard(run_dir: Path, manifest: dict) -> tuple[str | None, float | None]:
+    """(host, epoch time) of the run's last sign of life in its directory: the host of the launcher's heartbeat,
+    unless the manifest was written after it (a new attempt created elsewhere, its launcher not yet beating),
+    and the newest write of the heartbeat, manifest.json or metrics.jsonl (rank 0 writes it every step, so a
+    cluster run without a launcher heartbeat is heard from too). Times are the files' modification times, which
+    every host sharing the directory reads alike."""
+    beat, written = _opened_mtime(run_dir / HEARTBEAT_FILE), _opened_mtime(run_dir / "manifest.json")
+    host = manifest.get("host")
+    if beat is not None and (written is None or beat >= written):
+        with suppress(OSError, ValueError, AttributeError):
+            host = json.loads((run_dir / HEARTBEAT_FILE).read_text()).get("host") or host
+    times = [t for t in (beat, written, _opened_mtime(run_dir / "metrics.jsonl")) if t is not None]
+    return host, max(times, default=None)
+
+
+def elsewhere(run_dir: Path, manifest: dict) -> tuple[str, float] | None:
+    """(host, seconds since it was last heard from) for a live run whose launcher is on another host — where
+    this host's process table says nothing about it; None for a run that ended, or runs here."""
+    if manifest.get("status") not in LIVE:
+        return None
+    host, heard = last_heard(run_dir, manifest)
+    if host is None or host == socket.gethostname() or heard is None:
+        return None
+    return host, max(0.0, time.time() - heard)
+
+
+def refuse_if_alive_elsewhere(run_dir: Path) -> None:
+    """Refuse to launch a run again while it is heard from on another host (within `HEARTBEAT_STALE_S`)."""
+    found = elsewhere(run_dir, read_manifest(run_dir))
+    if found is None or found[1] > HEARTBEAT_STALE_S:
+        return
+    host, silent = found
+    raise RunAliveElsewhere(
+        str(run_dir), f"is alive on {host} (last heartbeat {format_duration(silent)} ago)",
+        f"wait for it or stop it on {host} (`shardline wait {run_dir}`, `shardline cancel {run_dir}`), then train it "
+        f"again to resume; if {host} is really down, train it again once the run directory has had no heartbeat "
+        f"for {format_duration(HEARTBEAT_STALE_S)} (in {format_duration(HEARTBEAT_STALE_S - silent)})")

@@ -208,7 +208,7 @@ class LocalBackend:
     def status(self, record: LaunchRecord) -> JobState:
         run_dir = self._run_dir(record)
         st = read_status(run_dir)
-        phase = {"finished": "succeeded"}.get(st.status, st.status)
+        phase = st.outcome  # the word `runs` prints too
         reasons = [st.progress_line()]
         if st.failure:
             reasons.append(st.failure.get("message") or "failed")
