@@ -19,7 +19,15 @@ from rich.console import Console
 
 from shardline.data.prepare import PreparedData, prepare
 from shardline.environment import check_environment
-from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ShardlineError, SpecError
+from shardline.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    ShardlineError,
+    SpecError,
+)
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
@@ -30,7 +38,7 @@ from shardline.spec.resolve import load_spec
 from shardline.spec.rules import require_torch_engine
 from shardline.storage import check_locations
 from shardline.training.distributed import DistContext, distributed
-from shardline.training.signals import Preempted, StopRequest
+from shardline.training.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.training.trainer import Trainer
 from shardline.training.watchdog import enable_flight_recorder, hang_watchdog
 
@@ -89,8 +97,11 @@ def _evaluate(trainer: Trainer) -> int:
                              "train the run first")
     store, step = found
     trainer.load_checkpoint(step, with_optimizer=False, store=store)
-    trainer.validate()
-    trainer.evaluate_generation()
+    try:
+        trainer.validate()
+        trainer.evaluate_generation()
+    except EvaluationStopped:  # a stop signal: abandoned on every rank, nothing written, the run left as it was
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 

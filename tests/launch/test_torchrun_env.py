@@ -87,3 +87,29 @@ def test_a_cluster_run_resumed_here_serves_metrics_on_loopback_again():
     assert local_spec(shipped, "local").observe.metrics_host == CLUSTER_METRICS_HOST  # chosen here: kept
     explicit = load_spec("tiny", ["observe.metrics_host=10.0.0.5"])
     assert local_spec(explicit, "k8s-job").observe.metrics_host == "10.0.0.5"
+
+
+
+def test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded(tmp_path, monkeypatch):
+    # Ctrl-C or SIGTERM that came after the workers recorded the end of the run made a finished run exit 130/143
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import shardline.engines.torchrun as wrapper
+    from shardline.errors import EXIT_OK, EXIT_PREEMPTED
+    from shardline.rundir import create_run, update_manifest
+    from tests.conftest import small_spec
+
+    _, run_dir = create_run(small_spec(tmp_path))
+
+    def interrupted(args):
+        raise SignalException("interrupted", signal.SIGINT)
+
+    monkeypatch.setattr(wrapper, "run", interrupted)
+    argv = ["--standalone", "--nproc-per-node=1", "-m", "shardline.worker", "--spec", str(run_dir / "spec.yaml")]
+    for status, code in [("running", 128 + signal.SIGINT), ("preempted", EXIT_PREEMPTED), ("finished", EXIT_OK)]:
+        update_manifest(run_dir, status=status)
+        assert wrapper.main(argv) == code, status
+    # `shardline eval RUN` stopped by a signal was interrupted, although the training run it reads is finished
+    assert wrapper.main([*argv, "--task", "eval"]) == 128 + signal.SIGINT

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from shardline.data.loader import StepSampler
 from shardline.errors import EXIT_PREEMPTED
 from shardline.goodput import BADPUT, BUCKETS
 from shardline.run_status import read_status
+from shardline.training.checkpoint import CheckpointStore
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 
 pytestmark = pytest.mark.slow
@@ -193,3 +195,85 @@ def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path)
     again = run_cli("train", str(run), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert max(r["step"] for r in read_metrics(run, "train")) == STEPS
+
+
+def _wait_for_log(run_dir: Callable[[], Path | None], text: str, proc: subprocess.Popen, ranks: int = 2) -> Path:
+    """Wait until every rank's log holds `text` (a fault drill's "fault injected" line: the rank is there now)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        run = run_dir()
+        logs = [run / "logs" / f"rank-{r}.log" for r in range(ranks)] if run is not None else []
+        if logs and all(log.is_file() and text in log.read_text() for log in logs):
+            return run
+        time.sleep(0.05)
+    raise TimeoutError(f"no rank logged {text!r}")
+
+
+def _stopped_cleanly(proc: subprocess.Popen, run: Path, out: str, phase: str, signal_name: str) -> None:
+    """Exit 75 with a `preempted` manifest, the workers ended on their own (torchrun never SIGKILLed one), and the
+    last step's checkpoint is committed and intact."""
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    assert "forcefully exiting via" not in out, out[-4000:]  # torchrun's words when the grace ran out: SIGKILL
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "preempted" and manifest["exit_code"] == EXIT_PREEMPTED, manifest
+    preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][-1]
+    assert preempted["step"] == 6 and preempted["phase"] == phase and preempted["signal"] == signal_name
+    assert preempted["grace_used_s"] < 10
+    assert (run / "checkpoints" / "step-00000006" / "COMMITTED").exists()
+    assert CheckpointStore(str(run / "checkpoints")).verify(6, 0, 1) == []
+    [stopped] = [line for line in out.splitlines() if line.startswith("stopped: ")]
+    assert "its checkpoint of step 6 is committed" in stopped and f"shardline train {run}" in stopped
+
+
+def test_a_stop_in_the_final_validation_or_sql_evaluation_exits_75_with_the_step_committed_and_the_rerun_evaluates(
+        tmp_path):
+    # Ctrl-C in the final validation, SIGTERM in the SQL evaluation. Was: neither looked at the stop flag, so torchrun
+    # SIGKILLed the workers when the grace ran out; the command exited 130 and the manifest said `failed` (the final
+    # step was never saved).
+    runs = tmp_path / "runs"
+    # every validation batch of the last step takes 1.5 s (about 10 of them per rank): far longer than the grace
+    sets = _sets(runs, "train.max_steps=6", "data.validation_size=80", "train.eval_examples=4",
+                 "launch.grace_seconds=8", "observe.report=false", "observe.metrics_port=null")
+    cmd = [sys.executable, "-m", "shardline.cli", "train", *sets, "--nproc", "2"]
+
+    def launched() -> Path | None:
+        found = list(runs.glob("*/spec.yaml")) if runs.is_dir() else []
+        return found[0].parent if found else None
+
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               SHARDLINE_FAULT="validation_batch:step=6:action=slow:seconds=1.5")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        run = _wait_for_log(launched, "fault injected: slow at validation_batch (rank", proc)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _stopped_cleanly(proc, run, out, "validation", "SIGINT")
+    assert not [r for r in read_metrics(run, "eval") if "val_loss" in r]  # the abandoned validation left no score
+
+    # The rerun has nothing to train: it validates, then is stopped (SIGTERM) in the SQL evaluation.
+    env["SHARDLINE_FAULT"] = "generation_batch:step=6:action=slow:seconds=2"
+    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", "train", str(run)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for_log(launched, "fault injected: slow at generation_batch (rank", proc)
+        proc.send_signal(signal.SIGTERM)  # to the launcher, as `shardline cancel` and schedulers send it
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _stopped_cleanly(proc, run, out, "sql_evaluation", "SIGTERM")
+    assert not (run / "eval.json").exists()
+    assert len([e for e in read_metrics(run, "event") if e["event"] == "checkpoint_committed"]) == 2  # steps 4, 6
+
+    again = run_cli("train", str(run), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
+    assert sorted(r["step"] for r in read_metrics(run, "train")) == [1, 2, 3, 4, 5, 6]  # no step trained twice
+    assert [r["step"] for r in read_metrics(run, "eval") if "val_loss" in r] == [6, 6]  # the reruns' validations
+    assert json.loads((run / "eval.json").read_text())["n"] >= 1

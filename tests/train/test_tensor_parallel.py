@@ -18,9 +18,11 @@ from shardline.data.prepare import PreparedData
 from shardline.errors import SpecError
 from shardline.export import build_plain
 from shardline.rundir import create_run, read_spec
+from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
 from shardline.training.parallelize import enable_async_tp
+from shardline.training.state import rng_source_rank
 from shardline.training.tensor_parallel import check_tensor_parallel
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
@@ -203,14 +205,54 @@ def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path)
     spec = load_spec("tiny", [*small_overrides(tmp_path / "runs"), *COMMON, "parallel.nproc_per_node=4",
                               "parallel.tp=2", "model.lora.enabled=true", "model.lora.r=4",
                               "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"])
-    spec, _ = create_run(spec)
-    (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(Path(__file__).with_name("tp_worker.py")), str(tmp_path / "spec.json"), "3", str(tmp_path / "out.json")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    diffs = json.loads((tmp_path / "out.json").read_text())
+    diffs = _peer_differences(tmp_path, spec, steps=3)
     assert any("q_proj.lora_A" in n for n in diffs) and any("o_proj.lora_B" in n for n in diffs)
     assert any("layernorm" in n for n in diffs) and any("embed_tokens" in n for n in diffs)
     assert {n: d for n, d in diffs.items() if d != 0} == {}
+
+
+@pytest.mark.slow
+def test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical(tmp_path):
+    """Two data-parallel ranks of a tp=1 run (their own RNG streams) resume at tp=2 as tensor-parallel peers: both must
+    restore one saved stream (that of their data-parallel index), or LoRA dropout draws other masks on each and the
+    replicated factors drift apart — silently, since the checkpoint keeps one copy of a replicated tensor."""
+    lora = [*COMMON, "train.max_steps=4", "checkpoint.every_steps=2", "model.lora.enabled=true", "model.lora.r=4",
+            "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
+    out = run_cli("train", *[a for o in [*small_overrides(tmp_path / "tp1"), *lora] for a in ("--set", o)],
+                  "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:]
+    spec = load_spec("tiny", [*small_overrides(tmp_path / "tp2"), *lora, "parallel.nproc_per_node=2",
+                              "parallel.tp=2", f"checkpoint.resume_from={only_run(tmp_path / 'tp1')}@2"])
+    diffs = _peer_differences(tmp_path, spec, steps=2)
+    resumes = [e for e in read_metrics(only_run(tmp_path / "tp2"), "event") if e["event"] == "resume"]
+    assert [(e["step"], e["rng_restored"]) for e in resumes] == [(2, True)]
+    assert any("q_proj.lora_A" in n for n in diffs)
+    assert {n: d for n, d in diffs.items() if d != 0} == {}
+
+
+def test_rng_streams_a_rank_restores_follow_its_data_parallel_index_when_the_layout_changes():
+    def sources(world: int, per_row: int, saved_world: int, saved_per_row: int) -> list[int | None]:
+        return [rng_source_rank(r, world, per_row, saved_world, saved_per_row) for r in range(world)]
+
+    assert sources(4, 2, 4, 2) == [0, 1, 2, 3]  # the saved layout: every rank its own streams (exact resume)
+    assert sources(2, 2, 2, 1) == [0, 0]  # tp 1 → 2: both peers restore data-parallel rank 0's streams
+    assert sources(4, 2, 2, 1) == [0, 0, 1, 1]  # and on a larger world
+    assert sources(2, 1, 2, 2) == [0, None]  # tp 2 → 1: data-parallel rank 1 was not saved, it starts fresh
+    assert sources(2, 1, 4, 2) == [0, 2]  # 4 ranks at tp 2 → 2 at tp 1: one stream per saved data-parallel rank
+    assert sources(4, 1, 2, 1) == [0, 1, None, None]  # the world grows
+    assert sources(4, 2, 4, 4) == [0, 0, None, None]  # context × tensor parallel rows are peers too
+    assert sources(2, 1, 0, 1) == [None, None]  # a checkpoint without RNG streams
+
+
+def _peer_differences(tmp_path: Path, spec: JobSpec, steps: int) -> dict[str, float]:
+    """tp_worker.py's largest difference between tensor-parallel peers, per parameter TP leaves whole, after it
+    resumed (if the spec says so) and trained `steps` steps of `spec` (a new run)."""
+    spec, _ = create_run(spec)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
+           str(Path(__file__).with_name("tp_worker.py")), str(tmp_path / "spec.json"), str(steps),
+           str(tmp_path / "out.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp_path / "out.json").read_text())

@@ -2,10 +2,10 @@
 
     torchrun --standalone --nproc-per-node=4 tests/train/tp_worker.py SPEC.json STEPS OUT.json
 
-Trains STEPS steps of the spec (its run directory exists), then compares every parameter that tensor parallel
-leaves whole (embeddings, a tied head, and what it replicates over the group: the sequence-parallel norms, the LoRA
-factor beside a split projection) across the ranks of each
-tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers.
+Resumes from the checkpoint the spec names (`checkpoint.resume_from`), if any, trains STEPS steps of the spec (its
+run directory exists), then compares every parameter that tensor parallel leaves whole (embeddings, a tied head, and
+what it replicates over the group: the sequence-parallel norms, the LoRA factor beside a split projection) across the
+ranks of each tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main(spec_file: str, steps: int, out: str) -> None:
     with distributed() as ctx:
         spec = JobSpec.model_validate_json(Path(spec_file).read_text())
         trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
+        trainer.maybe_resume()
         for _ in range(steps):
             trainer.train_step()
         # this rank's FSDP shard of each such parameter: peers of one group hold the same data-parallel shard

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, parse_args, run
 
-from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_PREEMPTED
+from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
 from shardline.failures import HANG_ERROR, PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
 
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
@@ -141,9 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as e:  # the workers had the signal too; a preempted run already said what it saved
-        run_dir = _run_dir(list(args.training_script_args))
-        preempted = run_dir is not None and _status(run_dir) == "preempted"
-        return EXIT_PREEMPTED if preempted else 128 + int(e.sigval)
+        worker_args = list(args.training_script_args)
+        run_dir = _run_dir(worker_args)
+        status = _status(run_dir) if run_dir is not None else None
+        if status == "finished" and _task(worker_args) == "train":
+            return EXIT_OK  # the signal came after the workers recorded the end of the run: nothing was cut short
+        return EXIT_PREEMPTED if status == "preempted" else 128 + int(e.sigval)
     except ChildFailedError as e:
         worker_args = list(args.training_script_args)
         run_dir, task = _run_dir(worker_args), _task(worker_args)

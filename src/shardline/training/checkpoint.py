@@ -47,6 +47,7 @@ from shardline.training.checkpoint_storage import (
     sha256_stream,
 )
 from shardline.training.faults import maybe_fail
+from shardline.training.state import rng_source_rank
 
 log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"
@@ -355,18 +356,37 @@ class Checkpointer:
                                                               else ""))
         return None
 
-    def load(self, step: int, state: dict[str, Any], store: CheckpointStore | None = None) -> dict[str, Any]:
-        """Load `state` in place from a committed step. Per-rank RNG entries the checkpoint lacks (another
-        world size or device type) are dropped; everything else must be there."""
-        reader = (store or self.store).reader(step)
+    def load(self, step: int, state: dict[str, Any], store: CheckpointStore | None = None,
+             ranks_per_row: int = 1) -> dict[str, Any]:
+        """Load `state` from a committed step. This rank's RNG entry is filled with the streams of the saved rank
+        `rng_source_rank` picks for this run's layout (`ranks_per_row`: tensor × context parallel); streams the
+        checkpoint lacks (no such rank, another device type) are dropped. Everything else must be there."""
+        store = store or self.store
+        reader = store.reader(step)
         present = set(reader.read_metadata().state_dict_metadata)
-        state = {k: (_present_only(v, k, present) if k.startswith("rng_rank") else v) for k, v in state.items()}
-        state = {k: v for k, v in state.items() if v or not k.startswith("rng_rank")}
+        mine, source = f"rng_rank{self.rank}", None
+        if mine in state:
+            streams = state.pop(mine)
+            source = self._rng_source(store, step, present, ranks_per_row)
+            streams = {} if source is None else _present_only(streams, source, present)
+            if streams:
+                state[source] = streams
         try:
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
         except CheckpointException as e:
             raise _plain(e) from None
+        if source in state:
+            state[mine] = state.pop(source)
         return state
+
+    def _rng_source(self, store: CheckpointStore, step: int, present: set[str], ranks_per_row: int) -> str | None:
+        """The key of the saved RNG streams this rank restores (None: none). The saved world size is the number of
+        ranks that saved streams; the saved ranks per row come from the checkpoint's spec (none: this run's)."""
+        saved_world = len({k.split(".", 1)[0] for k in present if k.startswith("rng_rank")})
+        saved = checkpoint_spec(store, step)
+        saved_per_row = saved.parallel.ranks_per_row if saved is not None else ranks_per_row
+        source = rng_source_rank(self.rank, self.world, ranks_per_row, saved_world, saved_per_row)
+        return None if source is None else f"rng_rank{source}"
 
 
 def _present_only(entry: dict[str, Any], prefix: str, present: set[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 set a flag; ranks agree at the next step boundary and checkpoint.
+"""Preemption: SIGTERM / SIGUSR1 / SIGINT set a flag; ranks agree at the next step boundary, or after the current
+batch of a validation or generation (which is then abandoned), and checkpoint the step unless it is committed.
 
 torchrun forwards these signals to every worker (`--signals-to-handle`) and waits
 `launch.grace_seconds` before SIGKILL; Kubernetes sends SIGTERM on pod deletion or node drain, Slurm
@@ -43,3 +44,12 @@ class StopRequest:
 
 class Preempted(Exception):
     """Raised after the preemption checkpoint committed; the worker exits with EXIT_PREEMPTED."""
+
+
+class EvaluationStopped(Exception):
+    """Raised on every rank inside validation or generation once the ranks agreed to stop: the evaluation is
+    abandoned (it writes no score); the trainer then checkpoints the step if needed and raises Preempted."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"stopped during {phase}")
+        self.phase = phase

@@ -1,4 +1,5 @@
-"""What a checkpoint holds besides weights: counters, scheduler, and each rank's RNG streams."""
+"""What a checkpoint holds besides weights: counters, scheduler, each rank's RNG streams, and whose streams a rank
+restores when the parallel layout changed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from shardline.training.parallelize import data_parallel_rank
 
 PYTHON_RNG_VERSION = 3
 RNG_STREAMS = {"python", "python_gauss", "numpy", "numpy_pos", "numpy_gauss", "torch"}
@@ -51,6 +54,21 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def rng_source_rank(rank: int, world: int, ranks_per_row: int, saved_world: int, saved_per_row: int) -> int | None:
+    """The saved rank whose RNG streams `rank` restores; None: none, it keeps the fresh streams it was seeded with
+    (`train.seed` + its data-parallel index).
+
+    Streams belong to data-parallel ranks: tensor- and context-parallel peers (`ranks_per_row` consecutive ranks) draw
+    the same dropout masks. On the layout the checkpoint was saved with (world size and ranks per row), every rank
+    restores its own streams: an exact resume. On another layout, a rank restores those of the first saved rank with
+    its data-parallel index, so peers restore one stream; an index the checkpoint lacks (more data-parallel ranks
+    than were saved) starts fresh."""
+    if (world, ranks_per_row) == (saved_world, saved_per_row):
+        return rank
+    dp_rank, _ = data_parallel_rank(rank, world, ranks_per_row)
+    return dp_rank * saved_per_row if dp_rank < saved_world // saved_per_row else None
+
+
 def state_dict_options(model: nn.Module) -> StateDictOptions:
     """With LoRA only trainable (adapter) weights are saved; the base is rebuilt from the spec, so loading
     must not insist on the frozen keys."""
@@ -70,7 +88,8 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, co
 
 def apply_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any],
                          rank: int) -> bool:
-    """Push a loaded state dict into model/optimizer/RNG; returns whether this rank's RNG was restored."""
+    """Push a loaded state dict into model/optimizer/RNG; returns whether this rank's RNG was restored (the streams
+    `Checkpointer.load` put under its key, `rng_source_rank`'s choice)."""
     opts = state_dict_options(model)
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=opts)

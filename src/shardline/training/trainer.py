@@ -13,8 +13,10 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from itertools import zip_longest
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ from shardline.data.loader import StepSampler, eval_batches, make_batch, select_
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
+from shardline.failures import PHASES
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
@@ -68,12 +71,13 @@ from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_b
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from shardline.training.parallelize import data_parallel_rank, device_mesh, parallelize
 from shardline.training.profiling import StepProfiler
-from shardline.training.signals import Preempted, StopRequest
+from shardline.training.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.training.state import apply_training_state, training_state
 from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 from shardline.training.tensor_parallel import check_tensor_parallel, split_weights, splits_vocabulary
 
 log = logging.getLogger("shardline")
+T = TypeVar("T")
 WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of the mean throughput
 
 
@@ -130,6 +134,8 @@ class Trainer:
                                          on_gpu=ctx.device.type == "cuda")
         self.stop = stop or StopRequest()
         self.step = 0
+        self.saved_step: int | None = None
+        """The step of this run's newest save (committed, or in flight until `checkpointer.wait()`)."""
         self.consumed_tokens = 0
         self.checkpoint_stalls: list[float] = []
         self.last_blocking_save_s = 0.0
@@ -235,6 +241,7 @@ class Trainer:
         maybe_fail("checkpoint", self.ctx.rank, self.step)
         state = training_state(self.model, self.optimizer, self._counters(), self.ctx.rank)
         stall = self.checkpointer.save(self.step, state, self._checkpoint_files(), blocking=blocking)
+        self.saved_step = self.step
         self.checkpoint_stalls.append(stall)
         if blocking:
             self.last_blocking_save_s = stall
@@ -277,7 +284,7 @@ class Trainer:
         started = time.perf_counter()
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
-        state = self.checkpointer.load(step, state, store)
+        state = self.checkpointer.load(step, state, store, ranks_per_row=self.spec.parallel.ranks_per_row)
         rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
         if with_optimizer:
             counters = state["train"]
@@ -291,6 +298,8 @@ class Trainer:
             self.scheduler.base_lrs = [self.spec.train.lr] * len(self.optimizer.param_groups)
         else:
             self.step = step
+        if store is self.checkpointer.store:  # committed in this run's own store: a stop now need not save it again
+            self.saved_step = step
         # an evaluation of a finished run loads weights only: not a resume of training (the report, goodput and
         # Prometheus count resumes)
         self._event(event="resume" if with_optimizer else "evaluation_restore", step=step,
@@ -428,15 +437,53 @@ class Trainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
-    def _preempt(self) -> None:
-        """Checkpoint the current step synchronously, record the grace used, and stop."""
-        self.save_checkpoint(blocking=True)
+    def _stop_agreed(self) -> bool:
+        """All ranks decide together whether a stop signal reached any of them (a collective: call on every rank)."""
+        flag = torch.tensor([float(self.stop.requested)], device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag[0])
+
+    def _preempt(self, phase: str = "training") -> NoReturn:
+        """Checkpoint the current step synchronously unless it is committed already, record the grace used and the
+        phase the stop interrupted, and stop."""
+        self.checkpointer.wait()  # a background save in flight commits first (or fails loudly)
+        if self.saved_step != self.step:
+            self.save_checkpoint(blocking=True)
+        self._flush_checkpoint_events()
         grace = time.monotonic() - self.stop.received_at if self.stop.received_at else None
-        self._event(event="preempted", step=self.step, signal=self.stop.name or "peer rank",
+        self._event(event="preempted", step=self.step, phase=phase, signal=self.stop.name or "peer rank",
                     grace_used_s=round(grace, 3) if grace is not None else None)
-        self._say(f"preempted by {self.stop.name or 'a signal on another rank'}: checkpoint of step {self.step} "
-                  f"committed" + (f", {grace:.1f}s after the signal" if grace is not None else ""))
+        doing = {**PHASES, "sample_generations": "generating the sample answers"}.get(phase, phase)
+        during = "" if phase == "training" else f" while {doing}"
+        rest = ("; training is complete: `shardline train RUN_DIR` runs the evaluation that was cut short"
+                if self.step >= self.spec.train.max_steps and phase != "training" else "")
+        self._say(f"preempted by {self.stop.name or 'a signal on another rank'}{during}: checkpoint of step "
+                  f"{self.step} committed" + (f", {grace:.1f}s after the signal" if grace is not None else "") + rest)
         raise Preempted(self.step)
+
+    def _stoppable(self, evaluation: Callable[[], T]) -> T:
+        """Run a validation or generation; a stop the ranks agreed on inside it ends the attempt as a preemption."""
+        try:
+            return evaluation()
+        except EvaluationStopped as e:
+            self._preempt(e.phase)
+
+    def _after_validation_batch(self) -> None:
+        """Every rank, after each validation batch: a drill's fault point, then stop if a signal reached any rank."""
+        maybe_fail("validation_batch", self.ctx.rank, self.step)
+        if self._stop_agreed():
+            raise EvaluationStopped("validation")
+
+    def _after_generation_batch(self) -> None:
+        """Every rank, after each generation batch (the SQL evaluation, sample generations): as validation's."""
+        maybe_fail("generation_batch", self.ctx.rank, self.step)
+        if self._stop_agreed():
+            raise EvaluationStopped(self.phase if self.phase in ("sql_evaluation", "evaluation")
+                                    else "sample_generations")
+
+    def _stop_requested(self) -> bool:
+        """This rank's own flag, read inside `generate` between tokens (no collective)."""
+        return self.stop.requested
 
     def validate(self) -> float:
         """Validation loss over every validation row (and per source, for a mixture), logged as an eval record."""
@@ -453,13 +500,14 @@ class Trainer:
                 part = select_rows(rows, np.flatnonzero(self.data.row_sources("validation") == i))
                 batches = eval_batches(part, t.micro_batch_size, self.dp_rank, self.dp_world)
                 total, tokens = validation_loss_sums(self.model, batches, self.ctx.device, t.loss_chunk_tokens,
-                                                     self.cp_mesh)
+                                                     self.cp_mesh, self._after_validation_batch)
                 by_source[name] = total / max(tokens, 1)
                 sums.append((total, tokens))
             loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1)
         else:
             batches = eval_batches(rows, t.micro_batch_size, self.dp_rank, self.dp_world)
-            loss = validation_loss(self.model, batches, self.ctx.device, t.loss_chunk_tokens, self.cp_mesh)
+            loss = validation_loss(self.model, batches, self.ctx.device, t.loss_chunk_tokens, self.cp_mesh,
+                                   self._after_validation_batch)
         if self.metrics:
             self.metrics.write("eval", {"step": self.step, "val_loss": loss,
                                         **({"val_loss_by_source": by_source} if by_source else {}),
@@ -491,13 +539,13 @@ class Trainer:
             if stop:
                 self._preempt()
             if record.step % t.eval_every == 0 and record.step < t.max_steps:
-                self.validate()
+                self._stoppable(self.validate)
             step_due = ck.every_steps and record.step % ck.every_steps == 0
             if (step_due or time_due) and record.step < t.max_steps:
                 self.save_checkpoint()
                 last_save = time.monotonic()
         wall = time.perf_counter() - wall
-        val_loss = self.validate()
+        val_loss = self._stoppable(self.validate)
         if self.checkpointer.store.latest() != self.step or self.checkpointer.pending:
             waited = time.perf_counter()
             self.checkpointer.wait()
@@ -505,8 +553,10 @@ class Trainer:
             if self.checkpointer.store.latest() != self.step:
                 self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
+        if self._stop_agreed():  # the signal came during the final save: it is committed, the evaluation not begun
+            self._preempt("checkpoint")
         summary = self.summarize(records, wall, val_loss)
-        summary |= self.evaluate_generation()
+        summary |= self._stoppable(self.evaluate_generation)
         if goodput := self.record_goodput():
             summary["goodput"] = {"ratio": goodput.ratio, "wall_s": goodput.wall_s, **goodput.buckets,
                                   "attempts": len(goodput.attempts)}
@@ -568,7 +618,8 @@ class Trainer:
         start = time.perf_counter()
         result = generation_eval(self.model, self.tokenizer, examples, self.spec, self.task,
                                  self.data.meta["pad_id"], self.ctx.device,
-                                 ranks_per_row=self.spec.parallel.ranks_per_row)
+                                 ranks_per_row=self.spec.parallel.ranks_per_row,
+                                 after_batch=self._after_generation_batch, stop_requested=self._stop_requested)
         if result is None:
             return {}
         seconds = time.perf_counter() - start
@@ -595,7 +646,8 @@ class Trainer:
         picked = [ex for group in zip_longest(*by_source.values()) for ex in group if ex is not None][:k]
         start = time.perf_counter()
         samples = sample_generations(self.model, self.tokenizer, picked, self.spec, self.task,
-                                     self.data.meta["pad_id"], self.ctx.device, self.spec.parallel.ranks_per_row)
+                                     self.data.meta["pad_id"], self.ctx.device, self.spec.parallel.ranks_per_row,
+                                     after_batch=self._after_generation_batch, stop_requested=self._stop_requested)
         if not samples:
             return {}
         (self.run_dir / "eval.json").write_text(json.dumps(
