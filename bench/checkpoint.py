@@ -204,7 +204,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import torch
 
-    from shardline.training.distributed import distributed
+    from shardline.parallel.mesh import distributed
 
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp, distributed() as ctx:

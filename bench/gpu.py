@@ -192,8 +192,8 @@ def auto_layers(run: Run, free: int, total: int) -> tuple[int, dict]:
 def build(run: Run, layers: int) -> Bench:
     from transformers import AutoModelForCausalLM
 
+    from shardline.parallel.fsdp import apply_activation_checkpointing
     from shardline.spec import ParallelSpec
-    from shardline.training.parallelize import apply_activation_checkpointing
 
     torch.manual_seed(0)
     with torch.device(run.device):

@@ -81,7 +81,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def ctx():
     """One in-process gloo rank (world 1) for tests that drive the Trainer directly."""
-    from shardline.training.distributed import distributed
+    from shardline.parallel.mesh import distributed
 
     mp = pytest.MonkeyPatch()
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}.items():

@@ -10,7 +10,7 @@ EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
 EXIT_HANG = 76
-"""A rank stopped making progress (training/watchdog.py): restart from the last checkpoint, like 1."""
+"""A rank stopped making progress (resilience/watchdog.py): restart from the last checkpoint, like 1."""
 EXIT_INTERRUPTED = 130
 """Ctrl-C before any worker ran (128 + SIGINT, as a shell reports it); once they run, Ctrl-C checkpoints: 75."""
 EXIT_IN_PLACE_RESTART = 77

@@ -30,6 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerBase
 
+from shardline.checkpointing.manager import CheckpointStore, checkpoint_spec, step_name
+from shardline.checkpointing.storage import WeightsOnlyLoadPlanner
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
@@ -40,8 +42,6 @@ from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, spec_hash
 from shardline.storage import filesystem_for
-from shardline.training.checkpoint import CheckpointStore, checkpoint_spec, step_name
-from shardline.training.checkpoint_storage import WeightsOnlyLoadPlanner
 
 EXPORT_INFO = "shardline_export.json"
 BASE_INFO = "shardline_base.json"

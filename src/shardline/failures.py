@@ -29,7 +29,7 @@ PHASES = {
 }
 
 HANG_ERROR = "HangDetected"
-"""`error_type` of the record the hang watchdog (training/watchdog.py) writes for a rank that stopped arriving."""
+"""`error_type` of the record the hang watchdog (resilience/watchdog.py) writes for a rank that stopped arriving."""
 
 # How a collective reports that another rank is gone (gloo, NCCL): a consequence, not a cause.
 PEER_LOST = re.compile(r"closed by peer|reset by peer|remote process exited|communicator was aborted|"

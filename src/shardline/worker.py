@@ -31,16 +31,16 @@ from shardline.errors import (
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
 from shardline.ops.tasks import OPS_TASKS, run_task
+from shardline.parallel.mesh import DistContext, distributed
+from shardline.resilience.signals import EvaluationStopped, Preempted, StopRequest
+from shardline.resilience.watchdog import enable_flight_recorder, hang_watchdog
 from shardline.run_status import RECORD_PROCESSES_ENV, record_process
 from shardline.rundir import create_run, run_path, update_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.spec.rules import require_torch_engine
 from shardline.storage import check_locations
-from shardline.training.distributed import DistContext, distributed
-from shardline.training.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.training.trainer import Trainer
-from shardline.training.watchdog import enable_flight_recorder, hang_watchdog
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:

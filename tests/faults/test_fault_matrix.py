@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.training.checkpoint import CheckpointStore, step_name
+from shardline.checkpointing.manager import CheckpointStore, step_name
 from tests.conftest import REPO, only_run, read_metrics, small_overrides
 from tests.faults.conftest import MATRIX
 

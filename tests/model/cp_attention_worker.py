@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shardline.data.loader import make_batch
 from shardline.data.packing import Document, pack
-from shardline.model.context_parallel import context_parallel_attention, shard_batch
 from shardline.model.document_attention import document_sdpa
+from shardline.parallel.context import context_parallel_attention, shard_batch
 from shardline.worker import exit_without_teardown
 
 SEQ, HEADS, DIM = 256, 4, 8

@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from shardline.data.prepare import prepare
+from shardline.parallel.mesh import distributed
 from shardline.rundir import run_path
 from shardline.spec import JobSpec
-from shardline.training.distributed import distributed
 from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 

@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shardline.model import sharded_load
 from shardline.model.build import build_model
+from shardline.parallel.fsdp import device_mesh, parallelize
+from shardline.parallel.mesh import distributed
 from shardline.spec import ModelSpec, ParallelSpec
-from shardline.training.distributed import distributed
-from shardline.training.parallelize import device_mesh, parallelize
 from shardline.worker import exit_without_teardown
 
 

@@ -18,8 +18,8 @@ from shardline.model import sharded_load
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
+from shardline.parallel.fsdp import device_mesh, parallelize
 from shardline.spec import ModelSpec, ParallelSpec
-from shardline.training.parallelize import device_mesh, parallelize
 from tests.conftest import REPO, small_spec
 from tests.model.sharded_load_worker import fixed_input, write_checkpoint
 

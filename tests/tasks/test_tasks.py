@@ -115,7 +115,7 @@ import shardline.worker  # everything a training process imports
 from shardline.data.prepare import prepare
 from shardline.spec.resolve import load_spec
 from shardline.tasks import get_task
-from shardline.training.distributed import distributed
+from shardline.parallel.mesh import distributed
 from shardline.training.trainer import Trainer
 
 spec = load_spec(sys.argv[1], [])

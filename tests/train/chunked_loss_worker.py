@@ -23,11 +23,11 @@ from shardline.data.packing import Document, pack
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
+from shardline.parallel.fsdp import device_mesh, parallelize
+from shardline.parallel.mesh import distributed
 from shardline.spec import ParallelSpec
 from shardline.spec.resolve import load_spec
-from shardline.training.distributed import distributed
 from shardline.training.evaluate import token_loss_sum
-from shardline.training.parallelize import device_mesh, parallelize
 from shardline.worker import exit_without_teardown
 
 ARCH = ["model.arch.vocab_size=501", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",

@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from rich.console import Console
 
+from shardline.checkpointing.manager import CheckpointStore, step_name
+from shardline.checkpointing.state import rng_state, set_rng_state
 from shardline.errors import ShardlineError
-from shardline.training.checkpoint import CheckpointStore, step_name
-from shardline.training.state import rng_state, set_rng_state
 from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 
@@ -103,8 +103,8 @@ def test_a_planted_pickle_in_a_checkpoint_value_is_refused_and_never_runs(ctx, t
     store = CheckpointStore(str(tmp_path / "ckpt"))
     dcp.save({"train": {"step": _Planted(str(marker))}}, storage_writer=store.writer(1))
     assert not marker.exists()
+    from shardline.checkpointing.manager import Checkpointer
     from shardline.spec import CheckpointSpec
-    from shardline.training.checkpoint import Checkpointer
 
     checkpointer = Checkpointer(CheckpointSpec(async_save=False), str(tmp_path / "ckpt"), on_gpu=False)
     with pytest.raises(ShardlineError, match="non-data object"):

@@ -5,9 +5,9 @@ import torch
 from rich.console import Console
 from torch.distributed.tensor import DTensor
 
+from shardline.checkpointing.manager import CheckpointStore, step_name
 from shardline.errors import SpecError
 from shardline.spec.resolve import spec_to_yaml
-from shardline.training.checkpoint import CheckpointStore, step_name
 from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 

@@ -14,9 +14,9 @@ import torch
 from rich.console import Console
 from torch.distributed.tensor import DTensor
 
+from shardline.checkpointing.manager import COMMITTED, COORDINATOR_CHECKSUMS, CheckpointStore, retained, step_name
 from shardline.errors import SpecError
 from shardline.spec.resume_policy import check_resume
-from shardline.training.checkpoint import COMMITTED, COORDINATOR_CHECKSUMS, CheckpointStore, retained, step_name
 from shardline.training.trainer import Trainer
 from tests.conftest import free_port, small_spec
 
@@ -188,7 +188,7 @@ def test_every_minutes_makes_all_ranks_agree_to_save(ctx, tmp_path, prepared):
 def test_a_failed_write_on_a_full_filesystem_is_reported_as_no_space_whatever_torch_says(tmp_path):
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from shardline.training.checkpoint_storage import ChecksummedFileSystemWriter, out_of_space
+    from shardline.checkpointing.storage import ChecksummedFileSystemWriter, out_of_space
 
     class ShortWrite(ChecksummedFileSystemWriter):  # what torch's zip writer raises when a write comes up short
         def _write_data(self, planner, file_queue):

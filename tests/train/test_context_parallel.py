@@ -14,7 +14,7 @@ import pytest
 from transformers import Gemma2Config
 
 from shardline.errors import SpecError
-from shardline.model.context_parallel import check_context_parallel
+from shardline.parallel.context import check_context_parallel
 from shardline.spec.resolve import load_spec
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.train.test_preemption import _losses

@@ -11,7 +11,7 @@ from rich.console import Console
 
 import shardline.training.evaluate as evaluate
 from shardline.data.loader import eval_batches
-from shardline.training.signals import Preempted
+from shardline.resilience.signals import Preempted
 from shardline.training.trainer import Trainer
 from tests.conftest import read_metrics, small_spec
 

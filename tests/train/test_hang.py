@@ -14,9 +14,9 @@ import pytest
 
 from shardline.errors import EXIT_HANG, SpecError
 from shardline.failures import read_failures
+from shardline.resilience.watchdog import Heartbeat, hang_message, heartbeat_interval, judge
 from shardline.rundir import read_manifest
 from shardline.spec.resolve import load_spec
-from shardline.training.watchdog import Heartbeat, hang_message, heartbeat_interval, judge
 from tests.conftest import REPO, read_metrics, small_overrides
 
 TIMEOUT_S = 8

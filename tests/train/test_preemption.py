@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardline.checkpointing.manager import CheckpointStore
 from shardline.data.loader import StepSampler
 from shardline.errors import EXIT_PREEMPTED
 from shardline.goodput import BADPUT, BUCKETS
 from shardline.run_status import read_status
-from shardline.training.checkpoint import CheckpointStore
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 
 pytestmark = pytest.mark.slow

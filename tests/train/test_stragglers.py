@@ -7,7 +7,7 @@ import sys
 import pytest
 from PIL import Image
 
-from shardline.training.stragglers import straggler_fields
+from shardline.resilience.stragglers import straggler_fields
 from tests.conftest import REPO, only_run, read_metrics, small_overrides
 
 SLOW_S = 0.3

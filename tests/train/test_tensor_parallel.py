@@ -14,16 +14,16 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
+from shardline.checkpointing.state import rng_source_rank
 from shardline.data.prepare import PreparedData
 from shardline.errors import SpecError
 from shardline.export import build_plain
+from shardline.parallel.fsdp import enable_async_tp
+from shardline.parallel.tensor import check_tensor_parallel
 from shardline.rundir import create_run, read_spec
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
-from shardline.training.parallelize import enable_async_tp
-from shardline.training.state import rng_source_rank
-from shardline.training.tensor_parallel import check_tensor_parallel
 from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
 from tests.train.test_preemption import _losses, _start, _wait_for_step, _workers

@@ -29,7 +29,7 @@ class Batch:
     n_loss_tokens: int
     n_tokens: int  # non-padding tokens
     spans: DocumentSpans | None  # the documents (CPU): document-masked attention and the FLOPs count; None for
-    # a rank's context-parallel part (its attention masks come from shardline.model.context_parallel)
+    # a rank's context-parallel part (its attention masks come from shardline.parallel.context)
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),

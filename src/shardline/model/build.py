@@ -1,7 +1,7 @@
 """Build the model on the meta device: a Llama-architecture config (random init) or a local/hub HF checkpoint.
 
 Model code stays plain single-device PyTorch (HF transformers); parallelism is applied afterwards by
-`shardline.training.parallelize`, and only then are the weights materialised, each rank holding just its own
+`shardline.parallel.fsdp`, and only then are the weights materialised, each rank holding just its own
 shards (`shardline.model.sharded_load.materialize`). A plain single-process model (export, tests) is the same
 meta build materialised whole on one device, so both paths give the same weights.
 """

@@ -32,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
-from shardline.model.context_parallel import active_shard, context_parallel_attention
+from shardline.parallel.context import active_shard, context_parallel_attention
 
 NAME = "shardline_document_attention"
 """The implementation's key in transformers' attention registry; specs say `sdpa`. The key must not contain

@@ -154,7 +154,7 @@ def plot_step_time(recs: RunRecords):
 
 
 def plot_stragglers(recs: RunRecords):
-    """Per-rank step time (training/stragglers.py): the slowest and the median rank per step, and which rank
+    """Per-rank step time (resilience/stragglers.py): the slowest and the median rank per step, and which rank
     was the slowest (right axis); the title names the rank slowest most often and its mean excess."""
     fig, ax = _figure("per-rank step time")
     _lines(ax, recs, "step_time_max_s", "slowest rank", "tab:red")

@@ -46,7 +46,7 @@ def count_resumes(metrics_file: Path) -> int:
 
 
 def past_hangs(metrics_file: Path) -> list[dict]:
-    """Earlier attempts' `hang` events (training/watchdog.py): their reporting process exited at once."""
+    """Earlier attempts' `hang` events (resilience/watchdog.py): their reporting process exited at once."""
     return [r for r in read_jsonl(metrics_file) if r.get("event") == "hang"]
 
 
@@ -166,7 +166,7 @@ def observing(spec: JobSpec, run_dir: Path, trainer: Trainer, console: Console) 
     if not trainer.ctx.is_main:
         yield
         return
-    from shardline.training.signals import Preempted
+    from shardline.resilience.signals import Preempted
 
     try:
         session = ObserveSession(spec, run_dir, trainer, console)

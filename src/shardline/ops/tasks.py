@@ -63,7 +63,7 @@ def netcheck_tables(records, world: int) -> list[Table]:
 
 def run_netcheck(spec: JobSpec, console: Console, out: Path | None) -> int:
     from shardline.ops.netcheck import evaluate, expected_busbw, result_document, sweep
-    from shardline.training.distributed import distributed
+    from shardline.parallel.mesh import distributed
 
     with distributed() as ctx:
         backend = str(dist.get_backend())
@@ -118,7 +118,7 @@ def gpucheck_table(results) -> Table:
 
 def run_gpucheck(spec: JobSpec, console: Console, out: Path | None) -> int:
     from shardline.ops.gpucheck import check_rank, exit_code, result_document, summarize
-    from shardline.training.distributed import distributed
+    from shardline.parallel.mesh import distributed
 
     with distributed() as ctx:
         mine = check_rank(spec, ctx.rank, ctx.device)

@@ -84,7 +84,7 @@ def check_combinations(spec: JobSections) -> None:
 FLEX_BLOCK = 128
 """flex attention's block size: torch's context-parallel block mask needs rows of a multiple of cp × this."""
 MIN_HANG_TIMEOUT_S = 5.0  # below this, a slow step on a busy host reads as a hang
-MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (training.distributed): past it, gloo/NCCL fail first
+MAX_HANG_TIMEOUT_S = 1800.0  # the collective timeout (parallel.mesh): past it, gloo/NCCL fail first
 
 
 def data_parallel_ranks(world: int, p: ParallelSpec) -> str:

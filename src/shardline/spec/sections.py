@@ -536,7 +536,7 @@ class LaunchSpec(Section):
     """After a stop signal, how long workers may take to checkpoint before SIGKILL
     (torchrun --shutdown-timeout; Kubernetes terminationGracePeriodSeconds; Slurm --signal lead time)."""
     hang_timeout_seconds: float | None = Field(None, ge=0)
-    """Hang detection (training/watchdog.py): when a rank's step or phase makes no progress for this long,
+    """Hang detection (resilience/watchdog.py): when a rank's step or phase makes no progress for this long,
     every rank dumps its Python stacks to logs/stack-rank-<k>.txt, the run names the rank(s) whose heartbeat
     stopped (step, phase, stack top, host), and the workers exit 76 so that torchrun (launch.max_restarts) or
     the engine restarts them from the last checkpoint. Must exceed the slowest step, validation and checkpoint

@@ -8,7 +8,7 @@ FSDP's hooks unshard the head while it is used and reduce-scatter its gradient a
 `model(...).logits`, and module trackers (the dry run's `FSDPMemTracker`) see an ordinary forward.
 
 Under tensor parallel with an untied head the head's weight is split over the vocabulary (loss parallel,
-`shardline.training.tensor_parallel`): each chunk's logits are then a rank's vocabulary columns, and torch's
+`shardline.parallel.tensor`): each chunk's logits are then a rank's vocabulary columns, and torch's
 `loss_parallel` (entered by the caller around forward and backward) computes the cross-entropy across them.
 """
 

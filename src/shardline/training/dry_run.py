@@ -22,6 +22,7 @@ from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora
+from shardline.parallel.fsdp import device_mesh, fsdp_param_groups, parallelize
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.memory import (
     COMPONENTS,
@@ -34,7 +35,6 @@ from shardline.planning.memory import (
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.fake_world import fake_process_group
-from shardline.training.parallelize import device_mesh, fsdp_param_groups, parallelize
 from shardline.training.step_memory import simulate_step
 
 KERNELS = ("CPU kernels: per-document SDPA (CPU flash) for sdpa and flash_attention_2, CPU dropout, "

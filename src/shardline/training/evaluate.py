@@ -24,13 +24,13 @@ from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
-from shardline.model.context_parallel import context_parallel_batch, shard_batch
 from shardline.model.families import is_tested
+from shardline.parallel.context import context_parallel_batch, shard_batch
+from shardline.parallel.fsdp import data_parallel_rank
+from shardline.parallel.tensor import loss_context
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
-from shardline.training.parallelize import data_parallel_rank
-from shardline.training.tensor_parallel import loss_context
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ class TrainRecord:
     hfu: float  # executed FLOPs (padding, attention as computed, recompute) / the peak
     mem_peak_bytes: int
     epoch: float
-    # Per-rank step time (training/stragglers.py): the slowest rank's, the median rank's, and which rank.
+    # Per-rank step time (resilience/stragglers.py): the slowest rank's, the median rank's, and which rank.
     step_time_max_s: float | None = None
     step_time_median_s: float | None = None
     slowest_rank: int | None = None

@@ -24,11 +24,11 @@ from shardline.data.spans import document_spans
 from shardline.model import document_attention
 from shardline.model.build import causal_lm
 from shardline.model.families import layer_windows
+from shardline.parallel.tensor import loss_context
 from shardline.spec import TrainSpec
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.fake_world import fake_tensor_mode, mem_tracker_class
 from shardline.training.optim import build_optimizer, clip_grad_norm
-from shardline.training.tensor_parallel import loss_context
 
 CPU = torch.device("cpu")
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.profiler import record_function
 
+from shardline.checkpointing.manager import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
+from shardline.checkpointing.state import apply_training_state, training_state
 from shardline.data.loader import StepSampler, eval_batches, make_batch, select_rows
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
@@ -32,7 +34,6 @@ from shardline.failures import PHASES
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model
-from shardline.model.context_parallel import check_context_parallel
 from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
@@ -48,16 +49,21 @@ from shardline.model.flops import (
 from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
+from shardline.parallel.context import check_context_parallel
+from shardline.parallel.fsdp import data_parallel_rank, device_mesh, parallelize
+from shardline.parallel.mesh import DistContext
+from shardline.parallel.tensor import check_tensor_parallel, split_weights, splits_vocabulary
 from shardline.planning.memory import planned_peak_bytes
 from shardline.precision import choose_precision, cuda_native_bf16, emulated_bf16_warning
 from shardline.procfs import process_start_epoch
+from shardline.resilience.faults import maybe_fail
+from shardline.resilience.signals import EvaluationStopped, Preempted, StopRequest
+from shardline.resilience.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
-from shardline.training.checkpoint import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
-from shardline.training.distributed import DistContext
 from shardline.training.evaluate import (
     generation_eval,
     rank_part,
@@ -66,15 +72,9 @@ from shardline.training.evaluate import (
     validation_loss,
     validation_loss_sums,
 )
-from shardline.training.faults import maybe_fail
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from shardline.training.parallelize import data_parallel_rank, device_mesh, parallelize
 from shardline.training.profiling import StepProfiler
-from shardline.training.signals import EvaluationStopped, Preempted, StopRequest
-from shardline.training.state import apply_training_state, training_state
-from shardline.training.stragglers import own_step_seconds, straggler_fields, with_rank_slot
-from shardline.training.tensor_parallel import check_tensor_parallel, split_weights, splits_vocabulary
 
 log = logging.getLogger("shardline")
 T = TypeVar("T")

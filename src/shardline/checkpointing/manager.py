@@ -30,12 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardline.errors import ShardlineError
-from shardline.rundir import checkpoint_location, read_spec
-from shardline.spec import CheckpointSpec, JobSpec
-from shardline.spec.resolve import read_spec_file
-from shardline.storage import filesystem_for
-from shardline.training.checkpoint_storage import (
+from shardline.checkpointing.state import rng_source_rank
+from shardline.checkpointing.storage import (
     CHECKSUM_SUFFIX,
     ChecksummedFileSystemWriter,
     ChecksummedFsspecWriter,
@@ -46,8 +42,12 @@ from shardline.training.checkpoint_storage import (
     parse_checksums,
     sha256_stream,
 )
-from shardline.training.faults import maybe_fail
-from shardline.training.state import rng_source_rank
+from shardline.errors import ShardlineError
+from shardline.resilience.faults import maybe_fail
+from shardline.rundir import checkpoint_location, read_spec
+from shardline.spec import CheckpointSpec, JobSpec
+from shardline.spec.resolve import read_spec_file
+from shardline.storage import filesystem_for
 
 log = logging.getLogger("shardline")
 COMMITTED = "COMMITTED"

@@ -14,8 +14,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
+from shardline.parallel.tensor import apply_tensor_parallel
 from shardline.spec import ParallelSpec, Precision
-from shardline.training.tensor_parallel import apply_tensor_parallel
 
 # Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
 # recomputes everything else (norms, activations, rotary, residual adds) in backward.

@@ -5,7 +5,7 @@ daemon threads beside the training loop (`launch.hang_timeout_seconds`):
 
 - the *publisher* writes this rank's heartbeat (a sequence number, step, phase, wall time, host, pid and the
   main thread's stack top) under `shardline/heartbeat/<rank>` in the rendezvous store every `interval` seconds
-  — no new service, and keys are per torchrun attempt (training.distributed);
+  — no new service, and keys are per torchrun attempt (parallel.mesh);
 - the *watchdog* checks that this rank's (step, phase) moved within the timeout. When it has not, it dumps
   every thread's Python stack to `logs/stack-rank-<k>.txt` (faulthandler) and the collective flight
   recorder to `logs/flight-recorder-rank-<k>.json`, reads all heartbeats twice an interval apart, and names

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from shardline.training.parallelize import data_parallel_rank
+from shardline.parallel.fsdp import data_parallel_rank
 
 PYTHON_RNG_VERSION = 3
 RNG_STREAMS = {"python", "python_gauss", "numpy", "numpy_pos", "numpy_gauss", "torch"}
