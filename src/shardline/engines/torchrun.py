@@ -23,14 +23,16 @@ from torch.distributed.run import get_args_parser, parse_args, run
 from shardline.errors import EXIT_FAILURE, EXIT_HANG, EXIT_OK, EXIT_PREEMPTED
 from shardline.failures import HANG_ERROR, PEER_LOST, REPORTER_ENV, WorkerFailure, failure_message, read_failures
 
-CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
                   "MALLOC_TOP_PAD_": str(512 << 20)}
-"""glibc malloc settings for CPU training workers: blocks up to 32 MiB (activations, gradients, a layer's flat
-buffers) come from the heap and freed ones stay there, instead of being mmapped and unmapped on every use and
-page-faulted in again (torch's CPU allocator is plain malloc). Measured on the bench model (bf16, 1 process × 2
-threads, 14 steps, two runs each way, one session): 2,500 / 2,541 → 2,684 / 2,723 tok/s (+7 %); the cost is
-that a worker keeps the heap at its peak. Workers on a GPU host keep glibc's defaults (their tensors live in
-the CUDA caching allocator). Values the environment already sets win."""
+"""glibc malloc settings for CPU training workers (torch's CPU allocator is plain malloc): freed heap blocks stay
+(no trimming), so small and medium tensors are not page-faulted in again every step; blocks from 1 MiB up are
+mmapped and returned on free. A fixed threshold also stops glibc raising it to the largest freed block.
+The threshold was 32 MiB (+7 % tok/s on the bench model, bench/RESULTS.md), but the heap then fragments under
+per-step sizes that vary (document-length buckets, the last loss chunk): the default tiny run's peak RSS grew
+0.59 → 1.11 GiB over 60 steps and 1.34 GiB by step 300. At 1 MiB it levels off after ~50 steps: 0.92 GiB at
+step 50, 0.97 at step 170 (2 processes, one session). Workers on a GPU host keep glibc's defaults (their
+tensors live in the CUDA caching allocator). Values the environment already sets win."""
 
 
 def worker_allocator_env(on_gpu: bool) -> dict[str, str]:
