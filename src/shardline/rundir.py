@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
+from importlib.metadata import version as distribution_version
 from pathlib import Path
 
 from shardline.clock import format_duration
@@ -223,12 +224,11 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    import peft
+    """From the installed distributions: importing peft (and transformers) just for their versions costs seconds."""
     import torch
-    import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "shardline": __version__, "platform": platform.platform()}
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": distribution_version("transformers"),
+            "peft": distribution_version("peft"), "shardline": __version__, "platform": platform.platform()}
 
 
 _CLAIMS: dict[Path, object] = {}
