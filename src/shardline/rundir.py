@@ -227,8 +227,9 @@ def _versions() -> dict[str, str]:
     """From the installed distributions: importing peft (and transformers) just for their versions costs seconds."""
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": distribution_version("transformers"),
-            "peft": distribution_version("peft"), "shardline": __version__, "platform": platform.platform()}
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": distribution_version("transformers"), "peft": distribution_version("peft"),
+            "shardline": __version__, "platform": platform.platform()}
 
 
 _CLAIMS: dict[Path, object] = {}
