@@ -15,7 +15,7 @@ import pytest
 
 import shardline
 from shardline import api
-from tests.conftest import REPO
+from tests.conftest import LOADED_SLACK_S, REPO
 
 DOC = REPO / "docs" / "python-api.md"
 
@@ -73,13 +73,45 @@ def test_wait_on_a_live_run_raises_timeout_and_status_reads_the_run(tmp_path):
     assert run.target == "local" and run.id == run_dir.name
     state = run.status()
     assert state.phase == "running" and state.run is not None and state.run.max_steps == 6 and not state.done
-    started = time.monotonic()
+    started, wait_s = time.monotonic(), 0.5
     with pytest.raises(TimeoutError, match="still running"):
-        run.wait(timeout=0.5, poll=0.1)
-    assert time.monotonic() - started < 5
+        run.wait(timeout=wait_s, poll=0.1)
+    assert wait_s <= time.monotonic() - started < wait_s + LOADED_SLACK_S  # its timeout ended it: the run never does
     update_manifest(run_dir, status="finished", exit_code=0)
     assert run.wait(timeout=5, poll=0.1).phase == "succeeded"
     assert [r.run_id for r in shardline.runs(tmp_path / "runs")] == [run_dir.name]
+
+
+def test_launching_a_live_run_again_is_refused_by_the_cli_and_the_api(tmp_path, monkeypatch, capsys):
+    # `shardline train RUN` was the only path tested; `launch RUN --target local` and `shardline.train`/`launch` ask
+    # the same question in the local engine's submit
+    from shardline.cli import main
+    from shardline.engines import local
+    from shardline.run_status import record_process
+    from shardline.rundir import create_run, read_manifest, update_manifest
+    from tests.conftest import small_spec
+
+    popen = subprocess.Popen
+
+    def no_second_launcher(cmd, *args, **kwargs):
+        assert "shardline.engines.local" not in cmd, f"a second launcher was started for a live run: {cmd}"
+        return popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(local.subprocess, "Popen", no_second_launcher)  # a missed refusal fails here, trains nothing
+    _, run_dir = create_run(small_spec(tmp_path))
+    update_manifest(run_dir, status="running")
+    record_process(run_dir, os.getpid(), "launcher")  # alive: this test
+    before = read_manifest(run_dir)
+    assert main(["launch", str(run_dir), "--target", "local"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir}: is still running: launcher (pid {os.getpid()})" in err and "shardline cancel" in err, err
+    spec = shardline.Spec.load(run_dir)
+    for attempt in (lambda: shardline.train(spec), lambda: shardline.launch(spec, "local")):
+        with pytest.raises(shardline.SpecError, match="is still running: launcher") as refused:
+            attempt()
+        assert refused.value.field == str(run_dir) and "shardline wait" in refused.value.fix
+    assert read_manifest(run_dir) == before
+    assert capsys.readouterr() == ("", "")  # the API printed nothing
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ directory; the mount path in the command is mapped to it).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -197,9 +198,21 @@ class NetnsCluster:
         self.close()
 
 
-def netns_available() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["ip", "netns", "add", "slprobe"], capture_output=True)
+@functools.cache
+def netns_missing() -> str | None:
+    """What the network-namespace tests lack here, as their skip reason (a failure under CI=true), or None."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    absent = [f"{tool} (Debian package {pkg}, scripts/apt-packages.txt)"
+              for tool, pkg in (("ip", "iproute2"), ("unshare", "util-linux")) if shutil.which(tool) is None]
+    if absent:
+        return f"network namespaces need {' and '.join(absent)}"
+    probe = subprocess.run(["ip", "netns", "add", "slprobe"], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", "slprobe"], capture_output=True)
-    return probe.returncode == 0
+    if probe.returncode != 0:
+        return f"`ip netns add` refused (an unprivileged container lacks CAP_SYS_ADMIN): {probe.stderr.strip()}"
+    return None
+
+
+def netns_available() -> bool:
+    return netns_missing() is None

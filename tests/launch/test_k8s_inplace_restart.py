@@ -25,7 +25,7 @@ from tests.conftest import small_overrides
 from tests.k8s_schemas import validate_all
 from tests.launch.jobset_inplace import Container, JobSetServer, rule_restarts
 from tests.launch.k8s_apiserver import kubeconfig
-from tests.launch.k8s_pods import NetnsCluster, mount_map, netns_available, pod_env, pods_from
+from tests.launch.k8s_pods import NetnsCluster, mount_map, netns_available, netns_missing, pod_env, pods_from
 
 BASE = ["launch.image=registry.example/shardline:test", "launch.kubernetes.gpu_resource=null"]
 
@@ -199,7 +199,7 @@ EVERY, STEPS = 4, 24
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not netns_available(), reason="needs root and network namespaces")
+@pytest.mark.skipif(not netns_available(), reason=netns_missing() or "")
 def test_a_training_run_that_loses_a_node_restarts_both_pods_in_place_and_finishes(tmp_path):
     """Each pod in its own network namespace, its container in its own PID namespace (when the agent, PID 1,
     exits, everything in the container dies, as in a real container); the API server and controller stand-in

@@ -14,10 +14,10 @@ from shardline.engines.kubernetes.pod import SPEC_MOUNT
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
 from tests.k8s_schemas import validate_all
-from tests.launch.k8s_pods import NetnsCluster, mount_map, netns_available, pod_env, pods_from
+from tests.launch.k8s_pods import NetnsCluster, mount_map, netns_available, netns_missing, pod_env, pods_from
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not netns_available(), reason="needs root and network namespaces")]
+              pytest.mark.skipif(not netns_available(), reason=netns_missing() or "")]
 
 
 def _spec(tmp: Path, target: str):

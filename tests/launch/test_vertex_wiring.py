@@ -12,10 +12,10 @@ import pytest
 from shardline.engines.vertex_job import custom_job
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
-from tests.launch.k8s_pods import NetnsCluster, Pod, netns_available
+from tests.launch.k8s_pods import NetnsCluster, Pod, netns_available, netns_missing
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not netns_available(), reason="needs root and network namespaces")]
+              pytest.mark.skipif(not netns_available(), reason=netns_missing() or "")]
 
 HOSTS = ["workerpool0-wire-0", "workerpool1-wire-0"]
 

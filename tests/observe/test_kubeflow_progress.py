@@ -17,11 +17,14 @@ import pytest
 import tests.launch.kubeflow_sdk  # noqa: F401 - puts the SDK (.kubeflow-sdk/) on sys.path
 from shardline.observe import kubeflow_progress
 from shardline.observe.kubeflow_progress import POST_INTERVAL_S, KubeflowProgressSink
+from tests.conftest import LOADED_SLACK_S
 from tests.launch.http_json import send_json
 from tests.launch.trainer_status_server import TrainerStatusServer
 
+SDK_TIMEOUT_S = 5.0
+"""The request timeout of the SDK's update_trainjob_status (kubeflow.trainer.backends.kubernetes.utils)."""
 SERVER_DELAY_S = 8.0
-"""Past the SDK's 5 s request timeout: what an endpoint answering after 30 s looks like to the SDK."""
+"""Past the SDK's request timeout: what an endpoint answering after 30 s looks like to the SDK."""
 
 
 @pytest.fixture
@@ -91,14 +94,18 @@ def test_a_slow_endpoint_never_holds_a_training_step(tmp_path, monkeypatch, upda
     with stand_in:
         sink = KubeflowProgressSink(update_trainjob_status, max_steps=6, world=2, run_dir=tmp_path)
         fed = _feed(sink, range(1, 7))
-        assert fed < SERVER_DELAY_S / 2, f"6 train records took {fed:.1f} s against an endpoint that answers " \
-                                         f"after {SERVER_DELAY_S} s"
+        fed_at = time.monotonic()
         _wait_for(lambda: arrivals)
+        # an ordering: the steps were done before the SDK could have given up on the first post (a sink that
+        # waited for it would return SDK_TIMEOUT_S after it arrived at the earliest), however slow the machine
+        assert fed_at < arrivals[0][0] + SDK_TIMEOUT_S, f"6 train records took {fed:.1f} s; the first post arrived " \
+                                                        f"{fed_at - arrivals[0][0]:.1f} s before they were done"
         assert len(arrivals) == 1  # the first step's report, still in flight: none more within the interval
         start = time.monotonic()
         sink.close("finished")
         closed = time.monotonic() - start
-    assert closed <= kubeflow_progress.FINAL_WAIT_S + 1.0, f"close took {closed:.1f} s"
+    # close's own bound is its join(FINAL_WAIT_S); what lies above it is the machine's scheduling
+    assert closed < kubeflow_progress.FINAL_WAIT_S + LOADED_SLACK_S, f"close took {closed:.1f} s"
     assert len(arrivals) <= 2  # and at most the final post besides
 
 
@@ -121,16 +128,15 @@ def test_a_failing_endpoint_gets_one_attempt_per_interval_and_one_warning(tmp_pa
 
 
 def test_a_healthy_endpoint_gets_the_final_state_at_close(tmp_path, monkeypatch, update_trainjob_status):
-    stand_in, _ = _serve(tmp_path, monkeypatch)
+    stand_in, arrivals = _serve(tmp_path, monkeypatch)
     with stand_in:
         sink = KubeflowProgressSink(update_trainjob_status, max_steps=6, world=2, run_dir=tmp_path)
         _feed(sink, range(1, 2))
         _wait_for(lambda: stand_in.posts)  # taken by the controller: the final post comes within the SDK's throttle
         _feed(sink, range(2, 7))
         sink("eval", {"kind": "eval", "step": 6, "val_loss": 1.5})
-        start = time.monotonic()
         sink.close("finished")
-        closed = time.monotonic() - start
+        closed_at = time.monotonic()
     assert stand_in.refused == []
     assert len(stand_in.posts) == 2  # the first step, then the final state past the SDK's 5 s throttle
     first, last = (p["trainerStatus"] for p in (stand_in.posts[0], stand_in.posts[-1]))
@@ -139,4 +145,5 @@ def test_a_healthy_endpoint_gets_the_final_state_at_close(tmp_path, monkeypatch,
     metrics = {m["name"]: m["value"] for m in last["metrics"]}
     assert metrics["step"] == metrics["total_steps"] == "6" and metrics["eval_loss"] == "1.5"
     assert metrics["tokens_per_s"] == "2000"
-    assert closed <= kubeflow_progress.FINAL_WAIT_S
+    # an ordering: the final post (the second) had arrived when close returned, however long that took
+    assert len(arrivals) == 2 and arrivals[-1][0] < closed_at

@@ -12,6 +12,7 @@ from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.ops.cluster_bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
 from shardline.spec.resolve import load_spec
+from tests.k8s_schemas import validate
 
 CRDS = Path(__file__).resolve().parents[1] / "crds"  # pinned upstream copies, sources in SOURCES.txt
 A4 = ["launch.profile=a4", "launch.nnodes=2"]
@@ -40,9 +41,8 @@ def one(objs: list[dict], kind: str) -> dict:
       "launch.kubernetes.node_selector={pool: train}"], BootstrapOptions(cpu="8", memory="32Gi")),
 ], ids=["a4-everything", "generic-defaults", "cpu-only", "a4-topology-aware", "cpu-topology-aware"])
 def test_every_bootstrap_object_validates_against_its_api_schema(overrides, opts):
-    k8s_schemas = pytest.importorskip("tests.k8s_schemas", reason="tests/k8s_schemas.py (the lead's helper) missing")
     for obj in bootstrap_objects(spec_with(*overrides), opts):
-        k8s_schemas.validate(obj)
+        validate(obj)
 
 
 def test_tpu_slices_get_a_chip_quota_and_flavors_for_their_accelerator_and_topology():

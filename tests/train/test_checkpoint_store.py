@@ -113,12 +113,25 @@ def test_resume_survives_changes_that_cannot_touch_the_model(tmp_path, change):
 
 
 def test_checkpoint_refuses_a_changed_model_on_resume(ctx, tmp_path, prepared):
+    """A model of another shape is refused by the resume policy, naming the field, before DCP is asked to load
+    weights that do not fit (its shape error names no setting)."""
     t = _trainer(ctx, tmp_path, prepared, "checkpoint.async_save=false")
     t.train_step()
     t.save_checkpoint()
-    other = _trainer(ctx, tmp_path, prepared, "train.seed=7")
-    with pytest.raises(SpecError, match="train.seed"):
-        other.maybe_resume()
+    wider = _trainer(ctx, tmp_path, prepared, "model.arch.hidden_size=96", "model.arch.intermediate_size=256",
+                     "checkpoint.allow_spec_change=true")  # the flag never lets a model change through
+    with pytest.raises(SpecError, match="start a new run") as refused:
+        wider.maybe_resume()
+    assert refused.value.where == "model.arch.hidden_size", refused.value
+    assert "model.arch.intermediate_size" in str(refused.value)
+    assert wider.step == 0
+
+
+def test_resume_refuses_a_changed_data_order_seed(tmp_path):
+    """train.seed orders the data: a resumed run with another seed would see other rows (the policy's `never`)."""
+    with pytest.raises(SpecError, match="start a new run") as refused:
+        check_resume(small_spec(tmp_path), small_spec(tmp_path, "train.seed=7", "checkpoint.allow_spec_change=true"))
+    assert refused.value.where == "train.seed"
 
 
 @pytest.fixture
@@ -176,12 +189,48 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes(ctx, tmp_path, prepared
     assert fresh.train_step().loss == pytest.approx(t.train_step().loss, rel=1e-6)
 
 
-def test_every_minutes_makes_all_ranks_agree_to_save(ctx, tmp_path, prepared):
-    t = _trainer(ctx, tmp_path, prepared, "checkpoint.every_minutes=0.0001")
-    assert t._agree(last_save=time.monotonic() - 1.0) == (False, True)
-    assert _trainer(ctx, tmp_path, prepared)._agree(last_save=time.monotonic() - 1.0) == (False, False)
-    t.stop.signum = 10  # as if SIGUSR1 had arrived
-    assert t._agree(last_save=time.monotonic()) == (True, False)
+def _agree_on_two_ranks(rank: int, port: int, tmp: Path) -> None:
+    """One rank of a 2-process gloo group: `Trainer._agree` where the ranks' own answers differ — rank 0's last
+    save is a minute old, rank 1's is now; then a stop signal reaches rank 1 only."""
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from shardline.resilience.signals import StopRequest
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        def agree(*overrides: str, signalled: bool, last_save: float) -> tuple[bool, bool]:
+            me = SimpleNamespace(spec=small_spec(tmp, *overrides), stop=StopRequest(),
+                                 ctx=SimpleNamespace(device=torch.device("cpu")))
+            me.stop.signum = 10 if signalled else None  # as if SIGUSR1 had arrived here
+            return Trainer._agree(me, last_save=last_save)
+
+        now = time.monotonic()
+        answers = {
+            "due_on_rank_0_only": agree("checkpoint.every_minutes=0.5", signalled=False,
+                                        last_save=now - 60.0 if rank == 0 else now),
+            "no_every_minutes": agree(signalled=False, last_save=now - 60.0),
+            "signal_on_rank_1_only": agree("checkpoint.every_minutes=0.5", signalled=rank == 1, last_save=now),
+        }
+        (tmp / f"rank-{rank}.json").write_text(json.dumps(answers))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_minutes_makes_all_ranks_agree_to_save(tmp_path):
+    """Ranks whose clocks disagree about whether a save is due all save (one rank alone would hang in DCP's
+    collectives), and a signal that reached one rank stops all of them."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_on_two_ranks, args=(free_port(), tmp_path), nprocs=2)
+    answers = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for rank, got in enumerate(answers):
+        assert got == {"due_on_rank_0_only": [False, True], "no_every_minutes": [False, False],
+                       "signal_on_rank_1_only": [True, False]}, (rank, got)
 
 
 

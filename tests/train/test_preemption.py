@@ -173,7 +173,7 @@ def test_world_size_change_on_resume_skips_and_repeats_no_sample(tmp_path, befor
         assert sorted(got) == sorted(expected.tolist()), step
 
 
-def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path):
+def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path, reference):
     # Ctrl-C signals the whole process group (launcher, torchrun, workers): was a SignalException traceback from
     # torchrun and a KeyboardInterrupt traceback per worker and from the launcher, exit 1, the run marked failed
     runs = tmp_path / "runs"
@@ -189,12 +189,23 @@ def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    # step 4 was committed (every_steps=4) before the signal: the stop must commit the step it stopped at
+    preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][0]
+    step = preempted["step"]
+    assert 5 <= step < STEPS and preempted["signal"] == "SIGINT", preempted
+    assert (run / "checkpoints" / f"step-{step:08d}" / "COMMITTED").exists()
     [stopped] = [line for line in out.splitlines() if line.startswith("stopped: ")]
-    assert f"resume with `shardline train {run}`" in stopped and "is committed" in stopped
+    assert f"resume with `shardline train {run}`" in stopped and f"checkpoint of step {step} is committed" in stopped
     assert json.loads((run / "manifest.json").read_text())["status"] == "preempted"
     again = run_cli("train", str(run), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert max(r["step"] for r in read_metrics(run, "train")) == STEPS
+    [resumed] = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resumed["step"] == step and resumed["rng_restored"], resumed
+    steps = [r["step"] for r in read_metrics(run, "train")]
+    assert sorted(steps) == list(range(1, STEPS + 1)), steps  # from the stop step on: no step trained twice
+    losses = _losses(run)
+    for s, loss in reference.items():
+        assert losses[s] == pytest.approx(loss, rel=1e-6, abs=1e-7), s
 
 
 def _wait_for_log(run_dir: Callable[[], Path | None], text: str, proc: subprocess.Popen, ranks: int = 2) -> Path:

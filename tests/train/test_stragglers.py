@@ -32,11 +32,18 @@ def test_a_rank_slowed_every_step_is_the_slowest_rank_in_the_records_and_the_rep
     run_dir = only_run(tmp_path / "runs")
     records = read_metrics(run_dir, "train")
     steady = records[1:]  # step 1: ranks leave setup at different times and FSDP initialises lazily
-    assert [r["slowest_rank"] for r in steady] == [1] * 4
-    for r in steady:  # 2 ranks: the median is their mean, so the slow one is half its delay above it
-        assert r["step_time_max_s"] - r["step_time_median_s"] >= 0.4 * SLOW_S, r
-        # rank 0 waited for rank 1 in the step's collectives; the wait is not counted as rank 0's own time
-        assert r["step_time_s"] >= r["step_time_max_s"] - 0.05, r
+    assert [r["slowest_rank"] for r in steady] == [1] * 4  # an ordering, every step
+    for r in steady:
+        assert r["step_time_max_s"] >= SLOW_S, r  # rank 1's own time holds its whole sleep
+    # 2 ranks: the median is their mean, so the slow one is half its delay above it (SLOW_S / 2 plus half the ranks'
+    # compute difference, which a loaded 2-core machine makes noisy); had rank 0 counted its wait for rank 1 in the
+    # step's collectives as its own time, the gap would be ~0. Over the steady steps, against the midpoint SLOW_S / 4:
+    gaps = [r["step_time_max_s"] - r["step_time_median_s"] for r in steady]
+    assert sum(gaps) / len(gaps) >= SLOW_S / 4, gaps
+    # rank 0's step (its wall time, waits included) lasts as long as rank 1's own time: ~0 behind it, where a step
+    # time without the wait would be SLOW_S behind; against their midpoint, over the steady steps
+    behind = [r["step_time_max_s"] - r["step_time_s"] for r in steady]
+    assert sum(behind) / len(behind) <= SLOW_S / 2, behind
     page = (run_dir / "report" / "index.html").read_text()
     assert "stragglers.png" in page and "Per-rank step time" in page
     with Image.open(run_dir / "report" / "stragglers.png") as im:
