@@ -11,13 +11,14 @@ import pytest
 import torch
 from peft import PeftModel
 from rich.console import Console
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import special_ids, train_bpe
 from shardline.errors import ShardlineError, SpecError
-from shardline.export import export_run
+from shardline.export import EXPORT_DTYPES, export_dtype, export_run
 from shardline.model.build import build_model
 from shardline.rundir import create_run, read_manifest
 from shardline.spec.resolve import spec_to_yaml
@@ -81,6 +82,16 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def _stored_dtypes(file) -> set[str]:
+    """The dtypes a safetensors file's header names (the header only is read)."""
+    with safe_open(file, "pt") as f:
+        return {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+
+
+def _size(directory) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.suffix == ".safetensors")
+
+
 def test_exported_model_reproduces_logits(full_run, full_export):
     t, out, ids = full_run, full_export, _ids(full_run)
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -103,6 +114,8 @@ def test_exported_model_reproduces_logits(full_run, full_export):
     assert info["run_id"] == "export-full" and info["step"] == 2
     assert info["spec_hash"] == read_manifest(t.run_dir)["spec_hash"]
     assert info["dataset_version"] == t.data.version and (info["lora"], info["merged"]) == (False, False)
+    # a model.arch base trained with train.precision=fp32 keeps fp32: the run's own dtype
+    assert info["dtype"] == "float32" and _stored_dtypes(out / "model.safetensors") == {"F32"}
 
 
 def test_checkpoint_without_tokenizer_falls_back_to_prepared_data(full_run, full_export, tmp_path):
@@ -158,7 +171,8 @@ def test_lora_adapter_loads_with_peft(lora_run, tmp_path):
 @pytest.fixture(scope="module")
 def multimodal_gemma3(tmp_path_factory):
     """A tiny Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and larger ship so: a vision tower beside the
-    language model, whose keys sit under `model.language_model.`), random weights, a BPE tokenizer beside it."""
+    language model, whose keys sit under `model.language_model.`, in bf16), random weights, a BPE tokenizer beside
+    it."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     path = tmp_path_factory.mktemp("gemma3-multimodal")
@@ -173,7 +187,7 @@ def multimodal_gemma3(tmp_path_factory):
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=510,
                           boi_token_index=508, eoi_token_index=509)
     torch.manual_seed(0)
-    Gemma3ForConditionalGeneration(config).float().save_pretrained(path)
+    Gemma3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(path)  # as Gemma 3 ships
     tok.save_pretrained(path)
     return path
 
@@ -206,6 +220,8 @@ def test_lora_adapter_of_a_multimodal_gemma3_loads_onto_the_base_it_names(multim
           f"to the base {_max_diff(got, base_logits):.3e}")
     assert _max_diff(got, base_logits) > 1e-4  # the adapter changes the model
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # the base is bf16, the adapter trained in fp32 and is written so (auto), unless --dtype says otherwise
+    assert _stored_dtypes(out / "adapter_model.safetensors") == {"F32"}
 
 
 def test_an_adapter_peft_would_load_as_nothing_is_refused_by_name(multimodal_lora_run, monkeypatch, tmp_path):
@@ -218,6 +234,62 @@ def test_an_adapter_peft_would_load_as_nothing_is_refused_by_name(multimodal_lor
         export_run(multimodal_lora_run.run_dir, tmp_path / "adapter")
     assert e.value.where == str(tmp_path / "adapter") and "--merge-lora" in e.value.fix
     assert not (tmp_path / "adapter").exists() and not list(tmp_path.glob(".adapter.tmp-*"))
+
+
+def test_default_export_of_a_bf16_base_is_bf16_and_reloads_with_the_fp32_exports_logits(multimodal_lora_run,
+                                                                                       tmp_path):
+    """A merged export of a run whose base checkpoint is bf16 defaults to bf16 (half the fp32 export's size);
+    `--dtype fp32` keeps the training's fp32 weights."""
+    from shardline.cli import main
+
+    t, ids = multimodal_lora_run, _ids(multimodal_lora_run)
+    bf16 = export_run(t.run_dir, tmp_path / "bf16", merge_lora=True)
+    assert main(["export", str(t.run_dir), "--out", str(tmp_path / "fp32"), "--merge-lora", "--dtype", "fp32"]) == 0
+    fp32 = tmp_path / "fp32"
+    for out, stored, name in ((bf16, "BF16", "bfloat16"), (fp32, "F32", "float32")):
+        assert _stored_dtypes(out / "model.safetensors") == {stored}
+        assert json.loads((out / "config.json").read_text())["dtype"] == name  # as save_pretrained writes it
+        assert json.loads((out / "shardline_export.json").read_text())["dtype"] == name
+    a, b = load_file(bf16 / "model.safetensors"), load_file(fp32 / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(torch.bfloat16)) for k in a)  # a cast, no more
+    ratio = _size(bf16) / _size(fp32)
+    print(f"merged export: bf16 {_size(bf16)} B / fp32 {_size(fp32)} B = {ratio:.3f}")
+    assert 0.49 < ratio < 0.51
+
+    assert AutoModelForCausalLM.from_pretrained(bf16).dtype == torch.bfloat16  # transformers' dtype="auto" reads it
+    # Both computed in fp32, so the weights' rounding alone differs: each bf16 weight is within 2^-9 (relative) of its
+    # fp32 value, and a logit passes about 2 + 7 * layers rounded matrices (embedding, q/k/v/o, gate/up/down per
+    # layer, the tied head), so to first order |diff| <= (2 + 7 * layers) * 2^-9 * max|logit|.
+    got = _logits(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).eval(), ids)
+    expected = _logits(AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32).eval(), ids)
+    layers = json.loads((fp32 / "config.json").read_text())["num_hidden_layers"]
+    bound = (2 + 7 * layers) * 2**-9 * expected.abs().max().item()
+    print(f"bf16 vs fp32 export: max |logit diff| {_max_diff(got, expected):.3e}, bound {bound:.3e}")
+    assert 0 < _max_diff(got, expected) <= bound
+    torch.testing.assert_close(expected, _logits(t.model, ids), atol=1e-4, rtol=1e-4)  # fp32 is the trained model
+
+
+def test_export_dtype_auto_is_the_checkpoints_own(tmp_path):
+    """auto: model.path's stored weights (above), a model.arch run's train.precision, fp32 for a LoRA adapter."""
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        spec = small_spec(tmp_path, f"train.precision={precision}")
+        assert spec.model.path is None and export_dtype(spec, "auto", full=True) == dtype
+        assert export_dtype(spec, "auto", full=False) == torch.float32  # an adapter trains in fp32
+        assert export_dtype(spec, "fp16", full=False) == torch.float16  # unless asked
+    with pytest.raises(ShardlineError, match="unknown dtype 'fp8'"):
+        export_dtype(spec, "fp8", full=True)
+
+
+def test_a_bad_dtype_is_an_argparse_error_naming_the_choices(capsys):
+    from shardline.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["export", "runs/x", "--out", "hf", "--dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --dtype: invalid choice: 'fp8' (choose from" in err
+    for name in ("auto", *EXPORT_DTYPES):  # the CLI offers what export_run takes, and names it
+        assert name in err.rsplit("choose from", 1)[1]
+        assert build_parser().parse_args(["export", "runs/x", "--out", "hf", "--dtype", name]).dtype == name
 
 
 def test_export_refuses_uncommitted_step(full_run, tmp_path):

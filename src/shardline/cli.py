@@ -173,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardline.api import Run
 
-    out = Run.open(args.run_dir).export(args.out, step=args.step, merge_lora=args.merge_lora)
+    out = Run.open(args.run_dir).export(args.out, step=args.step, merge_lora=args.merge_lora, dtype=args.dtype)
     console.print(f"exported to {out}", highlight=False)
     return EXIT_OK
 
@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (must be empty or absent)")
     p.add_argument("--step", type=int, help="committed step to export (default: the latest)")
     p.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32", "fp16"), default="auto",
+                   help="dtype of the written weights (default auto: the base checkpoint's own, the run's precision "
+                   "without model.path; fp32 for a LoRA adapter)")
     p.set_defaults(func=cmd_export)
     p = verbs.add_parser("plan", help="per-device memory estimate, whether it fits, and what would make it fit")
     _add_spec_args(p)

@@ -4,7 +4,9 @@ Runs in one process without a process group: the model is rebuilt exactly as the
 (plain, no FSDP) and the DCP shards of any world size are read into it with `no_dist=True`. Full
 fine-tunes give `save_pretrained` safetensors + tokenizer + generation config; LoRA runs give a peft
 adapter directory (the base is rebuilt from the spec, noted in `shardline_base.json`), or with
-`merge_lora` the merged full model. An adapter names its base (`base_model_name_or_path`: `model.path`) with
+`merge_lora` the merged full model. Weights are written in the checkpoint's own dtype unless `dtype` names another
+(`export_dtype`): the training's fp32 master weights, cast in place tensor by tensor, would otherwise make an export of
+a bf16 base twice its size. An adapter names its base (`base_model_name_or_path`: `model.path`) with
 the module paths of the model `from_pretrained` builds from it — a multimodal Gemma 3, whose language model alone
 trained, keeps it under `model.language_model.` — and export proves on a meta-device copy of that base that peft
 loads every adapter weight into a module and leaves none of its LoRA modules without one. The result is built
@@ -15,16 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -48,6 +53,10 @@ BASE_INFO = "shardline_base.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """What peft puts before a module's path in an adapter's weight names."""
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+"""`--dtype` names besides `auto` (the checkpoint's own dtype, `export_dtype`)."""
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+"""Floating dtypes as a safetensors header names them."""
 
 
 def checkpoint_store(spec: JobSpec, run_dir: Path) -> CheckpointStore:
@@ -102,8 +111,46 @@ def load_model_entry(model: nn.Module, store: CheckpointStore, step: int, lora: 
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=lora, strict=not lora))
 
 
-def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bool = False) -> Path:
-    """Write a consolidated Hugging Face directory for a run's committed checkpoint (latest, or `step`)."""
+def stored_dtype(path: str) -> torch.dtype:
+    """The floating dtype that holds most of the weights of the Hugging Face checkpoint at `path` (read from the
+    safetensors headers only; float32 when it stores none)."""
+    from shardline.model.sharded_load import _stored_keys  # the one place that finds a checkpoint's files
+
+    elements: Counter[torch.dtype] = Counter()
+    by_file: dict[Path, list[str]] = {}
+    for key, file in _stored_keys(path).items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, "pt") as f:
+            for key in keys:
+                tensor = f.get_slice(key)
+                if (dtype := SAFETENSORS_DTYPES.get(tensor.get_dtype())) is not None:
+                    elements[dtype] += math.prod(tensor.get_shape())
+    return elements.most_common(1)[0][0] if elements else torch.float32
+
+
+def export_dtype(spec: JobSpec, requested: str, full: bool) -> torch.dtype:
+    """The dtype an export writes its weights in. `requested` is a name of EXPORT_DTYPES, or `auto`: the
+    checkpoint's own dtype — for full weights (a full fine-tune or merged LoRA) the base's: that of `model.path`'s
+    safetensors weights, else (a model built from `model.arch`) the run's compute dtype `train.precision` (bf16 ->
+    bfloat16, fp32 -> float32); for a LoRA adapter float32, the dtype its few weights trained in."""
+    if requested != "auto":
+        if requested not in EXPORT_DTYPES:
+            raise ShardlineError("--dtype", f"unknown dtype {requested!r}",
+                                 f"use one of auto, {', '.join(EXPORT_DTYPES)}")
+        return EXPORT_DTYPES[requested]
+    if not full:
+        return torch.float32
+    if spec.model.path is not None:
+        return stored_dtype(spec.model.path)
+    # create_run writes the chosen precision into the run's spec; an older spec may still say auto (then fp32)
+    return torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bool = False,
+               dtype: str = "auto") -> Path:
+    """Write a consolidated Hugging Face directory for a run's committed checkpoint (latest, or `step`), its weights
+    in `dtype` (`auto`: the checkpoint's own, see `export_dtype`)."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "spec.yaml").is_file():
         raise ShardlineError(str(run_dir), "is not a run directory (no spec.yaml)",
@@ -121,6 +168,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
                              "drop --merge-lora: the export is already a full model")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardlineError(str(out), "exists and is not empty", "choose a new --out directory or remove this one")
+    full = not lora or merge_lora
+    weights_dtype = export_dtype(spec, dtype, full)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -130,16 +179,17 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         model = build_plain(spec, len(tok), ids)
         load_model_entry(model, store, step, lora)
         shutil.rmtree(tmp / "_tokenizer", ignore_errors=True)
-        full = not lora or merge_lora
         if full:
-            _save_full(model.merge_and_unload() if lora else model, ids, tmp)
+            # Module.to casts parameter by parameter in place: at most one extra tensor at a time, never a second
+            # model; save_pretrained then writes config.json's `dtype` from the weights.
+            _save_full((model.merge_and_unload() if lora else model).to(weights_dtype), ids, tmp)
         else:
-            base = _save_adapter(model, spec, len(tok), ids, tmp, out)
+            base = _save_adapter(model.to(weights_dtype), spec, len(tok), ids, tmp, out)
             (tmp / BASE_INFO).write_text(json.dumps(_base_info(spec, len(tok), ids, base), indent=2) + "\n")
         tok.save_pretrained(tmp)
         info = {"run_id": spec.run.id, "step": step, "checkpoint": store.path(step), "spec_hash": spec_hash(spec),
                 "dataset_version": dataset_version, "lora": lora, "merged": lora and merge_lora,
-                "format": "full" if full else "peft_adapter"}
+                "format": "full" if full else "peft_adapter", "dtype": str(weights_dtype).removeprefix("torch.")}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private
         os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory

@@ -187,7 +187,7 @@ def test_lora_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_
     base = AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, exported).eval()
     merged_dir = tmp_path / "merged"
-    cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora")
+    cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora", "--dtype", "fp32")  # auto: bf16, as SmolLM2
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert merged.config.tie_word_embeddings and model.get_base_model().config.tie_word_embeddings
     assert unpacked_loss(merged, data) == pytest.approx(shardline_val, rel=1e-4)

@@ -60,7 +60,7 @@ def test_gemma3_fine_tunes_on_two_ranks_from_its_pretrained_loss_and_exports(rea
     shardline_val = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r][-1]["val_loss"]
     assert shardline_val < before - 0.05  # it learned the user's data
     exported = tmp_path / "export"
-    cli("export", str(run_dir), "--out", str(exported))
+    cli("export", str(run_dir), "--out", str(exported), "--dtype", "fp32")  # the trained weights unrounded (auto: bf16)
     if lora:  # the adapter names the base it trained on, for `PeftModel.from_pretrained` to be given
         assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == str(real)
     model = PeftModel.from_pretrained(base, exported).eval() if lora else _pretrained(exported)
