@@ -27,7 +27,21 @@ from shardline.training.dry_run import at_world
 from shardline.training.fake_world import PRIVATE_APIS, _import
 from tests.conftest import REPO
 
-UNDER, OVER = 0.10, 0.25  # the planner may be at most 10 % below the simulated peak, 25 % above it
+# The simulated peak is not the project's arithmetic: it is torch's FSDPMemTracker counting every tensor the real step
+# allocates (fake storage, so sizes are exact and the same on every run: no timing, no allocator, no randomness in
+# the sizes). The planner (planning/memory.py) is an analytic model of the same step. Their gap per case is
+# therefore a fixed number, set by where the planner is deliberately conservative (it puts all saved activations,
+# the fp32 logits and their gradient, and the gathered block at one moment; the tracker sees the loss's chunks
+# and the blocks' buffers come and go). Measured on torch 2.13.0 (planned / simulated − 1):
+PLANNED_OVER_SIMULATED = {
+    "tiny": 0.0227, "llama-3.1-8b-lora": 0.0513, "llama-3.1-70b-fsdp": 0.1783, "qwen3-8b-lora": 0.0420,
+    "mistral-7b-lora": 0.1044, "gemma-3-12b-lora": 0.0323, "llama-3.1-70b-fsdp-tp8": 0.2482,
+    "llama-3.1-8b-32k": 0.1893,
+}
+# Each case is held to its own gap within 2 points of the simulated peak: room for torch to change a kernel's
+# temporaries, not for a term of the plan to go missing or double (the smallest term that matters, tiny's 16 MiB
+# of AdamW state, is 9 points of its peak). Below the simulated peak is never allowed: the plan is a fit check.
+GAP_SLACK = 0.02
 HUB = ("llama-3.1-8b-lora", "llama-3.1-70b-fsdp")
 FAMILY_PRESETS = ("qwen3-8b-lora", "mistral-7b-lora", "gemma-3-12b-lora")  # step simulations at reduced depth
 LONG_PRESETS = ("llama-3.1-70b-fsdp-tp8", "llama-3.1-8b-32k")  # tensor parallel, long context: the same
@@ -68,19 +82,24 @@ def test_private_torch_apis_the_simulation_needs_exist():
         assert _import(path) is not None, f"torch {torch.__version__} moved {path}: the dry run cannot simulate"
 
 
-def _within(planned: float, simulated: float) -> bool:
-    return -UNDER <= planned / simulated - 1 <= OVER
+def _check_gap(preset: str, planned: float, simulated: float) -> None:
+    gap = planned / simulated - 1
+    expected = PLANNED_OVER_SIMULATED[preset]
+    assert gap >= 0, f"{preset}: the plan ({planned:,.0f} B) is below torch's tracked peak ({simulated:,.0f} B)"
+    assert abs(gap - expected) <= GAP_SLACK, (
+        f"{preset}: planned/simulated − 1 is {gap:+.4f}, was {expected:+.4f}: a term of the plan or of the step "
+        f"changed (planned {planned:,.0f} B, simulated {simulated:,.0f} B); explain it, then update the table")
 
 
 def test_tiny_simulated_step_is_within_bounds_of_the_plan(results):
     r = result(results, preset="tiny", step=True)
-    assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r
+    _check_gap("tiny", r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
 
 
 @pytest.mark.parametrize("preset", [*HUB, *FAMILY_PRESETS, *LONG_PRESETS])
 def test_hub_preset_simulated_peak_is_within_bounds_of_the_plan_at_reduced_depth(results, preset):
     r = result(results, preset=preset, layers=DEPTH, step=True)
-    assert _within(r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]), r
+    _check_gap(preset, r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
 
 
 @pytest.mark.parametrize("preset", HUB)
