@@ -14,7 +14,7 @@ from shardline.data.packing import Document, pack
 from shardline.model.lora import apply_lora
 from shardline.spec import LoraSpec
 from shardline.training.chunked_loss import chunked_cross_entropy_sum
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.evaluate import takes_chunked_loss, token_loss_sum
 from tests.conftest import REPO
 from tests.model.families import COMMON, CONFIGS
 
@@ -122,20 +122,55 @@ def test_only_one_chunk_of_logits_is_saved_for_backward():
     assert loss_chunked.item() == pytest.approx(loss_whole.item(), rel=LOSS_RTOL)
 
 
+def _head_outputs(model: torch.nn.Module, batch, chunk: int | None) -> tuple[float, list[tuple[int, ...]]]:
+    """`token_loss_sum`'s value and the shape of every output of the LM head while it ran."""
+    shapes: list[tuple[int, ...]] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    try:
+        with torch.no_grad():
+            return token_loss_sum(model, batch, chunk).item(), shapes
+    finally:
+        hook.remove()
+
+
+def test_the_tested_families_take_the_chunked_loss_and_never_hold_the_whole_logits():
+    """`train.loss_chunk_tokens` > 0 runs the head on chunks of at most that many loss-bearing tokens for every family
+    shardline is tested with: its output is never the whole [B, T, V] (a family silently falling back to the whole
+    logits would still compute the same loss). 0 or None: the whole logits."""
+    batch = _batch(COMMON["vocab_size"])
+    whole_shape = (*batch.input_ids.shape, COMMON["vocab_size"])
+    paths = {}
+    for name, (cls, extra) in CONFIGS.items():
+        model = _model(cls(**COMMON, **extra, pad_token_id=0))  # Phi-3's default pad id is outside the vocabulary
+        paths[name] = [takes_chunked_loss(model.config, chunk) for chunk in (16, 0, None)]
+        whole, whole_shapes = _head_outputs(model, batch, None)
+        assert whole_shapes == [whole_shape], name
+        loss, shapes = _head_outputs(model, batch, 16)
+        assert len(shapes) == -(-batch.n_loss_tokens // 16), (name, shapes)  # only loss-bearing tokens, 16 at a time
+        assert all(len(s) == 2 and s[0] <= 16 for s in shapes), (name, shapes)
+        assert loss == pytest.approx(whole, rel=LOSS_RTOL), name
+    assert paths == {name: [True, False, False] for name in CONFIGS}
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logits(tmp_path):
-    """FSDP2 on 2 ranks: the LM head is the root's, all-gathered for the chunked loss and reduce-scattered after."""
+    """FSDP2 on 2 ranks, the chunk size read from `train.loss_chunk_tokens`: the LM head is the root's, all-gathered
+    for the chunked loss and reduce-scattered after; a tied head's gradient (the embedding's too) trains the same."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(tmp_path / "results.pt")
-    for layout in ("plain", "tied+lora+ac"):
-        (full_loss, full_state), (loss, state) = results[(layout, None)], results[(layout, 7)]
+    for layout in ("plain", "tied", "tied+lora+ac"):
+        (full_loss, full_state, full_rows), (loss, state, rows) = results[(layout, None)], results[(layout, 7)]
+        assert rows <= 7 and full_rows >= 64, layout  # chunks of 7 rows, against whole rows of 64 tokens
         assert loss == pytest.approx(full_loss, rel=LOSS_RTOL), layout
         assert state.keys() == full_state.keys() and state
         for name, p in state.items():  # SGD at lr 0.5 moves by 0.5·g, |g| ≲ 1: Δp agrees to 0.5·GRAD_RTOL
             torch.testing.assert_close(p, full_state[name], rtol=0, atol=5e-6, msg=f"{layout}: {name}")
+    # the tied head is the embedding: it trains (a gradient the chunked loss dropped would leave it unequal above)
+    assert "model.embed_tokens.weight" in results[("tied", 7)][1] and not any(
+        "lm_head" in n for n in results[("tied", 7)][1])
 
 
 def test_a_family_outside_the_tested_ones_keeps_its_whole_logits():
@@ -145,9 +180,11 @@ def test_a_family_outside_the_tested_ones_keeps_its_whole_logits():
 
     model = _model(GraniteConfig(**COMMON, logits_scaling=4.0))
     batch = _batch(COMMON["vocab_size"])
+    assert not takes_chunked_loss(model.config, 16)
+    whole, shapes = _head_outputs(model, batch, 16)
+    assert shapes == [(*batch.input_ids.shape, COMMON["vocab_size"])]  # the whole logits, by the family's forward
     with torch.no_grad():
-        whole = token_loss_sum(model, batch)
-        assert token_loss_sum(model, batch, chunk_tokens=16) == whole
+        assert token_loss_sum(model, batch).item() == whole
         hidden = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids).last_hidden_state
         unscaled = chunked_cross_entropy_sum(hidden.flatten(0, 1), batch.labels.flatten(), model.lm_head, None, 16)
-    assert unscaled.item() != pytest.approx(whole.item(), rel=1e-3)  # the scaling matters here
+    assert unscaled.item() != pytest.approx(whole, rel=1e-3)  # the scaling matters here

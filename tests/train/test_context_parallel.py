@@ -85,8 +85,9 @@ def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp
         out = run_cli("train", *_sets(tmp_path / name, *extra), "--nproc", "4")
         assert out.returncode == 0, out.stdout[-3000:]
         runs[name] = only_run(tmp_path / name)
-    setup = next(e for e in read_metrics(runs["cp"], "event") if e["event"] == "setup")
-    assert setup["mesh"] == {"dp_shard": 2, "cp": 2}
+    meshes = {name: next(e for e in read_metrics(runs[name], "event") if e["event"] == "setup")["mesh"]
+              for name in ("cp", "hsdp-cp")}
+    assert meshes == {"cp": {"dp_shard": 2, "cp": 2}, "hsdp-cp": {"dp_replicate": 2, "dp_shard": 1, "cp": 2}}
     losses = {name: _losses(run) for name, run in runs.items()}
     for layout in ("cp", "hsdp-cp"):  # HSDP: replicas × (shard × cp flattened)
         assert sorted(losses[layout]) == list(range(1, STEPS + 1))
@@ -94,11 +95,12 @@ def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp
             assert losses[layout][step] == pytest.approx(loss, rel=1e-5), (layout, step)
     val = {name: [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
            for name, run in runs.items()}
-    assert val["cp"] == pytest.approx(val["fsdp"], rel=1e-5)
+    for layout in ("cp", "hsdp-cp"):
+        assert val[layout] == pytest.approx(val["fsdp"], rel=1e-5), layout
     # generation runs whole prompts on every rank of a context-parallel group: the same SQL as FSDP's
     preds = {name: [s["pred"] for s in json.loads((run / "eval.json").read_text())["samples"]]
              for name, run in runs.items()}
-    assert len(preds["cp"]) == 6 and preds["cp"] == preds["fsdp"]
+    assert len(preds["fsdp"]) == 6 and preds["cp"] == preds["fsdp"] and preds["hsdp-cp"] == preds["fsdp"]
 
     # the step-2 checkpoint of FSDP 2 × CP 2 resumes as FSDP ×4 and trains FSDP's steps 3-5
     resumed = tmp_path / "resumed"

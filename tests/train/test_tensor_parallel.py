@@ -162,6 +162,13 @@ def test_tp_with_selective_checkpointing_and_compile_trains_fsdps_losses_and_gen
     assert sorted(losses["tp"]) == [1, 2, 3]
     for step, loss in losses["fsdp"].items():
         assert losses["tp"][step] == pytest.approx(loss, rel=2e-5), step
+    # equal losses alone would pass with TP, compile or selective checkpointing dropped: the run says what it built
+    setups = {name: next(e for e in read_metrics(only_run(tmp_path / name), "event") if e["event"] == "setup")
+              for name in losses}
+    assert setups["tp"]["mesh"] == {"dp_shard": 2, "tp": 2} and setups["tp"]["tensor_parallel_weights"] == 15
+    assert setups["tp"]["loss_parallel"]
+    assert setups["tp"]["blocks"] == {"blocks": 2, "compiled": 2, "checkpointed": 2, "selective": 2}
+    assert setups["fsdp"]["blocks"] == {"blocks": 2, "compiled": 0, "checkpointed": 0, "selective": 0}
     assert len(json.loads((only_run(tmp_path / "tp") / "eval.json").read_text())["samples"]) == 4
 
 
@@ -198,17 +205,26 @@ def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
 
 
 @pytest.mark.slow
-def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path):
-    """Norms, embeddings, the head and LoRA's replicated factors are copies on each TP rank: after 3 steps with
-    LoRA dropout (peers must draw the same masks) they must be bitwise equal across peers, or the ranks silently
-    train different models. (QK-norm, whose gradient is a partial sum over a rank's heads: tests/model.)"""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path, lora):
+    """Norms, embeddings and LoRA's replicated factors are copies on each TP rank: after 3 steps (with LoRA dropout:
+    peers must draw the same masks) they must be bitwise equal across peers, or the ranks silently train different
+    models. Equal because frozen proves nothing: full training moves the norms and embeddings, LoRA its factors.
+    (QK-norm, whose gradient is a partial sum over a rank's heads: tests/model.)"""
+    extra = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.5",
+             "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"] if lora else []
     spec = load_spec("tiny", [*small_overrides(tmp_path / "runs"), *COMMON, "parallel.nproc_per_node=4",
-                              "parallel.tp=2", "model.lora.enabled=true", "model.lora.r=4",
-                              "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"])
-    diffs = _peer_differences(tmp_path, spec, steps=3)
-    assert any("q_proj.lora_A" in n for n in diffs) and any("o_proj.lora_B" in n for n in diffs)
-    assert any("layernorm" in n for n in diffs) and any("embed_tokens" in n for n in diffs)
-    assert {n: d for n, d in diffs.items() if d != 0} == {}
+                              "parallel.tp=2", *extra])
+    peers, moved = _peer_differences(tmp_path, spec, steps=3)
+    assert any("layernorm" in n for n in peers) and any("embed_tokens" in n for n in peers)
+    assert any(n.endswith("model.norm.weight") for n in peers)
+    if lora:  # the replicated factors: lora_A beside a column-wise base (q, v), lora_B beside a row-wise one (o, down)
+        trained = [n for n in peers if "q_proj.lora_A" in n or "o_proj.lora_B" in n]
+        assert any("q_proj.lora_A" in n for n in trained) and any("o_proj.lora_B" in n for n in trained)
+    else:
+        trained = list(peers)
+    assert {n: moved[n] for n in trained if not moved[n] > 0} == {}  # they trained
+    assert {n: d for n, d in peers.items() if d != 0} == {}
 
 
 @pytest.mark.slow
@@ -223,11 +239,14 @@ def test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical(tmp_pa
     assert out.returncode == 0, out.stdout[-3000:]
     spec = load_spec("tiny", [*small_overrides(tmp_path / "tp2"), *lora, "parallel.nproc_per_node=2",
                               "parallel.tp=2", f"checkpoint.resume_from={only_run(tmp_path / 'tp1')}@2"])
-    diffs = _peer_differences(tmp_path, spec, steps=2)
+    peers, moved = _peer_differences(tmp_path, spec, steps=2)
     resumes = [e for e in read_metrics(only_run(tmp_path / "tp2"), "event") if e["event"] == "resume"]
     assert [(e["step"], e["rng_restored"]) for e in resumes] == [(2, True)]
-    assert any("q_proj.lora_A" in n for n in diffs)
-    assert {n: d for n, d in diffs.items() if d != 0} == {}
+    # replicated factors beside a column-wise (q, v: lora_A) and a row-wise (o, down: lora_B) base
+    replicated = [n for n in peers if ("q_proj.lora_A" in n or "o_proj.lora_B" in n)]
+    assert any("q_proj.lora_A" in n for n in replicated) and any("o_proj.lora_B" in n for n in replicated)
+    assert {n: moved[n] for n in replicated if not moved[n] > 0} == {}  # they trained after the resume
+    assert {n: d for n, d in peers.items() if d != 0} == {}
 
 
 def test_rng_streams_a_rank_restores_follow_its_data_parallel_index_when_the_layout_changes():
@@ -244,9 +263,10 @@ def test_rng_streams_a_rank_restores_follow_its_data_parallel_index_when_the_lay
     assert sources(2, 1, 0, 1) == [None, None]  # a checkpoint without RNG streams
 
 
-def _peer_differences(tmp_path: Path, spec: JobSpec, steps: int) -> dict[str, float]:
-    """tp_worker.py's largest difference between tensor-parallel peers, per parameter TP leaves whole, after it
-    resumed (if the spec says so) and trained `steps` steps of `spec` (a new run)."""
+def _peer_differences(tmp_path: Path, spec: JobSpec, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """tp_worker.py's largest difference between tensor-parallel peers, and how far its `steps` steps moved it, per
+    parameter TP leaves whole, after it resumed (if the spec says so) and trained `steps` steps of `spec` (a new
+    run)."""
     spec, _ = create_run(spec)
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
@@ -255,4 +275,5 @@ def _peer_differences(tmp_path: Path, spec: JobSpec, steps: int) -> dict[str, fl
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    out = json.loads((tmp_path / "out.json").read_text())
+    return out["peers"], out["moved"]

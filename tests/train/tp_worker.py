@@ -5,7 +5,8 @@
 Resumes from the checkpoint the spec names (`checkpoint.resume_from`), if any, trains STEPS steps of the spec (its
 run directory exists), then compares every parameter that tensor parallel leaves whole (embeddings, a tied head, and
 what it replicates over the group: the sequence-parallel norms, the LoRA factor beside a split projection) across the
-ranks of each tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers.
+ranks of each tensor-parallel group; rank 0 writes, per such parameter, the largest difference between peers
+(`peers`) and how far training moved it on rank 0 (`moved`: peers that match because nothing trains prove nothing).
 """
 
 from __future__ import annotations
@@ -38,17 +39,19 @@ def main(spec_file: str, steps: int, out: str) -> None:
         spec = JobSpec.model_validate_json(Path(spec_file).read_text())
         trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
         trainer.maybe_resume()
+        # this rank's FSDP shard of each such parameter: peers of one group hold the same data-parallel shard
+        before = {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters() if _whole_on_tp(p)}
         for _ in range(steps):
             trainer.train_step()
-        # this rank's FSDP shard of each such parameter: peers of one group hold the same data-parallel shard
         whole = {n: p.to_local() for n, p in trainer.model.named_parameters() if _whole_on_tp(p)}
         gathered = [None] * ctx.world
         dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in whole.items()})
         if ctx.is_main:
             tp = spec.parallel.tp
-            diffs = {n: max(float((gathered[r][n] - gathered[r - r % tp][n]).abs().max()) for r in range(ctx.world))
+            peers = {n: max(float((gathered[r][n] - gathered[r - r % tp][n]).abs().max()) for r in range(ctx.world))
                      for n in whole}
-            Path(out).write_text(json.dumps(diffs))
+            moved = {n: float((whole[n].detach() - before[n]).abs().max()) for n in whole}
+            Path(out).write_text(json.dumps({"peers": peers, "moved": moved}))
 
 
 if __name__ == "__main__":

@@ -79,6 +79,18 @@ def apply_activation_checkpointing(model: nn.Module, spec: ParallelSpec) -> None
                                           every_n_layers=spec.activation_checkpointing_every)
 
 
+def block_wrapping(model: nn.Module) -> dict[str, int]:
+    """What `parallelize` did to the decoder blocks, read back from them: how many there are, how many are compiled
+    (`nn.Module.compile`), checkpointed, and checkpointed with the selective policy (a `context_fn`)."""
+    layers = decoder_layers(model)
+    checkpointed = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False)]
+    return {"blocks": len(layers),
+            "compiled": sum(1 for layer in layers if getattr(layer, "_compiled_call_impl", None) is not None),
+            "checkpointed": len(checkpointed),
+            "selective": sum(1 for layer in checkpointed
+                             if "context_fn" in getattr(layer._gradient_checkpointing_func, "keywords", {}))}
+
+
 def _offload_policy(spec: ParallelSpec, device_type: str) -> OffloadPolicy:
     """Host-resident params/grads/optimizer state; pinned host memory only where there is a device to copy to."""
     return CPUOffloadPolicy(pin_memory=device_type == "cuda") if spec.offload else OffloadPolicy()

@@ -33,20 +33,28 @@ from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
 
 
+def takes_chunked_loss(config, chunk_tokens: int | None) -> bool:
+    """Whether `token_loss_sum` computes the loss in chunks (`shardline.training.chunked_loss`): `chunk_tokens` set
+    (`train.loss_chunk_tokens` > 0) and a family of `shardline.model.families`, whose causal LM head is known (a
+    linear map, Gemma 2's final-logit cap). Any other family's forward may do more to its logits (Granite scales
+    them), so its loss comes from its whole `.logits`: the trainer says so at setup."""
+    return bool(chunk_tokens) and is_tested(config)
+
+
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over loss-bearing positions, in fp32.
 
     `chunk_tokens` (`train.loss_chunk_tokens`): the LM head and the loss over chunks of that many loss-bearing
     tokens (`shardline.training.chunked_loss`); None or 0: over the model's whole `.logits`, as transformers
     computes them, also for a family outside `shardline.model.families` (its head may do more than a linear
-    map and Gemma 2's cap). The batch's document spans go to the model as varlen keywords: document-masked attention
-    reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them and masks from the
-    positions."""
+    map and Gemma 2's cap: `takes_chunked_loss`). The batch's document spans go to the model as varlen keywords:
+    document-masked attention reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them
+    and masks from the positions."""
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = {} if batch.spans is None else batch.spans.model_kwargs(
         batch.input_ids.device if flash else torch.device("cpu"))
     lm = causal_lm(model)
-    if chunk_tokens and is_tested(lm.config):  # an untested family's forward may scale its logits: kept whole
+    if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits

@@ -33,7 +33,7 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.failures import PHASES
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
-from shardline.model.build import build_model
+from shardline.model.build import build_model, causal_lm
 from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
@@ -50,7 +50,7 @@ from shardline.model.lora import apply_lora
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
-from shardline.parallel.fsdp import data_parallel_rank, device_mesh, parallelize
+from shardline.parallel.fsdp import block_wrapping, data_parallel_rank, device_mesh, parallelize
 from shardline.parallel.mesh import DistContext
 from shardline.parallel.tensor import check_tensor_parallel, split_weights, splits_vocabulary
 from shardline.planning.memory import planned_peak_bytes
@@ -68,6 +68,7 @@ from shardline.training.evaluate import (
     generation_eval,
     rank_part,
     sample_generations,
+    takes_chunked_loss,
     token_loss_sum,
     validation_loss,
     validation_loss_sums,
@@ -184,6 +185,10 @@ class Trainer:
             f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
             f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
+        chunked = takes_chunked_loss(causal_lm(self.model).config, t.loss_chunk_tokens)
+        if t.loss_chunk_tokens and not chunked:
+            self._say(f"train.loss_chunk_tokens={t.loss_chunk_tokens} is not applied: {self.family.name}'s head is "
+                      "not one shardline's chunked loss is tested with, so its loss comes from the whole logits")
         if self.spec.parallel.tp > 1:
             head = ("loss parallel over the vocabulary" if splits_vocabulary(self.model)
                     else "the output projection whole: it is the tied embedding")
@@ -219,6 +224,8 @@ class Trainer:
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
                     tensor_parallel_weights=split_weights(self.model),
+                    blocks=block_wrapping(self.model),
+                    chunked_loss=chunked,
                     loss_parallel=splits_vocabulary(self.model), dataset_version=self.data.version,
                     data_sources=data_sources, process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
 
