@@ -98,6 +98,7 @@ def test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded(tmp_path,
 
     import shardline.engines.torchrun as wrapper
     from shardline.errors import EXIT_OK, EXIT_PREEMPTED
+    from shardline.failures import REPORTER_ENV
     from shardline.rundir import create_run, update_manifest
     from tests.conftest import small_spec
 
@@ -107,6 +108,9 @@ def test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded(tmp_path,
         raise SignalException("interrupted", signal.SIGINT)
 
     monkeypatch.setattr(wrapper, "run", interrupted)
+    # main() marks this process as the failures' reporter in os.environ: undone after the test, or every bare
+    # worker a later test starts would stay silent about its error
+    monkeypatch.setenv(REPORTER_ENV, "1")
     argv = ["--standalone", "--nproc-per-node=1", "-m", "shardline.worker", "--spec", str(run_dir / "spec.yaml")]
     for status, code in [("running", 128 + signal.SIGINT), ("preempted", EXIT_PREEMPTED), ("finished", EXIT_OK)]:
         update_manifest(run_dir, status=status)
