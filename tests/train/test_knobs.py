@@ -284,3 +284,34 @@ def test_profile_steps_writes_a_trace_and_an_ops_table_with_the_step_phases(ctx,
     assert table.startswith("steps 4-5, rank 0")
     assert all(f"shardline.{phase}" in table for phase in ("data", "forward", "backward", "optimizer", "sync"))
     assert "aten::mm" in table or "aten::addmm" in table
+
+
+def test_a_bf16_lora_run_holds_its_frozen_base_in_bf16_and_trains_as_with_fp32_masters(ctx, session_dir, prepared,
+                                                                                        monkeypatch):
+    """The frozen base in bf16 (no fp32 master, no per-step cast) computes with the same bf16 values the fp32 masters
+    were cast to each step: the first step's loss and the adapters' gradients are bitwise those of the old layout.
+    Tied embeddings stay one parameter; the adapters keep fp32 masters."""
+    lora = ("train.precision=bf16", "model.lora.enabled=true", "model.arch.tie_embeddings=true")
+    new = _trainer(ctx, session_dir, prepared, *lora)
+    frozen = {n: p.dtype for n, p in new.model.named_parameters() if not p.requires_grad}
+    trained = {n: p.dtype for n, p in new.model.named_parameters() if p.requires_grad}
+    assert frozen and set(frozen.values()) == {torch.bfloat16}, frozen
+    assert trained and set(trained.values()) == {torch.float32}, trained
+    base = new.model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    from shardline.parallel import fsdp
+
+    monkeypatch.setattr(fsdp, "frozen_in_compute_dtype", lambda model, precision: None)  # the old layout
+    old = _trainer(ctx, session_dir, prepared, *lora)
+    assert {p.dtype for p in old.model.parameters()} == {torch.float32}
+    grads = []
+    for t in (new, old):
+        batch = t.sampler.step_batches(t.rows, 0, 0)[0]
+        loss = t.model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels).loss
+        loss.backward()
+        grads.append({n: p.grad.full_tensor().clone() for n, p in t.model.named_parameters() if p.requires_grad})
+        t.model.zero_grad(set_to_none=True)
+        grads[-1]["loss"] = loss.detach().float()
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name

@@ -57,6 +57,22 @@ def data_parallel_rank(rank: int, world: int, ranks_per_row: int) -> tuple[int, 
     return rank // ranks_per_row, world // ranks_per_row
 
 
+def frozen_in_compute_dtype(model: nn.Module, precision: Precision) -> None:
+    """With bf16, frozen weights (a LoRA base) are held in bf16: no fp32 master copy and no per-step cast, the
+    values the forward computed with before (bf16 of the fp32 master). Trainable weights keep fp32 masters (one
+    dtype among them, as FSDP2 requires); tied weights stay one parameter."""
+    if precision != "bf16":
+        return
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id → (old, new): old kept alive while mapping
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or param.dtype == torch.bfloat16:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = (param, nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=False))
+            module._parameters[name] = replaced[id(param)][1]
+
+
 def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 master weights and fp32 gradient reduction; fp32 is plain."""
     if precision == "bf16":
@@ -110,6 +126,7 @@ def enable_async_tp(spec: ParallelSpec, device_type: str) -> None:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
     enable_async_tp(spec, mesh.device_type)
+    frozen_in_compute_dtype(model, precision)
     if spec.tp > 1:  # torchtitan's order: tensor parallel on the plain modules first
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec)

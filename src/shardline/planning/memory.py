@@ -10,7 +10,7 @@ values of the other (cp−1)/cp of the row), c = compute bytes (2 bf16, 4 fp32),
 tokens (÷ cp), L layers, d hidden,
 I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 
-- parameters 4P/S (fp32 master shards), gradients 4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
+- parameters (4P_t + c(P − P_t))/S (fp32 master shards of what trains, a frozen LoRA base in c), gradients 4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
   with `parallel.offload` all three live in host memory instead.
 - gather buffers: FSDP's unsharded compute-dtype copies - the root (embeddings, norm, lm_head; kept from
   forward through backward) + two blocks (current and prefetched): c·(P_root + 2·P_block).
@@ -341,7 +341,7 @@ class MemoryPlan:
 COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "temporaries",
               "allocator", "runtime")
 LABELS = {
-    "params": "parameters (fp32 master shards)", "grads": "gradients (fp32 shards)",
+    "params": "parameters (shards; frozen ones in the compute dtype)", "grads": "gradients (fp32 shards)",
     "optimizer": "optimizer state (AdamW, 2 × fp32)", "gather_buffers": "FSDP gather buffers (root + 2 blocks)",
     "activations": "activations", "logits": "logits + cross-entropy", "temporaries": "temporary buffers",
     "allocator": "allocator retention (glibc)", "runtime": "runtime (context / process)",
@@ -384,7 +384,9 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     n = t.micro_batch_size * t.seq_len // p.cp  # context parallel: this rank's tokens
     d = shape.hidden
 
-    params, grads, opt = 4 * pb.total / shard, 4 * pb.trainable / shard, 8 * pb.trainable / shard
+    # fp32 masters of what trains; frozen weights (a LoRA base) in the compute dtype (parallel.fsdp)
+    params = (4 * pb.trainable + c * (pb.total - pb.trainable)) / shard
+    grads, opt = 4 * pb.trainable / shard, 8 * pb.trainable / shard
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
 
     saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
