@@ -10,7 +10,8 @@ values of the other (cp−1)/cp of the row), c = compute bytes (2 bf16, 4 fp32),
 tokens (÷ cp), L layers, d hidden,
 I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 
-- parameters (4P_t + c(P − P_t))/S (fp32 master shards of what trains, a frozen LoRA base in c), gradients 4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
+- parameters (4P_t + c(P − P_t))/S (fp32 master shards of what trains, a frozen LoRA base in c), gradients
+  4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
   with `parallel.offload` all three live in host memory instead.
 - gather buffers: FSDP's unsharded compute-dtype copies - the root (embeddings, norm, lm_head; kept from
   forward through backward) + two blocks (current and prefetched): c·(P_root + 2·P_block).
