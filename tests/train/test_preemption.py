@@ -67,9 +67,10 @@ def _check_goodput(run: Path, attempts: int, elapsed: float) -> dict:
     goodput = read_status(run).goodput
     assert goodput is not None and len(goodput.attempts) == attempts
     assert sum(goodput.buckets[b] for b in BUCKETS) == pytest.approx(goodput.wall_s, rel=0.01)
-    # The test's clock also holds the CLI's start before the run exists and the report after its end.
-    assert elapsed - 10 <= goodput.wall_s <= elapsed
+    # Orderings, not a clock margin (the CLI's start before the run exists takes 10 s or 50 s, as the machine is
+    # loaded): the run's wall time lies within the test's own, and holds every step it timed.
     train = read_metrics(run, "train")
+    assert sum(r["step_time_s"] for r in train) < goodput.wall_s <= elapsed
     last_of = {r["step"]: i for i, r in enumerate(train)}
     stood = [r for i, r in enumerate(train) if last_of[r["step"]] == i]
     redone = [r for i, r in enumerate(train) if last_of[r["step"]] != i]
