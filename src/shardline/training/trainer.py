@@ -135,8 +135,6 @@ class Trainer:
                                          on_gpu=ctx.device.type == "cuda")
         self.stop = stop or StopRequest()
         self.step = 0
-        self.saved_step: int | None = None
-        """The step of this run's newest save (committed, or in flight until `checkpointer.wait()`)."""
         self.consumed_tokens = 0
         self.checkpoint_stalls: list[float] = []
         self.last_blocking_save_s = 0.0
@@ -248,7 +246,6 @@ class Trainer:
         maybe_fail("checkpoint", self.ctx.rank, self.step)
         state = training_state(self.model, self.optimizer, self._counters(), self.ctx.rank)
         stall = self.checkpointer.save(self.step, state, self._checkpoint_files(), blocking=blocking)
-        self.saved_step = self.step
         self.checkpoint_stalls.append(stall)
         if blocking:
             self.last_blocking_save_s = stall
@@ -305,8 +302,6 @@ class Trainer:
             self.scheduler.base_lrs = [self.spec.train.lr] * len(self.optimizer.param_groups)
         else:
             self.step = step
-        if store is self.checkpointer.store:  # committed in this run's own store: a stop now need not save it again
-            self.saved_step = step
         # an evaluation of a finished run loads weights only: not a resume of training (the report, goodput and
         # Prometheus count resumes)
         self._event(event="resume" if with_optimizer else "evaluation_restore", step=step,
@@ -454,7 +449,7 @@ class Trainer:
         """Checkpoint the current step synchronously unless it is committed already, record the grace used and the
         phase the stop interrupted, and stop."""
         self.checkpointer.wait()  # a background save in flight commits first (or fails loudly)
-        if self.saved_step != self.step:
+        if not self.checkpointer.store.is_committed(self.step):  # a committed step is not saved again
             self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
         grace = time.monotonic() - self.stop.received_at if self.stop.received_at else None
@@ -487,10 +482,6 @@ class Trainer:
         if self._stop_agreed():
             raise EvaluationStopped(self.phase if self.phase in ("sql_evaluation", "evaluation")
                                     else "sample_generations")
-
-    def _stop_requested(self) -> bool:
-        """This rank's own flag, read inside `generate` between tokens (no collective)."""
-        return self.stop.requested
 
     def validate(self) -> float:
         """Validation loss over every validation row (and per source, for a mixture), logged as an eval record."""
@@ -626,7 +617,7 @@ class Trainer:
         result = generation_eval(self.model, self.tokenizer, examples, self.spec, self.task,
                                  self.data.meta["pad_id"], self.ctx.device,
                                  ranks_per_row=self.spec.parallel.ranks_per_row,
-                                 after_batch=self._after_generation_batch, stop_requested=self._stop_requested)
+                                 after_batch=self._after_generation_batch, stop_requested=lambda: self.stop.requested)
         if result is None:
             return {}
         seconds = time.perf_counter() - start
@@ -654,7 +645,8 @@ class Trainer:
         start = time.perf_counter()
         samples = sample_generations(self.model, self.tokenizer, picked, self.spec, self.task,
                                      self.data.meta["pad_id"], self.ctx.device, self.spec.parallel.ranks_per_row,
-                                     after_batch=self._after_generation_batch, stop_requested=self._stop_requested)
+                                     after_batch=self._after_generation_batch,
+                                     stop_requested=lambda: self.stop.requested)
         if not samples:
             return {}
         (self.run_dir / "eval.json").write_text(json.dumps(
