@@ -90,6 +90,9 @@ def test_two_process_sweep_prints_tables_writes_json_and_fails_an_unreachable_th
     res = run_cli("netcheck", "--nproc", "2", "--min-bytes", "1024", "--max-bytes", "65536", "--factor", "8",
                   "--iters", "3", "--warmup", "1", "--expect-busbw", "10000", "--json", str(out), timeout=300)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    # The verdict is the answer, not a crash: no rank is reported as failed. Seen in CI: rank 1 left with the
+    # verdict's exit code while rank 0 still printed, and torchrun SIGTERMed rank 0 mid-table.
+    assert "error:" not in res.stderr and "failure record" not in res.stderr, res.stderr[-3000:]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         assert f"{op} · 2 ranks" in res.stdout
     assert "FAIL" in res.stdout and "below 90% of the expected 10000 GB/s" in res.stdout

@@ -54,7 +54,7 @@ def test_tp_must_divide_the_node_the_world_and_the_heads():
 def test_async_tp_needs_tp_compile_and_cuda():
     four = ["parallel.nproc_per_node=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
     with pytest.raises(SpecError, match=r"parallel.async_tp: needs tensor parallel and compiled blocks \(tp=2, "
-                                        "compile=false\)"):
+                                        r"compile=false\)"):
         load_spec("tiny", [*four, "parallel.tp=2", "parallel.async_tp=true"])
     with pytest.raises(SpecError, match=r"parallel.async_tp: needs tensor parallel .* \(tp=1, compile=true\)"):
         load_spec("tiny", [*four, "parallel.async_tp=true", "parallel.compile=true"])

@@ -10,6 +10,7 @@ whatever the worker said), so 2 (bad input) and 75 (preempted) reach the engine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -78,6 +79,25 @@ def _status(run_dir: Path) -> str | None:
 def _task(worker_args: list[str]) -> str:
     """The worker command's `--task` (train when absent)."""
     return worker_args[worker_args.index("--task") + 1] if "--task" in worker_args[:-1] else "train"
+
+
+def told_verdict(error: ChildFailedError, worker_args: list[str], run_dir: Path | None, task: str,
+                 started: float) -> int | None:
+    """The exit code of a readiness task whose ranks all exited with the code of the verdict they wrote
+    (netcheck FAIL, gpucheck without a GPU): they told it already, so there is no failure to report."""
+    from shardline.ops.tasks import OPS_TASKS, document_exit_code
+
+    if task not in OPS_TASKS:
+        return None
+    out = worker_args[worker_args.index("--out") + 1] if "--out" in worker_args[:-1] else None
+    path = Path(out) if out else run_dir / f"{task}.json" if run_dir is not None else None
+    try:
+        if path is None or path.stat().st_mtime < started:
+            return None
+        code = document_exit_code(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+    return code if all(f.exitcode == code for f in error.failures.values()) else None
 
 
 def report(error: ChildFailedError, run_dir: Path | None, started: float, task: str = "train") -> str:
@@ -152,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         worker_args = list(args.training_script_args)
         run_dir, task = _run_dir(worker_args), _task(worker_args)
+        told = told_verdict(e, worker_args, run_dir, task, started)
+        if told is not None:
+            return told
         code = exit_code(e, read_failures(run_dir, since=started) if run_dir else [])
         if code != EXIT_PREEMPTED:  # a preempted worker already said what it saved
             print(f"error: {report(e, run_dir, started, task)}", file=sys.stderr)

@@ -89,6 +89,7 @@ def run_netcheck(spec: JobSpec, console: Console, out: Path | None) -> int:
                 console.print("[green]PASS[/]")
             doc = result_document(records, verdict, ctx.world, backend, ctx.device.type)
             write_result(result_path(spec, "netcheck", out), doc)
+        dist.barrier()  # every rank leaves once the verdict is told: torchrun ends the others at the first exit
     return EXIT_OK if verdict.passed else EXIT_FAILURE
 
 
@@ -136,6 +137,7 @@ def run_gpucheck(spec: JobSpec, console: Console, out: Path | None) -> int:
             if summary.gpu and summary.passed:
                 console.print("[green]PASS[/]")
             write_result(result_path(spec, "gpucheck", out), result_document(gathered, summary))
+        dist.barrier()
     return exit_code(summary)
 
 
