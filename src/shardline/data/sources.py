@@ -15,6 +15,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,17 @@ def head_examples(spec: DataSpec, n: int) -> list[Example]:
 
 
 def _bundled(spec: DataSpec) -> Source:
+    return _bundled_for(spec.model_dump_json())
+
+
+@lru_cache(maxsize=1)
+def _bundled_for(data_json: str) -> Source:
+    """The generated set, built once per process for the last `data` asked: a worker prepares twice (to write,
+    then to read) and the launcher once before it, each generating and hashing thousands of examples otherwise."""
+    return _generate_bundled(DataSpec.model_validate_json(data_json))
+
+
+def _generate_bundled(spec: DataSpec) -> Source:
     task = get_task(spec.task)
     if task.bundled_splits is None:
         raise DataError("data.path", f"is unset, and data.task={spec.task} brings no data of its own",
