@@ -119,6 +119,11 @@ def test_an_unknown_field_suggests_the_closest_one_also_inside_a_list_of_section
     (["model.lora.enabled=true", "model.lora.target_modules=[q_proj, lm_head]", "parallel.tp=2"],
      "model.lora.target_modules", "split over the vocabulary"),
     (["data.sources=[{path: a.jsonl}]", "data.path=b.jsonl"], "data.sources", "describe one source"),
+    (["model.lora.quantize_base=nf4"], "model.lora.quantize_base", "model.lora.enabled is false"),
+    (["model.lora.enabled=true", "model.lora.quantize_base=nf4", "parallel.tp=2"], "model.lora.quantize_base",
+     "held whole"),
+    (["model.lora.enabled=true", "model.lora.quantize_base=nf4", "parallel.offload=true"],
+     "model.lora.quantize_base", "outside FSDP, on the device"),
     (["data.sources=[{path: a.jsonl, name: x}, {path: b.jsonl, name: x}]"], "data.sources", "twice"),
 ])
 def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):

@@ -1,16 +1,16 @@
 """Export a run's committed checkpoint as a consolidated Hugging Face directory (`shardline export`).
 
-Runs in one process without a process group: the model is rebuilt exactly as the Trainer builds it
-(plain, no FSDP) and the DCP shards of any world size are read into it with `no_dist=True`. Full
-fine-tunes give `save_pretrained` safetensors + tokenizer + generation config; LoRA runs give a peft
-adapter directory (the base is rebuilt from the spec, noted in `shardline_base.json`), or with
-`merge_lora` the merged full model. Weights are written in the checkpoint's own dtype unless `dtype` names another
-(`export_dtype`): the training's fp32 master weights, cast in place tensor by tensor, would otherwise make an export of
-a bf16 base twice its size. An adapter names its base (`base_model_name_or_path`: `model.path`) with
-the module paths of the model `from_pretrained` builds from it — a multimodal Gemma 3, whose language model alone
-trained, keeps it under `model.language_model.` — and export proves on a meta-device copy of that base that peft
-loads every adapter weight into a module and leaves none of its LoRA modules without one. The result is built
-in a temporary sibling directory and renamed into place, so `out` is either complete or absent.
+Runs in one process without a process group: the model is rebuilt exactly as the Trainer builds it (plain, no FSDP)
+and the DCP shards of any world size are read into it with `no_dist=True`. Full fine-tunes give `save_pretrained`
+safetensors + tokenizer + generation config; LoRA runs give a peft adapter directory (the base is rebuilt from the
+spec, noted in `shardline_base.json`), or with `merge_lora` the merged full model (a QLoRA run's NF4 base
+dequantized, then merged). Weights are written in the checkpoint's own dtype unless `dtype` names another
+(`export_dtype`): the training's fp32 master weights, cast in place tensor by tensor, would otherwise make an export
+of a bf16 base twice its size. An adapter names its base (`base_model_name_or_path`: `model.path`) with the module
+paths of the model `from_pretrained` builds from it — a multimodal Gemma 3, whose language model alone trained, keeps
+it under `model.language_model.` — and export proves on a meta-device copy of that base that peft loads every adapter
+weight into a module and leaves none of its LoRA modules without one. The result is built in a temporary sibling
+directory and renamed into place, so `out` is either complete or absent.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from shardline.data.prepare import prepare
 from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
 from shardline.model.build import build_model, causal_lm
-from shardline.model.lora import apply_lora
+from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.nf4 import dequantize_base
 from shardline.model.sharded_load import materialize
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
@@ -82,13 +83,18 @@ def resolve_step(store: CheckpointStore, step: int | None) -> int:
     return step
 
 
-def build_plain(spec: JobSpec, vocab_size: int, ids: dict[str, int]) -> nn.Module:
-    """The model as the Trainer builds it, whole on the CPU (base from model.path or model.init_seed)."""
+def build_plain(spec: JobSpec, vocab_size: int, ids: dict[str, int], quantized_base: bool = True) -> nn.Module:
+    """The model as the Trainer builds it, whole on the CPU (base from model.path or model.init_seed). A QLoRA base
+    (`model.lora.quantize_base: nf4`) is quantized as the Trainer does and held dequantized in fp32: the values the
+    run computed with; `quantized_base=False` skips that (the original base weights, where only adapters matter)."""
     with torch.random.fork_rng(devices=[]):
         model = build_model(spec.model, vocab_size, ids, device="meta")
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
+        if quantized_base:
+            quantize_frozen_base(model, spec.model.lora, spec.train.precision)
     materialize(model, spec.model, torch.device("cpu"))
+    dequantize_base(model, torch.float32)
     return model
 
 
@@ -176,7 +182,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     try:
         tok, dataset_version = _tokenizer(store, step, spec, run_dir, tmp / "_tokenizer")
         ids = special_ids(tok, pad_id(tok))
-        model = build_plain(spec, len(tok), ids)
+        model = build_plain(spec, len(tok), ids, quantized_base=full)  # an adapter alone does not hold the base
         load_model_entry(model, store, step, lora)
         shutil.rmtree(tmp / "_tokenizer", ignore_errors=True)
         if full:

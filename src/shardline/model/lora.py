@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardline.errors import SpecError
 from shardline.model.families import family_of
-from shardline.spec import LoraSpec
+from shardline.model.nf4 import QuantizedBase, quantize_base_on_meta
+from shardline.spec import LoraSpec, Precision
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -22,3 +24,11 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def quantize_frozen_base(model: nn.Module, spec: LoraSpec, precision: Precision) -> QuantizedBase | None:
+    """`model.lora.quantize_base`: with nf4, the frozen linear weights of a meta-device LoRA model become meta NF4
+    weights of the compute dtype (`shardline.model.nf4`); None with none."""
+    if spec.quantize_base == "none":
+        return None
+    return quantize_base_on_meta(model, torch.bfloat16 if precision == "bf16" else torch.float32)

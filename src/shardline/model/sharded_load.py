@@ -29,7 +29,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from shardline.errors import SpecError
 from shardline.model.families import is_multimodal_checkpoint, language_model_key
+from shardline.model.nf4 import is_nf4, to_nf4
 from shardline.spec import ModelSpec
 
 INIT_BLOCK_ELEMENTS = 1 << 22
@@ -78,9 +79,11 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
     Base weights come from `spec.path`'s safetensors (only this rank's slices are read; missing, unexpected or
     misshapen keys raise a SpecError naming them) or from the random init of `spec.init_seed`; LoRA adapters get
     peft's init (lora_A kaiming-uniform, lora_B zeros), deterministically; tied weights stay tied; rotary
-    buffers are recomputed.
+    buffers are recomputed. A meta NF4 weight (`shardline.model.nf4`: a QLoRA base, never sharded) is filled whole
+    in its dtype and quantized on `device`, one weight at a time.
     """
     ties = _tie_groups(model)
+    quantized = _detach_nf4(model)  # to_empty would allocate each as an empty NF4: filled whole below instead
     model.to_empty(device=device)
     for (first, first_name), *others in ties:  # a plain model's to_empty unties them
         for module, name in others:
@@ -93,10 +96,31 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
             random = params
         else:
             random = [p for p in params if _is_lora(p.name)]
-            _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path)
+            _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path, quantized, device)
         for p in random:
             _fill_random(p, spec.init_seed, std)
+        if spec.path is None:
+            for p, attr in quantized:
+                dense = replace(p, param=torch.empty(p.param.shape, dtype=p.param.dtype, device=device))
+                _fill_random(dense, spec.init_seed, std)
+                _set_nf4(p, attr, dense.param)
         _init_buffers(model)
+
+
+def _detach_nf4(model: nn.Module) -> list[tuple[_Param, str]]:
+    """Take the meta NF4 weights out of their modules: (the parameter with its HF name, its attribute)."""
+    found = []
+    for module_name, module in model.named_modules():
+        for attr, param in list(module._parameters.items()):
+            if is_nf4(param):
+                found.append((_Param([hf_name(f"{module_name}.{attr}")], module, param), attr))
+                module._parameters[attr] = None
+    return found
+
+
+def _set_nf4(p: _Param, attr: str, dense: torch.Tensor) -> None:
+    """Quantize the whole weight `dense` and put it back into its module as a frozen NF4 parameter."""
+    p.module._parameters[attr] = nn.Parameter(to_nf4(dense), requires_grad=False)
 
 
 def _is_lora(name: str) -> bool:
@@ -213,18 +237,21 @@ def _stored_keys(path: str) -> dict[str, Path]:
                     "save the checkpoint with save_pretrained(..., safe_serialization=True)")
 
 
-def _load_checkpoint(params: list[_Param], path: str) -> None:
-    """Copy each parameter's local slice from the checkpoint, reading only those bytes."""
+def _load_checkpoint(params: list[_Param], path: str, quantized: list[tuple[_Param, str]] = (),
+                     device: torch.device | None = None) -> None:
+    """Copy each parameter's local slice from the checkpoint, reading only those bytes; each of `quantized` (meta NF4
+    weights and their attributes) is read whole into `device` in its dtype and quantized there."""
     files = _checkpoint_files(path)
+    whole = {id(p): attr for p, attr in quantized}
     source: dict[str, _Param] = {}
     missing = []
-    for p in params:
+    for p in [*params, *(p for p, _ in quantized)]:
         key = next((n for n in p.names if n in files), None)
         if key is None:
             missing.append(p.name)
         else:
             source[key] = p
-    known = {n for p in params for n in p.names}  # a tied weight may be saved under either name
+    known = {n for p in params for n in p.names} | {p.name for p, _ in quantized}  # a tied weight: either name
     unexpected = sorted(k for k in files if k not in known and not k.endswith(STALE_KEY_SUFFIX))
     if missing or unexpected:
         raise SpecError("model.path", f"{path} does not fit the model built from its config.json: "
@@ -233,12 +260,21 @@ def _load_checkpoint(params: list[_Param], path: str) -> None:
                         "writes them)")
     _check_shapes(source, files)
     for key, p in source.items():
-        dst, region = _local(p.param)
-        rows, rest = region[0], region[1:]
-        step = max(1, READ_CHUNK_BYTES // (math.prod(p.param.shape[1:]) * dst.element_size()))
-        for a in range(rows.start, rows.stop, step):
-            b = min(a + step, rows.stop)
-            dst[a - rows.start : b - rows.start].copy_(_read(files[key], (slice(a, b), *rest)))
+        if id(p) in whole:
+            dense = torch.empty(p.param.shape, dtype=p.param.dtype, device=device)
+            _copy_rows(dense, tuple(slice(0, n) for n in dense.shape), files[key])
+            _set_nf4(p, whole[id(p)], dense)
+        else:
+            _copy_rows(*_local(p.param), files[key])
+
+
+def _copy_rows(dst: torch.Tensor, region: tuple[slice, ...], stored: _Stored) -> None:
+    """Fill `dst`, the `region` of a stored tensor, in pieces of at most `READ_CHUNK_BYTES` read at a time."""
+    rows, rest = region[0], region[1:]
+    step = max(1, READ_CHUNK_BYTES // (math.prod(dst.shape[1:]) * dst.element_size()))
+    for a in range(rows.start, rows.stop, step):
+        b = min(a + step, rows.stop)
+        dst[a - rows.start : b - rows.start].copy_(_read(stored, (slice(a, b), *rest)))
 
 
 def _check_shapes(source: dict[str, _Param], stored: dict[str, _Stored]) -> None:

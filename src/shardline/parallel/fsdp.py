@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
+from shardline.model.nf4 import is_nf4, nf4_parameters
 from shardline.parallel.tensor import apply_tensor_parallel
 from shardline.spec import ParallelSpec, Precision
 
@@ -60,13 +61,13 @@ def data_parallel_rank(rank: int, world: int, ranks_per_row: int) -> tuple[int, 
 def frozen_in_compute_dtype(model: nn.Module, precision: Precision) -> None:
     """With bf16, frozen weights (a LoRA base) are held in bf16: no fp32 master copy and no per-step cast, the
     values the forward computed with before (bf16 of the fp32 master). Trainable weights keep fp32 masters (one
-    dtype among them, as FSDP2 requires); tied weights stay one parameter."""
+    dtype among them, as FSDP2 requires); tied weights stay one parameter; NF4 weights (QLoRA) are already in it."""
     if precision != "bf16":
         return
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id → (old, new): old kept alive while mapping
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or param.requires_grad or param.dtype == torch.bfloat16:
+            if param is None or param.requires_grad or param.dtype == torch.bfloat16 or is_nf4(param):
                 continue
             if id(param) not in replaced:
                 replaced[id(param)] = (param, nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=False))
@@ -136,8 +137,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
             # sequence parallel's DTensors fail dynamo's dynamic shapes (torch 2.13: "unhashable type: non-nested
             # SymInt" on a new batch shape): with tp, each shape compiles on its own
             layer.compile(dynamic=False if spec.tp > 1 else None)
+    # QLoRA's NF4 weights stay whole on every rank, outside FSDP (shardline.model.nf4 says why)
     shard = partial(fully_shard, mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision(precision),
-                    offload_policy=_offload_policy(spec, mesh.device_type))
+                    offload_policy=_offload_policy(spec, mesh.device_type),
+                    ignored_params=nf4_parameters(model) or None)
     for i, layer in enumerate(layers):
         _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in

@@ -11,7 +11,10 @@ tokens (÷ cp), L layers, d hidden,
 I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 
 - parameters (4P_t + c(P − P_t))/S (fp32 master shards of what trains, a frozen LoRA base in c), gradients
-  4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments);
+  4P_t/S (fp32, sharded), AdamW 8P_t/S (two fp32 moments); a QLoRA base (`model.lora.quantize_base: nf4`) holds
+  its block projections as NF4 instead, whole on every rank: 0.5 + 1/64 + c/16384 bytes per parameter
+  (`shardline.model.nf4.nf4_bytes`), and FSDP gathers only the rest of a block; dequantizing one of them for a
+  matmul adds (8 + 3c) bytes per element of the largest to the temporaries while backward runs.
   with `parallel.offload` all three live in host memory instead.
 - gather buffers: FSDP's unsharded compute-dtype copies - the root (embeddings, norm, lm_head; kept from
   forward through backward) + two blocks (current and prefetched): c·(P_root + 2·P_block).
@@ -50,6 +53,7 @@ from shardline.model.families import (
     language_model_config,
     layer_windows,
 )
+from shardline.model.nf4_layout import nf4_bytes, nf4_quantizable
 from shardline.planning.devices import (
     CPU_RETAINED_BLOCKS_PLAIN,
     CPU_RETAINED_BLOCKS_RECOMPUTE,
@@ -255,6 +259,23 @@ def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
     return ParamBudget(block, block, root, root, s.layers)
 
 
+def nf4_block_weights(s: ModelShape, lora: LoraSpec) -> list[int]:
+    """Element counts of the block weights a QLoRA base holds as NF4 (`shardline.model.nf4`): every projection of
+    a block whose element count torchao can quantize (a multiple of 64 × 256); empty without
+    `model.lora.quantize_base: nf4`. The head stays in the compute dtype."""
+    if not lora.enabled or lora.quantize_base != "nf4":
+        return []
+    return [i * o for name, (i, o) in linear_dims(s).items()
+            if name in block_linears(s) and nf4_quantizable((o, i))]
+
+
+def nf4_dequantize_bytes(numel: int, c: int) -> int:
+    """Transient bytes while torchao dequantizes one NF4 weight for a matmul (`NF4Tensor.get_original_weight`, all
+    its locals alive until it returns): the two int64 code-index tensors (8 bytes per element in all), the two
+    looked-up halves and the two scaled halves (c/2 each) and the interleaved result (c)."""
+    return (8 + 3 * c) * numel
+
+
 def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len: int, kind: str = "cuda") -> float:
     """Bytes one decoder block saves for backward, per token, without activation checkpointing."""
     d, i, h = s.hidden, s.intermediate, s.heads
@@ -385,15 +406,20 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     n = t.micro_batch_size * t.seq_len // p.cp  # context parallel: this rank's tokens
     d = shape.hidden
 
-    # fp32 masters of what trains; frozen weights (a LoRA base) in the compute dtype (parallel.fsdp)
-    params = (4 * pb.trainable + c * (pb.total - pb.trainable)) / shard
+    # fp32 masters of what trains; frozen weights (a LoRA base) in the compute dtype (parallel.fsdp); a QLoRA base's
+    # NF4 weights whole on every rank (not sharded) at torchao's storage per weight
+    nf4 = nf4_block_weights(shape, lora)
+    nf4_params = pb.layers * sum(nf4)
+    params = ((4 * pb.trainable + c * (pb.total - pb.trainable - nf4_params)) / shard
+              + pb.layers * sum(nf4_bytes(n, c) for n in nf4))
+    dequantize = nf4_dequantize_bytes(max(nf4, default=0), c)  # one weight at a time, forward and backward
     grads, opt = 4 * pb.trainable / shard, 8 * pb.trainable / shard
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
 
     saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
     head_grad = c * shape.head_vocab * d if head_trainable(lora) else 0
     block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
-    gathers = c * (pb.root + 2 * pb.block)
+    gathers = c * (pb.root + 2 * (pb.block - sum(nf4)))  # NF4 weights are outside FSDP: never gathered
     # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
     block_rs = (c + 8) * pb.block_trainable
     root_rs = (c + 4) * pb.root_trainable + 4 * pb.block_trainable
@@ -404,11 +430,11 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
                                   # loss parallel: counted over the whole vocabulary, as the dry run measures
                                   # torch's loss_parallel backward (its temporaries are not 1/tp of the logits)
                                   logits=_loss_bytes(t, n, shape.vocab, d, c),
-                                  temporaries=head_grad, grads=grads_now),
+                                  temporaries=head_grad + dequantize, grads=grads_now),
         "first block reduce-scatter": dict(gather_buffers=gathers, activations=saved - block,
-                                           temporaries=head_grad + block_rs, grads=grads_now),
+                                           temporaries=head_grad + block_rs + dequantize, grads=grads_now),
         "end of backward": dict(gather_buffers=gathers, activations=block,
-                                temporaries=head_grad + block_bwd + block_rs, grads=grads),
+                                temporaries=head_grad + block_bwd + block_rs + dequantize, grads=grads),
         "root reduce-scatter": dict(temporaries=root_rs, grads=grads),
         "optimizer step": dict(temporaries=opt_temp, grads=grads),
     }

@@ -72,6 +72,7 @@ def check_combinations(spec: JobSections) -> None:
             "use data.prompt_format=plain with the trained tokenizer, or point model.tokenizer at one",
         )
     check_data_sources(spec)
+    check_base_quantization(spec)
     # Installed packages (flash-attn, trackers) are checked where training starts: shardline/environment.py.
     w = spec.observe.wandb_project
     if w is not None and not w.strip():
@@ -138,6 +139,28 @@ def check_tensor_parallel_degree(spec: JobSections) -> None:
                         "parallel the head is split over the vocabulary, and a LoRA factor on a split head is not "
                         "built", "drop lm_head from the targets (or train with tp=1; the head can be trained fully "
                         "with LoRA off)")
+
+
+def check_base_quantization(spec: JobSections) -> None:
+    """`model.lora.quantize_base: nf4` (QLoRA) quantizes the frozen base of a LoRA run; its NF4 weights stay whole
+    on every rank, outside FSDP (shardline.model.nf4): layouts that split or move parameters cannot hold them."""
+    lora, p = spec.model.lora, spec.parallel
+    if lora.quantize_base == "none":
+        return
+    if not lora.enabled:
+        raise SpecError("model.lora.quantize_base", f"is {lora.quantize_base}, but model.lora.enabled is false: only "
+                        "a frozen base is quantized (a full fine-tune updates every weight)",
+                        "set model.lora.enabled=true, or model.lora.quantize_base=none")
+    if p.tp > 1:
+        raise SpecError("model.lora.quantize_base", f"is {lora.quantize_base} with parallel.tp={p.tp}: tensor "
+                        "parallel splits each projection over its ranks, and an NF4 weight is quantized and held "
+                        "whole (its blocks and scales span the whole tensor)", "use parallel.tp=1 (QLoRA's base is "
+                        "4× smaller: FSDP alone usually fits), or model.lora.quantize_base=none")
+    if p.offload:
+        raise SpecError("model.lora.quantize_base", f"is {lora.quantize_base} with parallel.offload=true: offload "
+                        "moves FSDP's shards to host memory, but NF4 weights stay outside FSDP, on the device",
+                        "use parallel.offload=false (the NF4 base takes 0.52 bytes per parameter), or "
+                        "model.lora.quantize_base=none")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
+BaseQuantization = Literal["none", "nf4"]
 PromptFormat = Literal["plain", "chat"]
 DataFormat = Literal["auto", "messages", "conversations", "prompt_completion", "instruction", "question_answer", "text"]
 TaskName = Literal["text_to_sql", "none"]
@@ -75,6 +76,12 @@ class LoraSpec(Section):
     """Dropout on the adapter's input (training only)."""
     target_modules: list[str] | None = None
     """Module names to adapt; None: the family's attention projections (q/k/v/o_proj; Phi-3's qkv_proj, o_proj)."""
+    quantize_base: BaseQuantization = "none"
+    """none (the frozen base in the compute dtype) | nf4 (QLoRA: every frozen linear weight of the decoder blocks as
+    torchao's 4-bit NormalFloat with double-quantized block scales, 0.52 bytes per parameter, whole on every rank
+    and dequantized for each matmul; the output head, embeddings and norms stay in the compute dtype; a weight whose
+    element count is not a multiple of 16,384 stays too, named in the log). Not with parallel.tp > 1 or
+    parallel.offload."""
 
 
 class ModelSpec(Section):

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
-from shardline.model.lora import apply_lora
+from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.parallel.fsdp import device_mesh, fsdp_param_groups, parallelize
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.memory import (
@@ -77,6 +77,7 @@ def build_sharded(spec: JobSpec, precision: str) -> nn.Module:
             spec.model.attn_implementation), dtype=torch.float32)
     if spec.model.lora.enabled:
         model = apply_lora(model, spec.model.lora)
+    quantize_frozen_base(model, spec.model.lora, precision)
     mesh = device_mesh(spec.parallel, spec.world_size, "cpu")
     return parallelize(model, mesh, spec.parallel.model_copy(update={"compile": False}), precision)
 

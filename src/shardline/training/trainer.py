@@ -46,7 +46,7 @@ from shardline.model.flops import (
     probe_matmul_tflops,
     table_peak_tflops,
 )
-from shardline.model.lora import apply_lora
+from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
@@ -111,6 +111,7 @@ class Trainer:
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
+        self.quantized_base = quantize_frozen_base(model, spec.model.lora, spec.train.precision)
         self.params = count_params(model)
         cfg = model.config
         self.family = family_of(cfg)
@@ -198,6 +199,8 @@ class Trainer:
                       f"FSDP over {self.dp_world} data-parallel × {self.spec.parallel.cp} context-parallel ranks")
         if self.chose_precision:  # a local launch said its choice when it created the run
             self._say(f"precision {t.precision}: {self.precision.reason}")
+        if self.quantized_base is not None:
+            self._say(self.quantized_base.describe())
         if self.precision_warning:
             self._say(self.precision_warning)
         self._say(f"MFU (headline) counts model FLOPs = {FORMULA}; with full {t.seq_len}-token documents "
