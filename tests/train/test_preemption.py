@@ -156,17 +156,20 @@ def _trained_rows(run: Path) -> dict[int, list[int]]:
     return rows
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_world_size_change_on_resume_skips_and_repeats_no_sample(tmp_path, before, after):
+def test_world_size_change_on_resume_skips_and_repeats_no_sample(tmp_path):
+    """World 2 → 1 → 2 in one run: steps 1-3 on two ranks, 4-6 on one, 7-9 on two again."""
     runs = tmp_path / "runs"
-    first = run_cli("train", *_sets(runs, "train.max_steps=3"), "--nproc", str(before))
+    first = run_cli("train", *_sets(runs, "train.max_steps=3"), "--nproc", "2")
     assert first.returncode == 0, first.stdout[-3000:]
     run = only_run(runs)
-    second = run_cli("train", str(run), "--nproc", str(after), "--set", "train.max_steps=6",
-                     "--set", "checkpoint.allow_spec_change=true")
-    assert second.returncode == 0, second.stdout[-3000:]
+    for nproc, max_steps in ((1, 6), (2, 9)):
+        again = run_cli("train", str(run), "--nproc", str(nproc), "--set", f"train.max_steps={max_steps}",
+                        "--set", "checkpoint.allow_spec_change=true")
+        assert again.returncode == 0, again.stdout[-3000:]
+    worlds = [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"]
+    assert worlds == [2, 1, 2]
     rows = _trained_rows(run)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert sorted(rows) == list(range(1, 10))
     n_rows = json.loads(next((run.parent.parent / "prepared-cache").glob("*/stats.json")).read_text())
     sampler = StepSampler(n_rows["splits"]["train"]["rows"], 0, global_rows=8, micro_rows=4, world=1)
     for step, got in rows.items():
