@@ -34,6 +34,8 @@ from shardline.data.packing import PackedRows
 from shardline.data.render import check_chat_template, needs_chat_template
 from shardline.data.sources import SPLITS, Source, open_sources
 from shardline.data.splits import Assignment, assign, draw_mixture
+from shardline.data.synthetic import RANDOM_TOKENS, write_random_rows
+from shardline.data.synthetic import fingerprint as random_rows_fingerprint
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.errors import DataError
 from shardline.spec import JobSpec
@@ -117,7 +119,10 @@ def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
         tmp = cache / f".tmp-{version}-{os.getpid()}"
         work = cache / f".partial-{version}"  # kept when interrupted: its complete chunks are not tokenized again
         try:
-            _build(spec, sources, work, tmp, version, progress)
+            if sources:
+                _build(spec, sources, work, tmp, version, progress)
+            else:
+                _build_random(spec, tmp, version)
             _replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +168,8 @@ def dataset_version(spec: JobSpec, sources: list[Source]) -> str:
     tokenizer_src = m.tokenizer or m.path
     tokenizer_id = tokenizer_fingerprint(tokenizer_src) if tokenizer_src else f"bpe:{m.arch.vocab_size}"
     prompt_version = get_task(d.task).prompt.version
-    parts = [PREPARE_VERSION, _content_fingerprint(d, sources), tokenizer_id, prompt_version, d.prompt_format,
+    content = _content_fingerprint(d, sources) if sources else random_rows_fingerprint(spec)
+    parts = [PREPARE_VERSION, content, tokenizer_id, prompt_version, d.prompt_format,
              str(spec.train.seq_len), str(d.packing)]
     if d.assistant_turns != "all":  # (kept out of the default's parts: the embedded default's version stays)
         parts.append(f"assistant_turns={d.assistant_turns}")
@@ -267,10 +273,31 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
         s["share_of_train_tokens"] = round(s["tokens"].get("train", 0) / train_tokens, 4)
     stats["dropped"] = dict(sorted(dropped.items()))
     stats["sources"] = per_source
+    _finish(spec, out, version, tok, [s.name for s in sources], stats)
+
+
+def _build_random(spec: JobSpec, out: Path, version: str) -> None:
+    """The random-token rows (`data.task: random_tokens`): the model's tokenizer (or a byte-level BPE, when the
+    model is built from `arch`) only bounds the ids and decodes samples."""
+    out.mkdir(parents=True)
+    src = spec.model.tokenizer or spec.model.path
+    tok = load_tokenizer(src) if src else train_bpe([BPE_SEED_TEXT], spec.model.arch.vocab_size)
+    tok.save_pretrained(out / "tokenizer")
+    vocab = min(tok.vocab_size, spec.model.arch.vocab_size) if not src else tok.vocab_size
+    stats = write_random_rows(spec, vocab, pad_id(tok), out)
+    _finish(spec, out, version, tok, [RANDOM_TOKENS], stats)
+
+
+BPE_SEED_TEXT = "".join(chr(c) for c in range(32, 127))
+"""What the BPE of a random-token run learns from: printable ASCII (its ids are drawn, never tokenized)."""
+
+
+def _finish(spec: JobSpec, out: Path, version: str, tok: PreTrainedTokenizerBase, source_names: list[str],
+            stats: dict) -> None:
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad, "eos_id": tok.eos_token_id,
+    meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad_id(tok), "eos_id": tok.eos_token_id,
             "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing,
-            "sources": [s.name for s in sources], "files": files}
+            "sources": source_names, "files": files}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     # stats.json is written last: its presence marks a complete directory.
     (out / "stats.json").write_text(json.dumps(stats, indent=2))

@@ -46,7 +46,9 @@ class Source:
 
 def open_sources(spec: DataSpec) -> list[Source]:
     """The sources `data` names (`data.sources`, or the one `data.path`, or the task's own set), fingerprinted from
-    their bytes without reading a row."""
+    their bytes without reading a row; none for random-token rows (`shardline.data.synthetic`)."""
+    if spec.task == "random_tokens":
+        return []
     if not spec.sources and spec.path is None:
         return [_bundled(spec)]
     entries = spec.sources or [SourceSpec(path=spec.path or "", format=spec.format, columns=spec.columns)]

@@ -262,6 +262,9 @@ def check_tpu(spec: JobSections) -> None:
 
 def check_data_sources(spec: JobSections) -> None:
     d = spec.data
+    if d.task == "random_tokens" and (d.path is not None or d.sources):
+        raise SpecError("data.task", "random_tokens draws its own rows and reads no data, but data.path or "
+                        "data.sources is set", "unset data.path and data.sources, or choose another data.task")
     if d.sources and (d.path is not None or d.format != "auto" or d.columns != type(d.columns)()):
         raise SpecError("data.sources", "is set together with data.path/format/columns, which describe one source",
                         "move the path, format and columns into the entries of data.sources, or use data.path alone")

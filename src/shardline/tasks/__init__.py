@@ -27,7 +27,13 @@ def _none() -> Task:
     return NONE
 
 
-TASKS: dict[str, Callable[[], Task]] = {"text_to_sql": _text_to_sql, "none": _none}
+def _random_tokens() -> Task:
+    from shardline.tasks.random_tokens import RANDOM_TOKENS_TASK
+
+    return RANDOM_TOKENS_TASK
+
+
+TASKS: dict[str, Callable[[], Task]] = {"text_to_sql": _text_to_sql, "none": _none, "random_tokens": _random_tokens}
 """Every value of `data.task`, each with the function that imports its task."""
 
 

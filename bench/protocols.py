@@ -1,0 +1,147 @@
+"""The peers' published benchmark protocols, run through the real trainer (`shardline train`) on random-token rows
+(`data.task: random_tokens`: one document of `train.seq_len` random ids per row, every token a target).
+
+  A  NeMo AutoModel's Llama-3.1-8B LoRA on one GPU (its docs/performance-summary.mdx: 12,473 tok/s/GPU on an H100;
+     recipe examples/llm_benchmark/llama3_1/llama3_1_8b_peft_benchmark.yaml): seq 4096, micro-batch 2, global
+     batch 32, LoRA r16 α32 on every *_proj, bf16 weights, 10 steps of which the first 5 are excluded.
+  B  torchtitan's Llama-3-8B full training: FSDP, local batch 2 × 8192, selective activation checkpointing,
+     per-block torch.compile, 10 steps of which the first 5 are excluded.
+
+    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR]
+
+`full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
+protocol on a 4-layer model at 1/16 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
+runs both in CI). Prints and writes (OUT/protocol-X.json) tok/s per device over the measured steps, MFU by
+shardline's formula (the run's own FLOPs per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without
+embeddings), peak memory, startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
+number protocol A compares; its TFLOP/s formula is not reproduced here. Numbers are compared only with a baseline
+run on the same machine (bench/RESULTS-gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_3_1_8B = {"model.arch.vocab_size": 128256, "model.arch.hidden_size": 4096,
+                "model.arch.intermediate_size": 14336, "model.arch.num_layers": 32, "model.arch.num_heads": 32,
+                "model.arch.num_kv_heads": 8, "model.arch.max_position_embeddings": 8192,
+                "model.arch.rope_theta": 500000.0}
+SMALL = {"model.arch.vocab_size": 2048, "model.arch.hidden_size": 256, "model.arch.intermediate_size": 688,
+         "model.arch.num_layers": 4, "model.arch.num_heads": 4, "model.arch.num_kv_heads": 2,
+         "model.arch.max_position_embeddings": 1024, "model.arch.rope_theta": 500000.0}
+STEPS, WARMUP_STEPS = 10, 5
+EVERY_PROJ = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
+    """The spec overrides of a protocol at a size (`small` divides the sequence by 16, keeps batch and steps)."""
+    seq = {"A": 4096, "B": 8192}[protocol] // (16 if size == "small" else 1)
+    sets: dict[str, object] = dict(SMALL if size == "small" else LLAMA_3_1_8B)
+    if model:
+        sets = {"model.path": model}
+    sets |= {"data.task": "random_tokens", "data.validation_size": 1, "train.seq_len": seq,
+             "train.max_steps": STEPS, "train.warmup_steps": 0, "train.log_every": 1, "train.eval_every": 10_000,
+             "train.eval_examples": 0, "train.sample_generations": 0, "parallel.nproc_per_node": nproc,
+             "checkpoint.every_steps": 10_000, "observe.metrics_port": "null", "observe.report": "false"}
+    if size == "full":
+        sets |= {"train.precision": "bf16"}
+    if protocol == "A":
+        sets |= {"train.micro_batch_size": 2, "train.global_batch_size": 32, "model.lora.enabled": "true",
+                 "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.target_modules": EVERY_PROJ,
+                 "data.train_size": 32 * STEPS}
+    else:
+        sets |= {"train.micro_batch_size": 2, "train.global_batch_size": 2 * nproc,
+                 "parallel.activation_checkpointing": "selective", "parallel.compile": "true",
+                 "data.train_size": 2 * nproc * STEPS}
+    return sets
+
+
+def torchtitan_flops_per_token(setup: dict, seq: int, layers: int, heads: int, head_dim: int) -> float:
+    """torchtitan's `get_num_flop_per_token`: 6·(parameters without embeddings) + 12·L·H·D·S."""
+    params = setup["params"]
+    return 6 * (params["trainable"] + params["frozen"]) + 12 * layers * heads * head_dim * seq
+
+
+def _shape(sets: dict) -> tuple[int, int, int]:
+    """(layers, attention heads, head dim) of the protocol's model: its arch, or a checkpoint's config.json."""
+    if "model.path" in sets:
+        config = json.loads((Path(str(sets["model.path"])) / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        return config["num_hidden_layers"], heads, config.get("head_dim") or config["hidden_size"] // heads
+    heads = int(sets["model.arch.num_heads"])
+    return int(sets["model.arch.num_layers"]), heads, int(sets["model.arch.hidden_size"]) // heads
+
+
+def summarize(run: Path, sets: dict, started: float) -> dict:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    setup = next(r for r in records if r["kind"] == "event" and r["event"] == "setup")
+    steps = [r for r in records if r["kind"] == "train"]
+    measured = [r for r in steps if r["step"] > WARMUP_STEPS]
+    tok_s = statistics.mean(r["tokens_per_s_per_device"] for r in measured)
+    layers, heads, head_dim = _shape(sets)
+    titan = torchtitan_flops_per_token(setup, int(sets["train.seq_len"]), layers, heads, head_dim)
+    return {
+        "tokens_per_s_per_device": round(tok_s, 1),
+        "mfu_shardline": round(statistics.mean(r["mfu"] for r in measured), 4),
+        "mfu_torchtitan_formula": round(tok_s * titan / 1e12 / setup["peak_tflops"], 4),
+        "step_time_s": round(statistics.median(r["step_time_s"] for r in measured), 4),
+        "peak_memory_gib": round(max(r["mem_peak_bytes"] for r in steps) / 2**30, 3),
+        "startup_s": round(setup["time"] - started, 1),
+        "steps_measured": [r["step"] for r in measured],
+        "tokens_per_step": steps[-1]["tokens_total"], "loss_tokens_per_step": steps[-1]["tokens"],
+        "peak_tflops": setup["peak_tflops"], "peak_source": setup["peak_source"],
+        "flops_per_token_shardline": setup["flops_per_token"], "flops_per_token_torchtitan": titan,
+        "world": setup["world"], "params": setup["params"],
+    }
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("protocol", choices=["A", "B"])
+    parser.add_argument("--size", choices=["full", "small"], default="full")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--model", help="a real checkpoint directory instead of Llama-3.1-8B's shapes")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args(argv)
+    sets = protocol_sets(args.protocol, args.size, args.nproc, args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="shardline-protocol-") as tmp:
+        overrides = {**sets, "run.dir": f"{tmp}/runs"}
+        cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(args.nproc),
+               *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
+        started = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
+            return proc.returncode
+        run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
+        result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
+                  "versions": versions()}
+    (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
+    print(f"protocol {args.protocol} ({args.size}, world {result['world']}): {result['tokens_per_s_per_device']:,.0f} "
+          f"tok/s/device over steps {result['steps_measured'][0]}-{result['steps_measured'][-1]} · MFU "
+          f"{result['mfu_shardline']:.1%} (shardline's formula), {result['mfu_torchtitan_formula']:.1%} "
+          f"(torchtitan's) · step {result['step_time_s']:.3f} s · peak {result['peak_memory_gib']:.2f} GiB · "
+          f"startup {result['startup_s']:.0f} s · {result['versions']['device']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

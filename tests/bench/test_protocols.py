@@ -1,0 +1,39 @@
+"""bench/protocols.py at small size: NeMo AutoModel's 8B LoRA protocol (A) and torchtitan's 8B full-training
+protocol (B) run through the real trainer on random-token rows, and report what the GPU session records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # one training launch per protocol
+
+
+@pytest.mark.parametrize("protocol", ["A", "B"])
+def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protocol):
+    res = subprocess.run([sys.executable, "bench/protocols.py", protocol, "--size", "small", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / f"protocol-{protocol}.json").read_text())
+    sets = out["overrides"]
+    assert out["steps_measured"] == [6, 7, 8, 9, 10] and out["world"] == 1
+    rows = int(sets["train.global_batch_size"])
+    seq = int(sets["train.seq_len"])
+    assert out["tokens_per_step"] == rows * seq and out["loss_tokens_per_step"] == rows * (seq - 1)  # every label
+    assert out["tokens_per_s_per_device"] > 0 and 0 < out["mfu_shardline"] < 1 and out["peak_memory_gib"] > 0
+    layers, hidden = (int(sets[f"model.arch.{k}"]) for k in ("num_layers", "hidden_size"))
+    params = out["params"]  # torchtitan: 6 × every parameter but the embedding (the head counts) + attention
+    titan = 6 * (params["trainable"] + params["frozen"]) + 12 * layers * hidden * seq
+    assert out["flops_per_token_torchtitan"] == titan
+    if protocol == "A":
+        assert (seq, rows, int(sets["train.micro_batch_size"])) == (256, 32, 2) and sets["model.lora.r"] == 16
+        assert params["frozen"] > 10 * params["trainable"]  # adapters on every projection of a frozen base
+    else:
+        assert (seq, sets["parallel.activation_checkpointing"], sets["parallel.compile"]) == (512, "selective", "true")
+        assert params["frozen"] == 0
+    assert f"protocol {protocol} (small, world 1)" in res.stdout
