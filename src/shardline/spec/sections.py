@@ -14,7 +14,7 @@ AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 BaseQuantization = Literal["none", "nf4"]
 PromptFormat = Literal["plain", "chat"]
 DataFormat = Literal["auto", "messages", "conversations", "prompt_completion", "instruction", "question_answer", "text"]
-TaskName = Literal["text_to_sql", "none"]
+TaskName = Literal["text_to_sql", "none", "random_tokens"]
 """The tasks `data.task` can name (shardline.tasks.TASKS holds one for each)."""
 WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -162,7 +162,9 @@ class DataSpec(Section):
     """What the examples are for (shardline/tasks/). `text_to_sql`: the schema + question prompt, its generated
     set when `path` is unset, and at the end SQL generated for the test questions, scored by test-suite
     execution accuracy. `none`: a neutral prompt (context, blank line, question), no data of its own,
-    validation loss only. None: `text_to_sql` without `path`, `none` with it (written out in the resolved spec)."""
+    validation loss only. `random_tokens`: the throughput benchmarks' rows — each one document of `train.seq_len`
+    uniformly random ids, every token a target, `train_size`/`validation_size` rows, no `path`.
+    None: `text_to_sql` without `path`, `none` with it (written out in the resolved spec)."""
     columns: ColumnsSpec = ColumnsSpec()
     seed: int = 1234
     """Seeds the generated set and the split of a user dataset into train/validation/test."""
