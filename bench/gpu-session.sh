@@ -4,6 +4,7 @@
 # (bench/RESULTS-gpu.md says how to fetch them). Each step has its own time limit and log; one failing step
 # does not stop the others.
 # Usage: bench/gpu-session.sh OUT PHASE... with PHASE one of
+#   protocol-a  NeMo AutoModel's 8B LoRA protocol through the real trainer (bench/protocols.py A): run it first
 #   checks      versions, gpucheck, the embedded default on CUDA, netcheck (1 rank; 2 ranks sharing the GPU)
 #   bench       bench/gpu.py attention, train, compile (Llama-3.1-8B layer shapes)
 #   memory      bench/gpu-8b-lora.yaml trained with async and with sync checkpoints (peak memory, stall)
@@ -39,6 +40,10 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, its output into 
 
 for phase in "$@"; do
 case "$phase" in
+protocol-a)
+  step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
+  step protocol-a 420 python3 bench/protocols.py A --out "$out"
+  ;;
 checks)
   step versions 30 bash -c 'nvidia-smi; python3 -c "
 import torch, transformers, peft, importlib.util as u
