@@ -81,7 +81,7 @@ def test_no_module_imports_itself_back_through_others():
 LAYERS = {
     "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1,
     "shardline.storage": 1, "shardline.failures": 1, "shardline.jsonl": 1, "shardline.procfs": 1,
-    "shardline.clock": 1, "shardline.precision": 1,
+    "shardline.clock": 1, "shardline.precision": 1, "shardline.third_party_noise": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.planning": 3, "shardline.rundir": 3,
     "shardline.run_status": 3, "shardline.goodput": 3, "shardline.parallel": 3,

@@ -73,3 +73,19 @@ def test_the_worker_refuses_to_start_without_flash_attn_and_records_why(tmp_path
     [failure] = read_failures(run_dir)
     assert failure.phase == "setup" and failure.message.startswith("model.attn_implementation:")
     assert not (tmp_path / "prepared-cache").exists()  # stopped before preparing data
+
+
+def test_importing_the_models_with_torchao_installed_prints_nothing_but_other_warnings_pass():
+    """transformers imports torchao (the QLoRA base's package) with every model; on a CPU build of torch torchao
+    warned on every command that its CUDA kernels do not load. Those lines are dropped, nothing else is."""
+    import logging
+    import subprocess
+    import sys
+
+    code = ("import shardline, logging, transformers.models.llama.modeling_llama, torchao\n"
+            "logging.getLogger('torchao').warning('Failed to load x.so')\n"
+            "logging.getLogger('torchao').warning('a real torchao warning')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.strip() == "a real torchao warning", out.stderr[-2000:]
+    assert logging.getLogger("torchao").filters  # installed in this process too, by importing shardline

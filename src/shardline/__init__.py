@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shardline import third_party_noise
 from shardline.version import __version__
+
+third_party_noise.install()
 
 if TYPE_CHECKING:
     from shardline.api import (

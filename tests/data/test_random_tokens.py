@@ -26,7 +26,7 @@ def test_rows_are_whole_random_documents_every_token_a_target_and_seeded(tmp_pat
         assert rows.tokens.shape == (n, 64) and (np.asarray(rows.n_real) == 64).all()
         assert (np.asarray(rows.loss_mask) == 1).all()
         assert (np.asarray(rows.position_ids) == np.arange(64)).all()  # one document per row
-        assert 0 <= rows.tokens.min() and rows.tokens.max() < vocab
+        assert rows.tokens.min() >= 0 and rows.tokens.max() < vocab
     train = np.asarray(data.rows("train").tokens)
     counts = np.bincount(train.ravel(), minlength=vocab)
     assert (counts > 0).mean() > 0.95  # 1,536 draws over a ~300-id byte-level vocabulary: nearly all seen
