@@ -124,3 +124,13 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
         weight = module._parameters.get("weight")
         if is_nf4(weight):
             module.weight = nn.Parameter(weight.get_original_weight().to(dtype), requires_grad=False)
+
+
+def reallocate_nf4(model: nn.Module, device: torch.device) -> None:
+    """Give every NF4 weight fresh storage on `device` (its values unset: quantized from uninitialised memory), as
+    `Module.to_empty` does for plain parameters (it leaves NF4 weights where they were): the dry run's fake step."""
+    for module in model.modules():
+        for attr, param in list(module._parameters.items()):
+            if is_nf4(param):
+                dense = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[attr] = nn.Parameter(to_nf4(dense), requires_grad=False)

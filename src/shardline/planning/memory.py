@@ -363,7 +363,7 @@ class MemoryPlan:
 COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "temporaries",
               "allocator", "runtime")
 LABELS = {
-    "params": "parameters (shards; frozen ones in the compute dtype)", "grads": "gradients (fp32 shards)",
+    "params": "parameters (shards; frozen ones in the compute dtype or NF4)", "grads": "gradients (fp32 shards)",
     "optimizer": "optimizer state (AdamW, 2 × fp32)", "gather_buffers": "FSDP gather buffers (root + 2 blocks)",
     "activations": "activations", "logits": "logits + cross-entropy", "temporaries": "temporary buffers",
     "allocator": "allocator retention (glibc)", "runtime": "runtime (context / process)",

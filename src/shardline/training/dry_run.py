@@ -22,11 +22,13 @@ from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.nf4 import nf4_parameters
 from shardline.parallel.fsdp import device_mesh, fsdp_param_groups, parallelize
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.memory import (
     COMPONENTS,
     model_shape,
+    nf4_block_weights,
     param_budget,
     plan_memory,
     shape_config,
@@ -104,6 +106,11 @@ def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
                              f"({shards - rows} ranks hold only padding)")
         gathers.append(gathered)
     root, blocks = gathers[-1], sorted(gathers[:-1], reverse=True)
+    nf4 = nf4_parameters(model)
+    if nf4:
+        stored = sum(getattr(p, name).nbytes for p in nf4 for name in p.__tensor_flatten__()[0])
+        notes.append(f"QLoRA: {len(nf4)} NF4 weights ({stored / 2**30:.2f} GiB) held whole outside FSDP on every "
+                     "rank, not in the rows above")
     return Sharding(params, grads, 2 * grads, padding, root + sum(blocks[:2]), groups, notes)
 
 
@@ -127,11 +134,14 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
     """The planner's numbers beside the simulation's: its sharded state, and its peak without what a simulation
     cannot see (runtime, allocator retention)."""
     plan = plan_memory(spec, device)
-    pb = param_budget(tensor_parallel_shape(model_shape(spec.model), spec.parallel.tp), spec.model.lora)
+    shape = tensor_parallel_shape(model_shape(spec.model), spec.parallel.tp)
+    pb = param_budget(shape, spec.model.lora)
+    nf4 = nf4_block_weights(shape, spec.model.lora)  # a QLoRA base's NF4 weights: outside FSDP, not in these rows
     shard = plan.dp_shard
     seen = sum(getattr(plan, f) for f in COMPONENTS if f not in ("allocator", "runtime"))
-    return {"device": plan.device.name, "params": 4 * pb.total / shard, "grads": 4 * pb.trainable / shard,
-            "optimizer": 8 * pb.trainable / shard, "gather_buffers": compute_bytes * (pb.root + 2 * pb.block),
+    return {"device": plan.device.name, "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
+            "grads": 4 * pb.trainable / shard, "optimizer": 8 * pb.trainable / shard,
+            "gather_buffers": compute_bytes * (pb.root + 2 * (pb.block - sum(nf4))),
             "peak": seen, "phase": plan.phase, "unseen": plan.allocator + plan.runtime,
             "offloaded": plan.host_offload_bytes}
 

@@ -24,6 +24,7 @@ from shardline.data.spans import document_spans
 from shardline.model import document_attention
 from shardline.model.build import causal_lm
 from shardline.model.families import layer_windows
+from shardline.model.nf4 import reallocate_nf4
 from shardline.parallel.tensor import loss_context
 from shardline.spec import TrainSpec
 from shardline.training.evaluate import token_loss_sum
@@ -78,6 +79,7 @@ def simulate_step(model: nn.Module, spec: TrainSpec, vocab: int, micro_batches: 
     document_attention.prepare(batches[0].spans, CPU, layer_windows(causal_lm(model).config))
     with fake_tensor_mode():
         model.to_empty(device=CPU)
+        reallocate_nf4(model, CPU)
         return _run(model, spec, batches, progress)
 
 
