@@ -4,13 +4,13 @@ and forward and backward run through the NF4 weights into the adapters only."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchao.quantization import NF4Tensor, to_nf4  # the reference: torchao itself
 
 from shardline.model.build import build_model
 from shardline.model.lora import apply_lora, quantize_frozen_base
@@ -21,9 +21,6 @@ from shardline.spec import ArchSpec, LoraSpec, ModelSpec
 from tests.conftest import REPO
 from tests.model.nf4_worker import INNER, fixed_batch
 from tests.model.sharded_load_worker import write_checkpoint
-
-logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernel libraries do not load on a CPU torch
-from torchao.quantization import NF4Tensor, to_nf4  # noqa: E402  (the reference: torchao itself)
 
 WORKER = Path(__file__).with_name("nf4_worker.py")
 # hidden 128, MLP 256, 4 heads over 2 key/value heads: q/o (128 × 128) and the MLP (128 × 256) are multiples of

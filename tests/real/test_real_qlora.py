@@ -5,13 +5,13 @@ NF4 round trip of the same weights."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torchao.quantization import to_nf4  # the independent round trip
 from transformers import AutoModelForCausalLM
 
 from shardline.data.prepare import PreparedData, prepare
@@ -24,9 +24,6 @@ from shardline.spec import ParallelSpec
 from shardline.spec.resolve import load_spec
 from tests.real.checkpoint import smollm2_dir
 from tests.real.runs import run_sets, user_sql_file
-
-logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernel libraries do not load on a CPU torch
-from torchao.quantization import to_nf4  # noqa: E402  (the independent round trip)
 
 pytestmark = pytest.mark.slow
 IGNORE = -100

@@ -25,7 +25,6 @@ each matmul (forward, and again for the input gradient; it has none of its own).
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -35,19 +34,11 @@ from torch import nn
 
 from shardline.model.nf4_layout import NF4_BLOCK, NF4_QUANTUM, NF4_SCALER_BLOCK, nf4_quantizable
 
-log = logging.getLogger("shardline")
-
 
 def _torchao_nf4():
-    """torchao's NF4 type and quantizer, imported quietly: torchao logs a warning for each CUDA kernel library it
-    cannot load on a CPU-only torch, none of which NF4 uses."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        from torchao.quantization import NF4Tensor, to_nf4
-    finally:
-        logger.setLevel(level)
+    """torchao's NF4 type and quantizer, imported on first use (its import-time noise: shardline.third_party_noise)."""
+    from torchao.quantization import NF4Tensor, to_nf4
+
     return NF4Tensor, to_nf4
 
 
