@@ -223,6 +223,29 @@ def test_compile_wraps_each_block(ctx, session_dir, prepared):
     assert t.train_step().loss > 0
 
 
+def test_compiled_blocks_do_not_recompile_for_batches_of_other_document_lengths(ctx, session_dir, prepared):
+    """Packed rows differ in their documents every step; the compiled blocks must not recompile for each. (The
+    per-document attention itself runs outside them, a graph break by design on this path: CUDA's variable-length
+    kernel is what removes it.)"""
+    from torch._dynamo.utils import counters
+
+    from shardline.data.loader import make_batch
+
+    torch._dynamo.reset()
+    counters.clear()
+    t = _trainer(ctx, session_dir, prepared, "parallel.compile=true")
+    t.train_step()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    lengths = set()
+    for _ in range(3):
+        index = t.sampler.micro_indices(t.step, 0, t.dp_rank)
+        lengths.add(tuple(make_batch(t.rows, index).spans.lengths))
+        t.train_step()
+    assert len(lengths) == 3  # three different document layouts went through
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+
+
 def test_lora_settings_reach_peft(ctx, session_dir, prepared):
     t = _trainer(ctx, session_dir, prepared, "model.lora.enabled=true", "model.lora.r=2", "model.lora.alpha=8",
                  "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]")
