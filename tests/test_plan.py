@@ -238,6 +238,29 @@ def test_cli_plan_prints_the_table_and_a_fix():
     assert out.returncode == 2 and "--device" in out.stderr
 
 
+def test_8b_lora_with_its_bf16_base_fits_one_a100_40gb_with_the_checkpointing_plan_proposes(capsys):
+    """The frozen base in bf16 (no fp32 master, 2 bytes per parameter): the 8B LoRA preset on one A100 40 GB misses
+    at its own settings, and the one change `plan` proposes (full activation checkpointing, same micro-batch)
+    fits; with the base in fp32, as before, it would need ~30 GiB for the parameters alone."""
+    from shardline.cli import main
+
+    def plan(*sets: str) -> str:
+        code = main(["plan", "llama-3.1-8b-lora", "--device", "a100", "--memory-gb", "40",
+                     *(a for kv in ("parallel.nproc_per_node=1", *sets) for a in ("--set", kv))])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        return out
+
+    first = plan()
+    assert "does not fit" in first and "fits with" in first, first
+    fix = first.split("fits with", 1)[1].split("--set ", 1)[1].split()[0]
+    assert fix == "parallel.activation_checkpointing=full", first
+    params = next(line for line in first.splitlines() if line.startswith("│ parameters"))
+    assert float(params.split("│")[2]) == pytest.approx(8.03e9 * 2 / 2**30, rel=0.01)  # bf16, not fp32
+    second = plan(fix)
+    assert "fits:" in second and "does not fit" not in second and "micro-batch 8 × 512" in second, second
+
+
 # ---- planned vs measured peak memory of real runs ------------------------------------------------
 ARCH = ["model.arch.hidden_size=256", "model.arch.intermediate_size=688", "model.arch.num_heads=4",
         "model.arch.num_kv_heads=2", "model.arch.num_layers=8", "model.arch.vocab_size=512",
