@@ -108,6 +108,11 @@ def nf4_parameters(model: nn.Module) -> set[nn.Parameter]:
     return {p for p in model.parameters() if is_nf4(p)}
 
 
+def nf4_stored_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor torchao stores for the NF4 weights of `model` (codes, scales, factors, mean, code book)."""
+    return sum(getattr(p, name).nbytes for p in nf4_parameters(model) for name in p.__tensor_flatten__()[0])
+
+
 def dequantize_base(model: nn.Module, dtype: torch.dtype) -> None:
     """Replace every NF4 weight by its dequantized values in `dtype` (a plain frozen parameter): what the run
     computed with, for merging adapters into the base (`shardline export --merge-lora`)."""

@@ -22,7 +22,7 @@ from shardline.errors import EXIT_BAD_INPUT, ShardlineError, SpecError
 from shardline.model.build import causal_lm, hf_attention, llama_config, model_config
 from shardline.model.flops import FlopsModel, StepWork, count_params
 from shardline.model.lora import apply_lora, quantize_frozen_base
-from shardline.model.nf4 import nf4_parameters
+from shardline.model.nf4 import nf4_parameters, nf4_stored_bytes
 from shardline.parallel.fsdp import device_mesh, fsdp_param_groups, parallelize
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.memory import (
@@ -108,9 +108,8 @@ def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
     root, blocks = gathers[-1], sorted(gathers[:-1], reverse=True)
     nf4 = nf4_parameters(model)
     if nf4:
-        stored = sum(getattr(p, name).nbytes for p in nf4 for name in p.__tensor_flatten__()[0])
-        notes.append(f"QLoRA: {len(nf4)} NF4 weights ({stored / 2**30:.2f} GiB) held whole outside FSDP on every "
-                     "rank, not in the rows above")
+        notes.append(f"QLoRA: {len(nf4)} NF4 weights ({nf4_stored_bytes(model) / 2**30:.2f} GiB) held whole outside "
+                     "FSDP on every rank, not in the rows above (in the step peak)")
     return Sharding(params, grads, 2 * grads, padding, root + sum(blocks[:2]), groups, notes)
 
 

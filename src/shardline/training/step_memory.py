@@ -24,7 +24,7 @@ from shardline.data.spans import document_spans
 from shardline.model import document_attention
 from shardline.model.build import causal_lm
 from shardline.model.families import layer_windows
-from shardline.model.nf4 import reallocate_nf4
+from shardline.model.nf4 import nf4_stored_bytes, reallocate_nf4
 from shardline.parallel.tensor import loss_context
 from shardline.spec import TrainSpec
 from shardline.training.evaluate import token_loss_sum
@@ -104,7 +104,11 @@ def _run(model: nn.Module, spec: TrainSpec, batches: list[Batch], progress: Call
     peak_snap = tracker.get_tracker_snapshot("peak")
     peak = _total(peak_snap)
     stage = next(name for name, value in reached if value >= peak)
-    return StepMemory(peak, _where(tracker, stage, peak), _breakdown(peak_snap), counter.get_total_flops())
+    breakdown = _breakdown(peak_snap)
+    # QLoRA's NF4 weights are outside FSDP, allocated before the tracker starts: resident all step, it never sees them
+    if nf4 := nf4_stored_bytes(model):
+        breakdown["NF4 Param"] = nf4
+    return StepMemory(peak + nf4, _where(tracker, stage, peak), breakdown, counter.get_total_flops())
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:
