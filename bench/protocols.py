@@ -7,7 +7,7 @@
   B  torchtitan's Llama-3-8B full training: FSDP, local batch 2 × 8192, selective activation checkpointing,
      per-block torch.compile, 10 steps of which the first 5 are excluded.
 
-    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR]
+    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR] [--baseline hf]
 
 `full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
 protocol on a 4-layer model at 1/16 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
@@ -15,7 +15,10 @@ runs both in CI). Prints and writes (OUT/protocol-X.json) tok/s per device over 
 shardline's formula (the run's own FLOPs per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without
 embeddings), peak memory, startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
 number protocol A compares; its TFLOP/s formula is not reproduced here. Numbers are compared only with a baseline
-run on the same machine (bench/RESULTS-gpu.md).
+run on the same machine (bench/RESULTS-gpu.md): `--baseline hf` trains HF `Trainer` (+ peft's LoRA for A) on
+the same model, initial weights and rows in shardline's order, one process, and reports both rates, the ratio and
+both first losses (equal in fp32: the same work). HF has no selective checkpointing: for B it checkpoints whole
+blocks and compiles the whole model (`torch_compile`).
 """
 
 from __future__ import annotations
@@ -51,8 +54,7 @@ def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> di
              "train.max_steps": STEPS, "train.warmup_steps": 0, "train.log_every": 1, "train.eval_every": 10_000,
              "train.eval_examples": 0, "train.sample_generations": 0, "parallel.nproc_per_node": nproc,
              "checkpoint.every_steps": 10_000, "observe.metrics_port": "null", "observe.report": "false"}
-    if size == "full":
-        sets |= {"train.precision": "bf16"}
+    sets |= {"train.precision": "bf16" if size == "full" else "fp32"}  # small: the same numbers on every CPU class
     if protocol == "A":
         sets |= {"train.micro_batch_size": 2, "train.global_batch_size": 32, "model.lora.enabled": "true",
                  "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.target_modules": EVERY_PROJ,
@@ -98,10 +100,71 @@ def summarize(run: Path, sets: dict, started: float) -> dict:
         "startup_s": round(setup["time"] - started, 1),
         "steps_measured": [r["step"] for r in measured],
         "tokens_per_step": steps[-1]["tokens_total"], "loss_tokens_per_step": steps[-1]["tokens"],
+        "first_loss": steps[0]["loss"],
         "peak_tflops": setup["peak_tflops"], "peak_source": setup["peak_source"],
         "flops_per_token_shardline": setup["flops_per_token"], "flops_per_token_torchtitan": titan,
         "world": setup["world"], "params": setup["params"],
     }
+
+
+def hf_worker(run: Path, protocol: str) -> dict:
+    """HF Trainer (+ peft for A) on the run's model, initial weights and rows in its step order (in this process)."""
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from shardline.data.loader import IGNORE_INDEX, StepSampler
+    from shardline.data.prepare import PreparedData, default_cache_dir
+    from shardline.data.tokenizer import special_ids
+    from shardline.model.build import build_model
+    from shardline.spec.resolve import load_spec
+
+    spec = load_spec(str(run / "spec.yaml"))
+    t = spec.train
+    data = PreparedData(default_cache_dir(spec) / json.loads((run / "manifest.json").read_text())["dataset_version"])
+    rows = data.rows("train")
+    sampler = StepSampler(len(rows.n_real), t.seed, t.global_batch_size, t.global_batch_size, world=1)
+    index = np.concatenate([sampler.micro_indices(step, 0, 0) for step in range(t.max_steps)])
+    tokens = torch.from_numpy(np.asarray(rows.tokens[index], dtype=np.int64))
+    labels = torch.where(torch.from_numpy(np.asarray(rows.loss_mask[index], dtype=bool)), tokens, IGNORE_INDEX)
+    positions = torch.from_numpy(np.asarray(rows.position_ids[index], dtype=np.int64))
+    model = build_model(spec.model, data.meta["vocab_size"], special_ids(data.tokenizer(), data.meta["pad_id"]))
+    if protocol == "A":
+        lora = spec.model.lora
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(len(tokens)):
+                yield {"input_ids": tokens[i], "labels": labels[i], "position_ids": positions[i]}
+
+    stamps: list[float] = []
+    losses: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=t.max_steps, per_device_train_batch_size=t.micro_batch_size,
+            gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, learning_rate=t.lr,
+            lr_scheduler_type="constant", weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm or 0.0,
+            bf16=t.precision == "bf16", use_cpu=not torch.cuda.is_available(), logging_steps=1, save_strategy="no",
+            report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0, disable_tqdm=True,
+            gradient_checkpointing=protocol == "B", torch_compile=protocol == "B")
+        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()]).train()
+    wall = stamps[-1] - stamps[WARMUP_STEPS - 1]
+    timed = int(tokens[WARMUP_STEPS * t.global_batch_size:].numel())
+    return {"tokens_per_s_per_device": round(timed / wall, 1), "first_loss": losses[0],
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available()
+            else None}
 
 
 def versions() -> dict:
@@ -119,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--model", help="a real checkpoint directory instead of Llama-3.1-8B's shapes")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--baseline", choices=["hf"], help="also train HF Trainer on the same model and rows")
+    parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)  # RUN_DIR: the baseline, in a child
     args = parser.parse_args(argv)
+    if args.hf_worker:
+        print(json.dumps(hf_worker(args.hf_worker, args.protocol)))
+        return 0
     sets = protocol_sets(args.protocol, args.size, args.nproc, args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="shardline-protocol-") as tmp:
@@ -134,12 +202,27 @@ def main(argv: list[str] | None = None) -> int:
         run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
         result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
                   "versions": versions()}
+        if args.baseline:
+            child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run)], cwd=REPO,
+                                   capture_output=True, text=True)
+            if child.returncode != 0:
+                print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
+                return child.returncode
+            hf = json.loads(child.stdout.strip().splitlines()[-1])
+            result["hf_trainer"] = hf
+            result["ratio_vs_hf_trainer"] = round(result["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"], 3)
     (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
     print(f"protocol {args.protocol} ({args.size}, world {result['world']}): {result['tokens_per_s_per_device']:,.0f} "
           f"tok/s/device over steps {result['steps_measured'][0]}-{result['steps_measured'][-1]} · MFU "
           f"{result['mfu_shardline']:.1%} (shardline's formula), {result['mfu_torchtitan_formula']:.1%} "
           f"(torchtitan's) · step {result['step_time_s']:.3f} s · peak {result['peak_memory_gib']:.2f} GiB · "
           f"startup {result['startup_s']:.0f} s · {result['versions']['device']}")
+    if args.baseline:
+        hf = result["hf_trainer"]
+        print(f"HF Trainer{' + peft' if args.protocol == 'A' else ''} on the same rows: "
+              f"{hf['tokens_per_s_per_device']:,.0f} tok/s/device · shardline is "
+              f"{result['ratio_vs_hf_trainer']:.2f}× · "
+              f"first loss {result['first_loss']:.5f} (shardline) vs {hf['first_loss']:.5f} (HF)")
     return 0
 
 

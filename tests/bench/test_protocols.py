@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow  # one training launch per protocol
 
 @pytest.mark.parametrize("protocol", ["A", "B"])
 def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protocol):
-    res = subprocess.run([sys.executable, "bench/protocols.py", protocol, "--size", "small", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    baseline = ["--baseline", "hf"] if protocol == "A" else []  # B's HF run compiles the whole model: minutes
+    res = subprocess.run([sys.executable, "bench/protocols.py", protocol, "--size", "small", "--out", str(tmp_path),
+                          *baseline], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / f"protocol-{protocol}.json").read_text())
     sets = out["overrides"]
@@ -32,6 +33,11 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protoco
     assert out["flops_per_token_torchtitan"] == titan
     if protocol == "A":
         assert (seq, rows, int(sets["train.micro_batch_size"])) == (256, 32, 2) and sets["model.lora.r"] == 16
+        # HF Trainer + peft beside it: the same model, initial weights and rows (fp32), so the same first loss
+        hf = out["hf_trainer"]
+        assert hf["first_loss"] == pytest.approx(out["first_loss"], rel=1e-5) and hf["tokens_per_s_per_device"] > 0
+        ratio = out["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"]
+        assert out["ratio_vs_hf_trainer"] == pytest.approx(ratio, rel=1e-2)
         assert params["frozen"] > 10 * params["trainable"]  # adapters on every projection of a frozen base
     else:
         assert (seq, sets["parallel.activation_checkpointing"], sets["parallel.compile"]) == (512, "selective", "true")
