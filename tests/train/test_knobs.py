@@ -246,6 +246,47 @@ def test_compiled_blocks_do_not_recompile_for_batches_of_other_document_lengths(
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
 
 
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_selective_checkpointing_recomputes_no_matmul_or_attention_and_full_recomputes_both(
+        ctx, session_dir, prepared, policy):
+    """Counted in one step's dispatches: selective keeps the outputs of the matmuls and the attention kernel (the
+    ops torchtitan saves), so neither runs again in backward; full recomputes every block's forward, both included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardline.parallel.fsdp import SAVED_OPS
+
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # SDPA's CPU kernel
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict = defaultdict(int)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for ac in ("none", policy):
+        t = _trainer(ctx, session_dir, prepared, f"parallel.activation_checkpointing={ac}")
+        t.train_step()  # warm: the first step builds plans and state
+        with Count() as c:
+            t.train_step()
+        counts[ac] = c.ops
+    assert counts["none"][attention] > 0 and counts["none"][torch.ops.aten.mm.default] > 0
+    if policy == "selective":
+        assert counts[policy][attention] == counts["none"][attention]
+        assert counts[policy][torch.ops.aten.mm.default] == counts["none"][torch.ops.aten.mm.default]
+    else:
+        assert counts[policy][attention] == 2 * counts["none"][attention]
+        assert counts[policy][torch.ops.aten.mm.default] > counts["none"][torch.ops.aten.mm.default]
+    gpu_attention = {torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                     torch.ops.aten._scaled_dot_product_flash_attention.default,
+                     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                     torch.ops.aten._flash_attention_forward.default}
+    assert gpu_attention <= SAVED_OPS  # the same on CUDA, whichever kernel SDPA or the varlen path picks
+
+
 def test_lora_settings_reach_peft(ctx, session_dir, prepared):
     t = _trainer(ctx, session_dir, prepared, "model.lora.enabled=true", "model.lora.r=2", "model.lora.alpha=8",
                  "model.lora.dropout=0.1", "model.lora.target_modules=[q_proj]")

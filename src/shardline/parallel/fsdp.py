@@ -19,14 +19,20 @@ from shardline.parallel.tensor import apply_tensor_parallel
 from shardline.spec import ParallelSpec, Precision
 
 # Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
-# recomputes everything else (norms, activations, rotary, residual adds) in backward.
+# recomputes everything else (norms, activations, rotary, residual adds) in backward: every attention kernel SDPA or
+# the variable-length path can pick (cuDNN is SDPA's choice for long rows on H100/H200), as torchtitan keeps them,
+# and tensor parallel's reduce-scatter (sequence parallel), which would otherwise run again.
 SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._flash_attention_forward.default,
+    torch.ops.aten._efficient_attention_forward.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 
