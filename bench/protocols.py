@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,12 @@ SMALL = {"model.arch.vocab_size": 2048, "model.arch.hidden_size": 256, "model.ar
          "model.arch.max_position_embeddings": 1024, "model.arch.rope_theta": 500000.0}
 STEPS, WARMUP_STEPS = 10, 5
 EVERY_PROJ = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+def child_env() -> dict[str, str]:
+    """This environment without a torch.distributed job's variables: the runs below start their own."""
+    job = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in job and not k.startswith("TORCHELASTIC_")}
 
 
 def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(args.nproc),
                *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
         started = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env())
         if proc.returncode != 0:
             print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
             return proc.returncode
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   "versions": versions()}
         if args.baseline:
             child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run)], cwd=REPO,
-                                   capture_output=True, text=True)
+                                   capture_output=True, text=True, env=child_env())
             if child.returncode != 0:
                 print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
                 return child.returncode
