@@ -10,7 +10,7 @@
     python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR] [--baseline hf]
 
 `full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
-protocol on a 4-layer model at 1/16 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
+protocol on a 4-layer model at 1/32 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
 runs both in CI). Prints and writes (OUT/protocol-X.json) tok/s per device over the measured steps, MFU by
 shardline's formula (the run's own FLOPs per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without
 embeddings), peak memory, startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
@@ -52,8 +52,8 @@ def child_env() -> dict[str, str]:
 
 
 def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
-    """The spec overrides of a protocol at a size (`small` divides the sequence by 16, keeps batch and steps)."""
-    seq = {"A": 4096, "B": 8192}[protocol] // (16 if size == "small" else 1)
+    """The spec overrides of a protocol at a size (`small` divides the sequence by 32, keeps batch and steps)."""
+    seq = {"A": 4096, "B": 8192}[protocol] // (32 if size == "small" else 1)
     sets: dict[str, object] = dict(SMALL if size == "small" else LLAMA_3_1_8B)
     if model:
         sets = {"model.path": model}
