@@ -1,9 +1,12 @@
-"""LoRA on the real SmolLM2-135M-Instruct: the frozen base held in bf16 (shardline's layout) against fp32 master
-weights cast to bf16 every step (the layout before), one process on this CPU, bf16 compute.
+"""LoRA on the real SmolLM2-135M-Instruct: the frozen base held in bf16 (shardline's layout) and as NF4 (QLoRA,
+`model.lora.quantize_base=nf4`: SmolLM2's MLP weights; its 576² attention projections are not a multiple of
+torchao's 16,384-element quantum and stay bf16) against fp32 master weights cast to bf16 every step (the layout
+before), one process on this CPU, bf16 compute.
 
-Both layouts run the same worker on the same prepared data, alternating (A B A B), in one session; the old layout
+The layouts run the same worker on the same prepared data, alternating (A B C A B C), in one session; the old layout
 is the same code with `parallel.fsdp.frozen_in_compute_dtype` turned off. Reported per run: the median step time
-of steps 3..N, the peak RSS of the training steps (`mem_peak_bytes`), and the first loss (equal by construction).
+of steps 3..N, the peak RSS of the training steps (`mem_peak_bytes`), and the first loss (equal for bf16 base and
+fp32 masters by construction; NF4's moved by its quantization error).
 
     .venv/bin/python bench/lora_base.py [--steps 10] [--model .cache/smollm2-135m-instruct] [--tmp DIR]
 """
@@ -20,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = ("bf16-base", "fp32-masters")
+LAYOUTS = ("bf16-base", "nf4-base", "fp32-masters")
 
 
 def child(layout: str, spec_path: str) -> int:
@@ -44,7 +47,7 @@ def run_one(layout: str, model: Path, root: Path, steps: int, port: int) -> dict
         "train.global_batch_size=4", f"train.max_steps={steps}", "train.warmup_steps=1", "train.log_every=1",
         "train.eval_every=1000", "train.eval_examples=0", "data.train_size=400", "data.validation_size=8",
         "data.test_size=1", "parallel.nproc_per_node=1", "observe.metrics_port=null", "observe.report=false",
-        "train.peak_tflops=1"])
+        "train.peak_tflops=1", *(["model.lora.quantize_base=nf4"] if layout == "nf4-base" else [])])
     spec, run_dir = create_run(spec)
     prepare(spec)  # here, so the measured process only reads the cache
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -73,15 +76,16 @@ def main() -> None:
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model}: no checkpoint (the real-checkpoint tests fetch it into .cache)")
     root = Path(tempfile.mkdtemp(dir=args.tmp))
-    results = [run_one(layout, args.model, root / f"{layout}-{i}", args.steps, 29500 + 2 * i + j)
+    results = [run_one(layout, args.model, root / f"{layout}-{i}", args.steps, 29500 + len(LAYOUTS) * i + j)
                for i in range(2) for j, layout in enumerate(LAYOUTS)]
     for r in results:
         print(f"{r['layout']:13s} first loss {r['first_loss']:.6f}  step {r['step_s']:.3f} s  "
               f"peak RSS {r['peak_gib']:.3f} GiB")
     for key in ("step_s", "peak_gib"):
-        new = statistics.mean(r[key] for r in results if r["layout"] == "bf16-base")
         old = statistics.mean(r[key] for r in results if r["layout"] == "fp32-masters")
-        print(f"{key}: bf16 base / fp32 masters = {new / old:.3f}")
+        for layout in ("bf16-base", "nf4-base"):
+            new = statistics.mean(r[key] for r in results if r["layout"] == layout)
+            print(f"{key}: {layout} / fp32 masters = {new / old:.3f}")
 
 
 if __name__ == "__main__":
