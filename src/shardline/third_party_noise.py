@@ -17,18 +17,21 @@ NOISE = {
 """Logger name → message fragments dropped there."""
 
 
-def _drop(fragments: tuple[str, ...]) -> logging.Filter:
-    class Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            message = record.getMessage()
-            return not any(f in message for f in fragments)
+class DropNoise(logging.Filter):
+    """Drops a logger's records whose message contains one of `fragments`."""
 
-    return Drop()
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
 
 
 def install() -> None:
     """Attach the filters (idempotent: one per logger)."""
     for name, fragments in NOISE.items():
         logger = logging.getLogger(name)
-        if not any(type(f).__name__ == "Drop" for f in logger.filters):
-            logger.addFilter(_drop(fragments))
+        if not any(isinstance(f, DropNoise) for f in logger.filters):
+            logger.addFilter(DropNoise(fragments))
