@@ -5,6 +5,7 @@ bad input is a named error before anything is written."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -249,7 +250,8 @@ def test_spec_errors_are_shardline_errors():
 
 @pytest.mark.slow
 def test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports(tmp_path, chat_tokenizer):
-    """Six sources, one per format (and layout), on 2 ranks: validation loss per source, sample generations
+    """Seven sources, one per format (and layout; preference pairs train their chosen completion under SFT), on 2
+    ranks: validation loss per source, sample generations
     beside their references in eval.json and the report, a resume from the step-3 checkpoint that trains steps 4-6 to
     the same losses, and an export whose tokenizer renders conversations as training did."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -263,6 +265,8 @@ def test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports(tmp_
         _write_jsonl(shards / f"part-{k}.jsonl", [{"conversations": [{"from": "human", "value": f"hello {k} {i}?"},
                                                                      {"from": "gpt", "value": f"world {i}."}]}
                                                   for i in range(20)])
+    pref = _write_jsonl(tmp_path / "pref.jsonl", [{"prompt": f"{WORDS[i % 5]} {i}? Yes or no:", "chosen": " yes",
+                                                  "rejected": " no"} for i in range(30)])
     pc = tmp_path / "pc.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": f"{WORDS[i % 9]} {i}? Answer:", "completion": f" {WORDS[i % 7]}"}
                                          for i in range(30)]), pc)
@@ -274,28 +278,29 @@ def test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports(tmp_
     books.mkdir()
     _write_jsonl(books / "a.jsonl", [{"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + 9 * i))}
                                      for i in range(30)])
-    sources = [(chat, 3), (shards, 1), (pc, 1), (alpaca, 1), (qa, 1), (books / "*.jsonl", 1)]
+    sources = [(chat, 3), (shards, 1), (pref, 1), (pc, 1), (alpaca, 1), (qa, 1), (books / "*.jsonl", 1)]
     mixture = "data.sources=[" + ", ".join(f"{{path: '{path}', weight: {w}}}" for path, w in sources) + "]"
     runs = tmp_path / "runs"
     sets = [*small_overrides(runs), mixture, f"model.tokenizer={chat_tokenizer}", "data.test_size=null",
             "data.validation_size=4", "train.max_steps=6", "checkpoint.every_steps=3", "train.eval_every=3",
-            "train.sample_generations=5", "train.eval_max_new_tokens=8"]
+            "train.sample_generations=6", "train.eval_max_new_tokens=8"]
     out = run_cli("train", *[a for o in sets for a in ("--set", o)], "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = only_run(runs)
     full = read_metrics(run, "train")
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6] and full[-1]["loss"] < full[0]["loss"]
-    names = ["chat", "sharegpt", "pc", "alpaca", "qa", "books"]
+    names = ["chat", "sharegpt", "pref", "pc", "alpaca", "qa", "books"]
     setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
     assert [s["name"] for s in setup["data_sources"]] == names
     assert [s["format"] for s in setup["data_sources"]] == list(FORMATS)
     evals = [e for e in read_metrics(run, "eval") if "val_loss" in e]
     assert list(evals[-1]["val_loss_by_source"]) == names
     samples = json.loads((run / "eval.json").read_text())["samples"]
-    assert [s["source"] for s in samples] == names[:5]  # sources in turn; raw text asks nothing
+    assert [s["source"] for s in samples] == names[:6]  # sources in turn; raw text asks nothing
     assert samples[0]["question"].endswith("<|im_start|>assistant\n") and samples[0]["gold"].startswith("answer ")
-    assert samples[1]["gold"].startswith("world ") and samples[2]["gold"].strip() in WORDS
-    assert [s["gold"] for s in samples[3:]] == ["bonjour", "today"] and all(s["pred"] is not None for s in samples)
+    assert samples[1]["gold"].startswith("world ") and samples[2]["gold"] == " yes"
+    assert samples[3]["gold"].strip() in WORDS
+    assert [s["gold"] for s in samples[4:]] == ["bonjour", "today"] and all(s["pred"] is not None for s in samples)
     report = (run / "report" / "index.html").read_text()
     assert "Data sources" in report and all(f"<td>{n}</td>" in report for n in names)
 
@@ -327,3 +332,51 @@ def test_docs_show_every_formats_example_row():
     for name, fmt in FORMATS.items():
         assert f"### `{name}`" in doc and json.dumps(fmt.example, ensure_ascii=False) in doc, name
         assert fmt.read(fmt.example, small_spec(Path("/tmp")).data.columns).kind in ("chat", "text", "prompt_answer")
+
+
+def test_preference_rows_tokenize_as_trls_dpo_trainer(chat_tokenizer, tmp_path):
+    """TRL's DPOTrainer prepares the same pairs: shardline's chosen and rejected documents are TRL's prompt ids
+    followed by its chosen (rejected) ids, and the loss-bearing tokens are TRL's completion tokens (shardline adds
+    one BOS to a plain prompt, as for prompt_completion)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(chat_tokenizer)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    plain = [{"prompt": f"{WORDS[i]} question {i}? Answer:", "chosen": f" {WORDS[i + 1]} answer {i}.",
+              "rejected": f" {WORDS[i + 2]} other {i} answer."} for i in range(4)]
+    chats = [{"prompt": _conversation(i, 1)[:2], "chosen": _conversation(i, 1)[2:],
+              "rejected": [{"role": "assistant", "content": f"wrong {WORDS[i]} {i}."}]} for i in range(4)]
+    fmt, template = FORMATS["preference"], get_task("none").prompt
+    for rows in (plain, chats):
+        trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), processing_class=tok,
+                             train_dataset=Dataset.from_list(rows),
+                             args=DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+        for row, theirs in zip(rows, trainer.train_dataset, strict=True):
+            ex = fmt.read(row, small_spec(tmp_path).data.columns)
+            for doc, completion in zip(ex.chosen_and_rejected(), ("chosen_ids", "rejected_ids"), strict=True):
+                r = render(tok, doc, template, "plain")
+                ids, loss = (r.ids[1:], r.loss[1:]) if isinstance(row["prompt"], str) else (r.ids, r.loss)
+                if isinstance(row["prompt"], str):
+                    assert r.ids[0] == tok.bos_token_id
+                assert ids == theirs["prompt_ids"] + theirs[completion]
+                trl_loss = [0] * len(theirs["prompt_ids"]) + [1] * len(theirs[completion])
+                assert loss == trl_loss, (completion, row)
+
+
+@pytest.mark.parametrize(("row", "reason"), [
+    ({"prompt": "q", "chosen": " a", "rejected": " a"}, "chosen_equals_rejected"),
+    ({"prompt": "q", "chosen": " ", "rejected": " b"}, "empty"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "a"}]}, "chosen_equals_rejected"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "b"}]}, "no_assistant_turn"),
+])
+def test_preference_rows_that_prefer_nothing_are_counted_drops(row, reason, tmp_path):
+    from shardline.data.formats import RowProblem
+
+    with pytest.raises(RowProblem) as e:
+        FORMATS["preference"].read(row, small_spec(tmp_path).data.columns)
+    assert e.value.reason == reason

@@ -57,9 +57,9 @@ def write_split(split: str, chunks: list[tuple[int, Path]], seq_len: int, packin
             if split == "validation" and source_index != window_source:
                 flush()
             window_source = source_index
-            ends = np.cumsum(lengths)
-            for end, n in zip(ends.tolist(), lengths.tolist(), strict=True):
-                window.append(Document(ids=ids[end - n : end], loss=loss[end - n : end]))
+            joined = z.get(f"{split}.joined", np.zeros(len(lengths), dtype=np.bool_))
+            for doc in _documents(ids, loss, lengths, joined):
+                window.append(doc)
                 if len(window) >= WINDOW:
                     flush()
         flush()
@@ -69,6 +69,22 @@ def write_split(split: str, chunks: list[tuple[int, Path]], seq_len: int, packin
     if split in PACKED_SPLITS and blocks:
         split_stats |= _concatenate(split, blocks, out, seq_len)
     return split_stats
+
+
+def _documents(ids: np.ndarray, loss: np.ndarray, lengths: np.ndarray, joined: np.ndarray) -> list[Document]:
+    """The packing units of a chunk: each document, or documents joined to the next (a preference pair's chosen and
+    rejected) as one unit whose positions restart at every document."""
+    units, parts = [], []
+    ends = np.cumsum(lengths)
+    for end, n, glued in zip(ends.tolist(), lengths.tolist(), joined.tolist(), strict=True):
+        parts.append((end - n, end))
+        if glued:
+            continue
+        start, stop = parts[0][0], parts[-1][1]
+        positions = np.concatenate([np.arange(b - a) for a, b in parts]) if len(parts) > 1 else None
+        units.append(Document(ids=ids[start:stop], loss=loss[start:stop], positions=positions))
+        parts = []
+    return units
 
 
 def _concatenate(split: str, blocks: list[Path], out: Path, seq_len: int) -> dict:

@@ -27,6 +27,7 @@ from shardline.data.render import render_many
 from shardline.data.sources import SPLITS, Source, read_examples
 from shardline.data.splits import Assignment
 from shardline.data.tokenizer import load_tokenizer
+from shardline.errors import DataError
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
 
@@ -43,11 +44,15 @@ class EncodeSettings:
     prompt_format: str
     assistant_turns: str
     seq_len: int
+    pairs: bool
+    """Preference pairs become two documents (chosen, then rejected) packed together (`train.objective: dpo`);
+    otherwise a pair trains its chosen completion."""
 
     @classmethod
     def of(cls, spec: JobSpec, tokenizer_dir: Path) -> EncodeSettings:
         d = spec.data
-        return cls(str(tokenizer_dir), str(d.task), d.prompt_format, d.assistant_turns, spec.train.seq_len)
+        return cls(str(tokenizer_dir), str(d.task), d.prompt_format, d.assistant_turns, spec.train.seq_len,
+                   spec.train.objective == "dpo")
 
 
 _worker: dict = {}
@@ -60,15 +65,31 @@ def _init(settings: EncodeSettings) -> None:
 
 def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]:
     """Render (split, example, times) items into per-split flat ids, loss flags and document lengths; a text is
-    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped."""
+    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped. With pairs, a
+    preference example is two documents, chosen then rejected, flagged `joined` (packed into one row together) and
+    dropped as too long when the two do not fit one row."""
     s: EncodeSettings = _worker["settings"]
     tok, template = _worker["tok"], _worker["template"]
-    out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths")}
+    out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths", "joined")}
     too_long = Counter()
-    rendered = render_many(tok, [ex for _, ex, _ in items], template, s.prompt_format,  # type: ignore[arg-type]
-                           s.assistant_turns)
-    for (split, ex, times), r in zip(items, rendered, strict=True):
+    docs = [doc for _, ex, _ in items for doc in _documents(ex, s.pairs)]
+    rendered = iter(render_many(tok, docs, template, s.prompt_format,  # type: ignore[arg-type]
+                                s.assistant_turns))
+    for split, ex, times in items:
+        r = next(rendered)
         ids, loss = np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8)
+        if s.pairs:
+            other = next(rendered)
+            if len(r.ids) + len(other.ids) > s.seq_len:
+                too_long[split] += 1
+                continue
+            for _ in range(times):
+                for k, (piece_ids, piece_loss) in enumerate(((r.ids, r.loss), (other.ids, other.loss))):
+                    out[f"{split}.ids"].append(np.asarray(piece_ids, dtype=np.int32))
+                    out[f"{split}.loss"].append(_first_not_target(piece_loss))
+                    out[f"{split}.lengths"].append(len(piece_ids))
+                    out[f"{split}.joined"].append(k == 0)
+            continue
         if ex.kind == "text":
             pieces = [(ids[a : a + s.seq_len], loss[a : a + s.seq_len].copy()) for a in range(0, len(ids), s.seq_len)]
             for _, piece_loss in pieces:
@@ -83,14 +104,35 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
                 out[f"{split}.ids"].append(piece_ids)
                 out[f"{split}.loss"].append(piece_loss)
                 out[f"{split}.lengths"].append(len(piece_ids))
+                out[f"{split}.joined"].append(False)
     arrays = {}
     for split in SPLITS:
         ids = out[f"{split}.ids"]
         arrays[f"{split}.ids"] = np.concatenate(ids) if ids else np.zeros(0, np.int32)
         arrays[f"{split}.loss"] = np.concatenate(out[f"{split}.loss"]) if ids else np.zeros(0, np.uint8)
         arrays[f"{split}.lengths"] = np.asarray(out[f"{split}.lengths"], dtype=np.int32)
+        arrays[f"{split}.joined"] = np.asarray(out[f"{split}.joined"], dtype=np.bool_)
         arrays[f"{split}.too_long"] = np.asarray([too_long[split]], dtype=np.int64)
     return arrays
+
+
+def _documents(ex: Example, pairs: bool) -> tuple[Example, ...]:
+    """What `ex` renders to: a pair's chosen and rejected examples (with pairs), else the example itself (a pair
+    trains its chosen completion under SFT)."""
+    if not pairs:
+        return (ex.chosen_and_rejected()[0],) if ex.preference else (ex,)
+    if not ex.preference:
+        where = f"source {ex.source}" if ex.source else "the data"
+        raise DataError(where, f"has a {ex.kind} example where train.objective=dpo needs preference pairs",
+                        "give every source prompt/chosen/rejected rows (data.format=preference, docs/data.md)")
+    return ex.chosen_and_rejected()
+
+
+def _first_not_target(loss: list[int]) -> np.ndarray:
+    """A pair's document's loss flags with its first token not a target: in a row, it follows the other document."""
+    flags = np.asarray(loss, dtype=np.uint8)
+    flags[0] = 0
+    return flags
 
 
 def examples_in_order(source: Source, a: Assignment) -> Iterator[tuple[str, Example, int]]:

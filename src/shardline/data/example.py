@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 Kind = Literal["prompt_answer", "chat", "text"]
@@ -22,6 +22,10 @@ class Example:
 
     `db_id` names the record's source within its data set (text-to-SQL: the generated database the query runs on),
     `source` the data source it was read from; both empty when there is none.
+
+    A preference pair (`preference`) is a prompt-and-answer or chat example whose answer (or assistant turns from
+    `trained_from` on) is the chosen completion, with the rejected one beside it: `rejected` text, or
+    `rejected_turns` replacing the chosen turns.
     """
 
     question: str = ""
@@ -33,6 +37,8 @@ class Example:
     trained_from: int = 0
     text: str | None = None
     source: str = ""
+    rejected: str | None = None
+    rejected_turns: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def kind(self) -> Kind:
@@ -40,8 +46,20 @@ class Example:
             return "chat"
         return "text" if self.text is not None else "prompt_answer"
 
+    @property
+    def preference(self) -> bool:
+        return self.rejected is not None or bool(self.rejected_turns)
+
+    def chosen_and_rejected(self) -> tuple[Example, Example]:
+        """The pair as two plain examples: the prompt with the chosen completion, and with the rejected one."""
+        plain = replace(self, rejected=None, rejected_turns=[])
+        if self.kind == "chat":
+            return plain, replace(plain, messages=self.messages[: self.trained_from] + self.rejected_turns)
+        return plain, replace(plain, answer=self.rejected or "")
+
     def to_dict(self) -> dict:
         """Plain dict of the fields that are set (question, context, answer and db_id always)."""
         d = asdict(self)
-        defaults = {"prompt": None, "messages": [], "trained_from": 0, "text": None, "source": ""}
+        defaults = {"prompt": None, "messages": [], "trained_from": 0, "text": None, "source": "", "rejected": None,
+                    "rejected_turns": []}
         return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}

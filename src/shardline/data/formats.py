@@ -99,6 +99,30 @@ def _prompt_completion(row: dict[str, Any], c: ColumnsSpec) -> Example:
     return Example(prompt=prompt, answer=completion)
 
 
+def _preference(row: dict[str, Any], c: ColumnsSpec) -> Example:
+    """A prompt with a chosen and a rejected completion: all text, or (TRL's conversational form) the prompt a list
+    of turns and each completion a list of assistant turns."""
+    prompt = row.get(c.prompt)
+    if isinstance(prompt, list):
+        before = _turns(prompt, c.prompt, "role", "content", _CHAT_ROLES)
+        chosen = _turns(row.get(c.chosen), c.chosen, "role", "content", _CHAT_ROLES)
+        rejected = _turns(row.get(c.rejected), c.rejected, "role", "content", _CHAT_ROLES)
+        ex = _conversation(before + chosen, c.chosen, trained_from=len(before))
+        _conversation(before + rejected, c.rejected, trained_from=len(before))
+        if chosen == rejected:
+            raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
+        if any(not t["content"].strip() for t in chosen + rejected if t["role"] == "assistant"):
+            raise RowProblem(c.chosen, "or rejected has an empty assistant turn", "empty")
+        return Example(messages=ex.messages, trained_from=ex.trained_from, rejected_turns=rejected)
+    prompt, chosen, rejected = _string(row, c.prompt), _string(row, c.chosen), _string(row, c.rejected)
+    for column, text in ((c.chosen, chosen), (c.rejected, rejected)):
+        if not text.strip():
+            raise RowProblem(column, "is empty", "empty")
+    if chosen == rejected:
+        raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
+    return Example(prompt=prompt, answer=chosen, rejected=rejected)
+
+
 def _prompt_answer(question: str, context: str, answer: str, fields: tuple[str, str]) -> Example:
     if not question.strip():
         raise RowProblem(fields[0], "is empty", "empty")
@@ -134,6 +158,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("conversations", ("conversations",), (), {"conversations": [
         {"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."}]},
         _sharegpt, chat=True),
+    Format("preference", ("prompt", "chosen", "rejected"), (),
+           {"prompt": "Capital of France? Answer:", "chosen": " Paris.", "rejected": " Lyon."}, _preference,
+           chat=False),
     Format("prompt_completion", ("prompt", "completion"), (),
            {"prompt": "Capital of France? Answer:", "completion": " Paris."}, _prompt_completion, chat=False),
     Format("instruction", ("instruction", "output"), ("input",),

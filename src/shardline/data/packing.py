@@ -21,6 +21,9 @@ class Document:
     """Leading tokens without loss, the rest carrying it; ignored when `loss` is given."""
     loss: np.ndarray | None = None
     """Per token 1 where it is a target (uint8): a conversation's assistant turns, a text's tokens."""
+    positions: np.ndarray | None = None
+    """Position ids when the document is several packed as one unit (a preference pair: each restarts at 0);
+    None: 0, 1, … over the whole."""
 
     def loss_mask(self) -> np.ndarray:
         if self.loss is not None:
@@ -78,7 +81,7 @@ def pack(docs: list[Document], seq_len: int, pad_id: int, packing: bool = True) 
             end = at + len(d.ids)
             tokens[r, at:end] = d.ids
             loss_mask[r, at:end] = d.loss_mask()
-            position_ids[r, at:end] = np.arange(len(d.ids))
+            position_ids[r, at:end] = d.positions if d.positions is not None else np.arange(len(d.ids))
             at = end
         position_ids[r, at:] = np.arange(seq_len - at)
         n_real[r] = at

@@ -173,6 +173,8 @@ def dataset_version(spec: JobSpec, sources: list[Source]) -> str:
              str(spec.train.seq_len), str(d.packing)]
     if d.assistant_turns != "all":  # (kept out of the default's parts: the embedded default's version stays)
         parts.append(f"assistant_turns={d.assistant_turns}")
+    if spec.train.objective == "dpo":  # pairs packed as two documents, not the chosen alone
+        parts.append("pairs")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ from shardline.spec.sections import (
     CostSpec,
     DataFormat,
     DataSpec,
+    DpoSpec,
     GpucheckSpec,
     JobSections,
     KubernetesSpec,
@@ -18,6 +19,7 @@ from shardline.spec.sections import (
     LoraSpec,
     ModelSpec,
     NetcheckSpec,
+    Objective,
     ObserveSpec,
     ParallelSpec,
     Precision,
@@ -37,9 +39,8 @@ from shardline.spec.sections import (
 
 __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
-    "CostSpec", "DataFormat", "DataSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec", "LaunchSpec",
-    "LoraSpec",
-    "ModelSpec", "NetcheckSpec", "ObserveSpec", "ParallelSpec", "Precision", "PromptFormat", "Provisioning",
-    "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec", "TaskName", "Toleration", "TpuSpec",
-    "TrainSpec",
+    "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec",
+    "LaunchSpec", "LoraSpec", "ModelSpec", "NetcheckSpec", "Objective", "ObserveSpec", "ParallelSpec", "Precision",
+    "PromptFormat", "Provisioning", "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec",
+    "TaskName", "Toleration", "TpuSpec", "TrainSpec",
 ]

@@ -73,6 +73,7 @@ def check_combinations(spec: JobSections) -> None:
         )
     check_data_sources(spec)
     check_base_quantization(spec)
+    check_objective(spec)
     # Installed packages (flash-attn, trackers) are checked where training starts: shardline/environment.py.
     w = spec.observe.wandb_project
     if w is not None and not w.strip():
@@ -161,6 +162,34 @@ def check_base_quantization(spec: JobSections) -> None:
                         "moves FSDP's shards to host memory, but NF4 weights stay outside FSDP, on the device",
                         "use parallel.offload=false (the NF4 base takes 0.52 bytes per parameter), or "
                         "model.lora.quantize_base=none")
+
+
+def check_objective(spec: JobSections) -> None:
+    """`train.objective: dpo` trains preference pairs on the torch engine, each pair whole on one rank."""
+    t, p = spec.train, spec.parallel
+    if t.objective == "sft":
+        return
+    where = "train.objective"
+    if t.engine != "torch":
+        raise SpecError(where, f"is {t.objective} with train.engine={t.engine}: MaxText trains next-token loss only",
+                        "use train.engine=torch (GPUs or CPU) for preference optimisation")
+    if spec.data.task == "random_tokens":
+        raise SpecError(where, f"is {t.objective}, but data.task=random_tokens has no prompts or completions to "
+                        "prefer", "use preference data (data.format=preference) or the generated text-to-SQL pairs")
+    if p.cp > 1 or p.tp > 1:
+        name, degree = ("parallel.cp", p.cp) if p.cp > 1 else ("parallel.tp", p.tp)
+        raise SpecError(where, f"is {t.objective} with {name}={degree}: shardline's DPO sums each completion's "
+                        "log-probabilities on the rank that holds the whole row, which tensor and context parallel "
+                        "split", f"use {name}=1 (FSDP shards the model; LoRA keeps DPO's memory near SFT's)")
+    formats = {spec.data.format, *(s.format for s in spec.data.sources)} - {"auto", "preference"}
+    if formats:
+        raise SpecError("data.format", f"is {sorted(formats)[0]} with train.objective={t.objective}, which trains "
+                        "(prompt, chosen, rejected) pairs", "use data.format=preference (or auto) with preference "
+                        "rows, or train.objective=sft for these rows")
+    if t.dpo.reference == "adapters_off" and not spec.model.lora.enabled:
+        raise SpecError("train.dpo.reference", "is adapters_off, but model.lora.enabled is false: a full fine-tune "
+                        "has no adapters to turn off, and its weights move away from the reference",
+                        "use train.dpo.reference=precomputed (or auto), or enable LoRA")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:

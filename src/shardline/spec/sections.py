@@ -13,7 +13,11 @@ Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 BaseQuantization = Literal["none", "nf4"]
 PromptFormat = Literal["plain", "chat"]
-DataFormat = Literal["auto", "messages", "conversations", "prompt_completion", "instruction", "question_answer", "text"]
+DataFormat = Literal["auto", "messages", "conversations", "preference", "prompt_completion", "instruction",
+                     "question_answer", "text"]
+Objective = Literal["sft", "dpo"]
+DpoLoss = Literal["sigmoid", "ipo", "sigmoid_norm"]
+DpoReference = Literal["auto", "adapters_off", "precomputed"]
 TaskName = Literal["text_to_sql", "none", "random_tokens"]
 """The tasks `data.task` can name (shardline.tasks.TASKS holds one for each)."""
 WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
@@ -126,6 +130,10 @@ class ColumnsSpec(Section):
     """instruction: the output the loss is on."""
     text: str = "text"
     """text: the document (loss on every token)."""
+    chosen: str = "chosen"
+    """preference: the preferred completion (text, or a list of assistant turns when the prompt is a conversation)."""
+    rejected: str = "rejected"
+    """preference: the dispreferred completion, in the chosen one's form."""
 
 
 class SourceSpec(Section):
@@ -150,9 +158,11 @@ class DataSpec(Section):
     """A local .jsonl, .json (an array of rows) or .parquet file, a directory or glob of such shards, or a hub
     dataset name; None uses the task's own data set (`task`)."""
     format: DataFormat = "auto"
-    """How a row reads (docs/data.md): `messages` (chat turns), `conversations` (ShareGPT from/value),
-    `prompt_completion`, `instruction` (Alpaca instruction/input/output), `question_answer` (question, optional
-    context, answer) or `text` (raw documents, loss on every token); `auto` detects it from the first row's columns."""
+    """How a row reads (docs/data.md): `messages` (chat turns), `conversations` (ShareGPT from/value), `preference`
+    (prompt, chosen, rejected: DPO's pairs; SFT trains the chosen), `prompt_completion`, `instruction` (Alpaca
+    instruction/input/output), `question_answer` (question, optional context, answer) or `text` (raw documents, loss
+    on every token); `auto` detects it from the first row's columns. With `train.objective: dpo` and the generated
+    set, `preference` (set when left `auto`) draws each question with a wrong query as the rejected answer."""
     assistant_turns: Literal["all", "last"] = "all"
     """Chat formats: loss on every assistant turn of a conversation, or on the last one only."""
     group_by: str | None = None
@@ -191,7 +201,26 @@ class DataSpec(Section):
         return self
 
 
+class DpoSpec(Section):
+    """Direct preference optimisation (`train.objective: dpo`, docs/post-training.md)."""
+
+    beta: float = Field(0.1, gt=0)
+    """How far the policy may move from the reference: the scale of the implicit reward β·log(π/π_ref)."""
+    loss: DpoLoss = "sigmoid"
+    """sigmoid: DPO's −log σ(β·Δ); ipo: (Δ/len − 1/(2β))² on per-token log-ratios; sigmoid_norm: DPO on per-token
+    log-ratios (length-normalised). Δ = chosen log-ratio − rejected log-ratio; TRL's `loss_type` of the same name."""
+    reference: DpoReference = "auto"
+    """adapters_off: the reference is the same weights with the LoRA adapters off, one no-grad forward per step;
+    precomputed: the reference log-probabilities of every pair, computed once before the first step with the starting
+    weights and kept in the run directory; auto: adapters_off with LoRA, precomputed without."""
+
+
 class TrainSpec(Section):
+    objective: Objective = "sft"
+    """sft: next-token loss on the completions; dpo: preference pairs (prompt, chosen, rejected) trained by
+    `train.dpo` against a frozen reference (docs/post-training.md)."""
+    dpo: DpoSpec = DpoSpec()
+    """DPO's settings; read only with `objective: dpo`."""
     max_steps: int = Field(300, ge=1)
     """Optimizer steps."""
     seed: int = 0

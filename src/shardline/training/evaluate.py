@@ -50,16 +50,27 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
     map and Gemma 2's cap: `takes_chunked_loss`). The batch's document spans go to the model as varlen keywords:
     document-masked attention reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them
     and masks from the positions."""
+    return _token_loss(model, batch, chunk_tokens, "sum")
+
+
+def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
+    """`token_loss_sum`'s terms: the fp32 cross-entropy of each loss-bearing position of `batch`, in flattened
+    order ([batch.n_loss_tokens]); minus each is the log-probability of that target."""
+    return _token_loss(model, batch, chunk_tokens, "none")
+
+
+def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduction: str) -> torch.Tensor:
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = {} if batch.spans is None else batch.spans.model_kwargs(
         batch.input_ids.device if flash else torch.device("cpu"))
     lm = causal_lm(model)
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
-        return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens,
+        return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    labels = batch.labels.flatten()
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
+    return losses if reduction == "sum" else losses[labels != IGNORE_INDEX]
 
 
 @contextlib.contextmanager

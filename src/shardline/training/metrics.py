@@ -40,6 +40,8 @@ class TrainRecord:
     step_time_max_s: float | None = None
     step_time_median_s: float | None = None
     slowest_rank: int | None = None
+    # train.objective: dpo — the global batch's pairs and their means (shardline.training.preference.mean_metrics)
+    preference: dict | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -111,7 +113,9 @@ class MetricsWriter:
             cost = f"  ${line['cost_usd_step']:.3g}/step ${line.get('cost_usd_per_1m_tokens', 0):.3g}/1M tok"
             if line.get("cost_usd") is not None and r.step:
                 cost += f"  ${line['cost_usd'] * max_steps / r.step:.4g} projected"
+        pref = r.preference
         text = (f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
+                + (f"acc {pref['accuracy']:4.2f} margin {pref['margin']:+7.4f}  " if pref else "") +
                 f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
                 f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
                 f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "

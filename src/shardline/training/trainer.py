@@ -75,6 +75,17 @@ from shardline.training.evaluate import (
 )
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
+from shardline.training.preference import (
+    METRICS,
+    ReferenceTable,
+    adapters_off,
+    dpo_losses,
+    eval_row_indices,
+    mean_metrics,
+    pair_logps,
+    pair_metrics,
+    pairs_in,
+)
 from shardline.training.profiling import StepProfiler
 
 log = logging.getLogger("shardline")
@@ -129,6 +140,11 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, spec.train)
         self.rows = data.rows("train")
         t = spec.train
+        self.dpo = t.objective == "dpo"
+        self.reference = (("adapters_off" if spec.model.lora.enabled else "precomputed")
+                          if t.dpo.reference == "auto" else t.dpo.reference) if self.dpo else None
+        self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
+                                  for split in ("train", "validation")} if self.reference == "precomputed" else {})
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
                                    self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
@@ -232,8 +248,11 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _counters(self) -> dict:
-        return {"step": self.step, "consumed_rows": self.step * self.spec.train.global_batch_size,
-                "consumed_tokens": self.consumed_tokens, "scheduler": self.scheduler.state_dict()}
+        counters = {"step": self.step, "consumed_rows": self.step * self.spec.train.global_batch_size,
+                    "consumed_tokens": self.consumed_tokens, "scheduler": self.scheduler.state_dict()}
+        if self.reference_tables:  # computed once with the starting weights: a resume must not recompute them
+            counters["reference_logps"] = {split: t.values for split, t in self.reference_tables.items()}
+        return counters
 
     def _checkpoint_files(self) -> dict[str, str]:
         meta = {"step": self.step, "world": self.ctx.world, "dataset_version": self.data.version,
@@ -370,7 +389,11 @@ class Trainer:
         loss_tokens = counts[0].clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         fsdp_ranks = self.dp_world * self.spec.parallel.cp  # FSDP averages the gradients over these
-        for batch in batches:
+        if self.dpo:
+            preference = self._preference_step(batches, indices, fsdp_ranks)
+            loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the loss is a mean over pairs
+            loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
+        for batch in batches if not self.dpo else ():
             with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
                 with record_function("shardline.forward"):
                     micro_loss = token_loss_sum(self.model, part, self.spec.train.loss_chunk_tokens)
@@ -409,8 +432,34 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
-            epoch=self.sampler.epoch_of(self.step), **stragglers,
+            epoch=self.sampler.epoch_of(self.step), **stragglers, preference=preference if self.dpo else None,
         )
+
+    def _preference_step(self, batches: list, indices: list, fsdp_ranks: int) -> dict:
+        """Forward and backward of every micro-batch's pairs (`train.objective: dpo`); the global batch's means."""
+        t = self.spec.train
+        pairs = torch.tensor([float(pairs_in(batches))], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(pairs)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.device)
+        for batch, index in zip(batches, indices, strict=True):
+            ref_chosen, ref_rejected = self._reference_logps(batch, index, "train")
+            with rank_part(self.model, batch, None):
+                with record_function("shardline.forward"):
+                    policy = pair_logps(self.model, batch, t.loss_chunk_tokens)
+                    losses, chosen, rejected = dpo_losses(policy, ref_chosen, ref_rejected, t.dpo)
+                with record_function("shardline.backward"):
+                    (losses.sum() * (fsdp_ranks / pairs.clamp(min=1))).backward()
+            sums += pair_metrics(losses, chosen, rejected, policy)
+        dist.all_reduce(sums)
+        return mean_metrics(sums)
+
+    def _reference_logps(self, batch, index, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference log-probabilities of `batch`'s pairs: the adapters-off forward, or the precomputed table."""
+        if self.reference == "precomputed":
+            return self.reference_tables[split].lookup(index)
+        with torch.no_grad(), adapters_off(self.model), record_function("shardline.reference"):
+            ref = pair_logps(self.model, batch, self.spec.train.loss_chunk_tokens)
+        return ref.chosen, ref.rejected
 
     def _executed_pairs(self, batch) -> int:
         """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`,
@@ -486,11 +535,58 @@ class Trainer:
             raise EvaluationStopped(self.phase if self.phase in ("sql_evaluation", "evaluation")
                                     else "sample_generations")
 
+    def _compute_reference(self) -> None:
+        """`train.dpo.reference: precomputed`: every pair's reference log-probabilities with the starting weights."""
+        started = time.perf_counter()
+        for split, table in self.reference_tables.items():
+            table.compute(self.model, self.data.rows(split), self.spec.train.micro_batch_size, self.dp_rank,
+                          self.dp_world, self.spec.train.loss_chunk_tokens, self.ctx.device)
+        seconds = time.perf_counter() - started
+        self._event(event="reference_logps", seconds=round(seconds, 3),
+                    documents={split: t.values.numel() for split, t in self.reference_tables.items()})
+        pairs = sum(t.values.numel() // 2 for t in self.reference_tables.values())
+        self._say(f"DPO reference: log-probabilities of {pairs:,} pairs computed with the starting weights in "
+                  f"{seconds:.1f}s (kept in every checkpoint)")
+
+    @torch.no_grad()
+    def _validate_preference(self) -> dict:
+        """DPO's loss, rewards and accuracy over every validation pair."""
+        t = self.spec.train
+        rows = self.data.rows("validation")
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.device)
+        indices = eval_row_indices(len(rows.n_real), t.micro_batch_size, self.dp_rank, self.dp_world)
+        batches = eval_batches(rows, t.micro_batch_size, self.dp_rank, self.dp_world)
+        self.model.eval()
+        try:
+            for index, batch in zip(indices, batches, strict=True):
+                batch = batch.to(self.ctx.device)
+                if len(index) == 0 and self.reference == "precomputed":
+                    ref = (torch.zeros(0, dtype=torch.float64, device=self.ctx.device),) * 2
+                else:
+                    ref = self._reference_logps(batch, index, "validation")
+                policy = pair_logps(self.model, batch, t.loss_chunk_tokens)
+                sums += pair_metrics(*dpo_losses(policy, *ref, t.dpo), policy)
+                self._after_validation_batch()
+        finally:
+            self.model.train()
+        dist.all_reduce(sums)
+        return mean_metrics(sums)
+
     def validate(self) -> float:
-        """Validation loss over every validation row (and per source, for a mixture), logged as an eval record."""
+        """Validation loss over every validation row (and per source, for a mixture), logged as an eval record;
+        with `train.objective: dpo`, DPO's loss and preference accuracy over the validation pairs."""
         phase, self.phase = self.phase, "validation"
         maybe_fail("validation", self.ctx.rank, self.step)
         started = time.perf_counter()
+        if self.dpo:
+            found = self._validate_preference()
+            if self.metrics:
+                self.metrics.write("eval", {"step": self.step, "val_loss": found["loss"], "val_preference": found,
+                                            "seconds": round(time.perf_counter() - started, 3)})
+            self._say(f"step {self.step}: validation DPO loss {found['loss']:.4f} · preference accuracy "
+                      f"{found['accuracy']:.3f} · reward margin {found['margin']:+.4f} ({found['pairs']} pairs)")
+            self.phase = phase
+            return found["loss"]
         rows = self.data.rows("validation")
         names = self.data.meta.get("sources") or []
         t = self.spec.train
@@ -522,6 +618,8 @@ class Trainer:
         t, ck = self.spec.train, self.spec.checkpoint
         self.describe()
         self.maybe_resume()
+        if self.reference_tables and self.step == 0:
+            self._compute_reference()
         self.phase = "training"
         records: list[TrainRecord] = []
         wall = time.perf_counter()
