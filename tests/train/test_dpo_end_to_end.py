@@ -1,0 +1,86 @@
+"""DPO through the real trainer and launcher on the generated text-to-SQL pairs (`train.objective: dpo`):
+
+- a full fine-tune on 2 ranks with the reference precomputed: its preference metrics per step and on the held-out
+  pairs, the SQL evaluation after it, and a run started from its step-3 checkpoint on 1 rank that trains steps 4-6
+  to the same losses: the reference table comes back from the checkpoint (recomputed from the step-3 weights, the
+  losses would differ), and the loss is the mean over the global batch's pairs whatever the world size;
+- LoRA on 2 ranks with the adapters-off reference: a run whose last checkpoint never committed (a kill during the
+  final save) trains the lost steps again to the same losses, and its merged export loads in transformers.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+
+DPO = ["train.objective=dpo", "train.dpo.beta=0.2", "train.lr=1e-3", "observe.metrics_port=null",
+       "observe.report=false", "train.eval_every=3", "data.train_size=200", "data.validation_size=16",
+       "train.seq_len=384", "model.arch.max_position_embeddings=384"]
+
+
+def _train(runs, *extra: str, target: str = "tiny"):
+    sets = [*small_overrides(runs), *DPO, *extra]
+    proc = run_cli("train", target, *[a for kv in sets for a in ("--set", kv)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return only_run(runs), proc.stdout
+
+
+def _losses(run) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run, "train")}
+
+
+@pytest.mark.slow
+def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp_path):
+    run_a, out = _train(tmp_path / "a", "parallel.nproc_per_node=2", "checkpoint.every_steps=3",
+                        "train.eval_examples=4")
+    assert "DPO reference: log-probabilities of" in out
+    spec = (run_a / "spec.yaml").read_text()
+    assert "format: preference" in spec  # the generated set, drawn as pairs
+    records = read_metrics(run_a, "train")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    first, last = records[0]["preference"], records[-1]["preference"]
+    assert first["pairs"] == 8 and records[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy = reference
+    assert last["margin"] > 0 and last["accuracy"] > 0.5, last  # the policy moves towards the chosen queries
+    evals = [e for e in read_metrics(run_a, "eval") if "val_preference" in e]
+    assert [e["step"] for e in evals] == [3, 6] and evals[-1]["val_preference"]["pairs"] > 0
+    assert evals[-1]["val_loss"] == evals[-1]["val_preference"]["loss"]
+    assert "sql_execution_accuracy" in json.loads((run_a / "eval.json").read_text())
+    assert [e["event"] for e in read_metrics(run_a, "event")].count("reference_logps") == 1
+
+    run_b, out = _train(tmp_path / "b", "parallel.nproc_per_node=1", f"checkpoint.resume_from={run_a}@3")
+    assert "DPO reference" not in out
+    resumed, losses = _losses(run_b), _losses(run_a)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(losses[step], rel=1e-5, abs=1e-6), (step, resumed, losses)
+
+
+@pytest.mark.slow
+def test_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_and_merges(tmp_path):
+    lora = ["parallel.nproc_per_node=2", "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
+            "checkpoint.every_steps=2", "train.max_steps=4", "train.eval_examples=0"]
+    run, out = _train(tmp_path / "runs", *lora)
+    assert "DPO reference" not in out  # the adapters off, no table
+    full = _losses(run)
+    assert sorted(full) == [1, 2, 3, 4] and full[1] == pytest.approx(0.693147, abs=1e-5)
+    assert full[4] < full[1]
+
+    # a kill during the final save: step 4 never committed, steps 3-4 are trained again from step 2
+    (run / "checkpoints" / "step-00000004" / "COMMITTED").unlink()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(ln for ln in lines if not any(
+        f'"step": {s},' in ln or f'"step": {s}}}' in ln for s in (3, 4))) + "\n")
+    proc = run_cli("train", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = _losses(run)
+    assert sorted(again) == [1, 2, 3, 4]
+    assert again[3] == full[3] and again[4] == full[4], (again, full)
+
+    merged = tmp_path / "merged"
+    proc = run_cli("export", str(run), "--out", str(merged), "--merge-lora")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert not any("lora" in name for name, _ in model.named_parameters())
