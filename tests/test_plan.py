@@ -300,3 +300,16 @@ def test_planned_peak_within_20_percent_of_measured(tmp_path, session_dir, name)
     print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
           f"({100 * (planned / measured - 1):+.1f}%)")
     assert planned == pytest.approx(measured, rel=0.20)
+
+
+def test_dpo_step_time_counts_the_adapters_off_reference_forward():
+    """LoRA's step is a forward and the input-gradient backward of the frozen base (4·N per token); DPO with the
+    adapters-off reference adds a third pass (2·N): about 1.5× the step. A precomputed reference adds nothing per
+    step."""
+    from shardline.planning.cost import estimated_step_time
+
+    sft = estimated_step_time(load_spec("llama-3.1-8b-lora", []), 989.0)
+    dpo = estimated_step_time(load_spec("llama-3.1-8b-lora", ["train.objective=dpo"]), 989.0)
+    assert 1.4 < dpo / sft < 1.55
+    table = load_spec("llama-3.1-8b-lora", ["train.objective=dpo", "train.dpo.reference=precomputed"])
+    assert estimated_step_time(table, 989.0) == sft

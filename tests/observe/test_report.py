@@ -103,3 +103,18 @@ def test_observe_report_false_writes_no_report(monkeypatch, session_dir, prepare
 
     code, run = _train_with_fake_workers(monkeypatch, session_dir, "noreport", crashed, "observe.report=false")
     assert code == 1 and not (run / "report").exists()
+
+
+def test_a_dpo_run_gets_the_preference_plot_and_an_sft_run_does_not(tmp_path):
+    run = _crashed_then_resumed_run(tmp_path)
+    write_report(run)
+    assert not (run / "report" / "preference.png").exists()
+    pref = {"pairs": 8, "loss": 0.6, "accuracy": 0.5, "margin": 0.1, "prefers_chosen": 0.9}
+    records = [_train(s, preference={**pref, "accuracy": s / 8, "margin": 0.05 * s}) for s in range(1, 9)]
+    records += [{"kind": "eval", "step": s, "val_loss": 0.6, "val_preference": {**pref, "accuracy": s / 10}}
+                for s in (0, 4, 8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html = write_report(run).read_text()
+    assert "DPO: reward accuracy and margin" in html
+    with Image.open(run / "report" / "preference.png") as im:
+        assert im.size == (880, 374) and len(im.getcolors(1 << 20) or []) > 20

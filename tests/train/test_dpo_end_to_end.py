@@ -3,7 +3,8 @@
 - a full fine-tune on 2 ranks with the reference precomputed: its preference metrics per step and on the held-out
   pairs, the SQL evaluation after it, and a run started from its step-3 checkpoint on 1 rank that trains steps 4-6
   to the same losses: the reference table comes back from the checkpoint (recomputed from the step-3 weights, the
-  losses would differ), and the loss is the mean over the global batch's pairs whatever the world size;
+  losses would differ), and the loss is the mean over the global batch's pairs whatever the world size; `shardline
+  eval` of it scores the held-out pairs against the same table;
 - LoRA on 2 ranks with the adapters-off reference: a run whose last checkpoint never committed (a kill during the
   final save) trains the lost steps again to the same losses, and its merged export loads in transformers.
 """
@@ -45,10 +46,17 @@ def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp
     assert first["pairs"] == 8 and records[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # policy = reference
     assert last["margin"] > 0 and last["accuracy"] > 0.5, last  # the policy moves towards the chosen queries
     evals = [e for e in read_metrics(run_a, "eval") if "val_preference" in e]
-    assert [e["step"] for e in evals] == [3, 6] and evals[-1]["val_preference"]["pairs"] > 0
+    assert [e["step"] for e in evals] == [0, 3, 6] and evals[-1]["val_preference"]["pairs"] > 0
     assert evals[-1]["val_loss"] == evals[-1]["val_preference"]["loss"]
     assert "sql_execution_accuracy" in json.loads((run_a / "eval.json").read_text())
     assert [e["event"] for e in read_metrics(run_a, "event")].count("reference_logps") == 1
+
+    # `shardline eval` of the finished run scores the held-out pairs against the same reference table
+    proc = run_cli("eval", str(run_a))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = [e for e in read_metrics(run_a, "eval") if "val_preference" in e][-1]["val_preference"]
+    assert again["loss"] == pytest.approx(evals[-1]["val_preference"]["loss"], rel=1e-6)
+    assert again["margin"] == pytest.approx(evals[-1]["val_preference"]["margin"], rel=1e-5)
 
     run_b, out = _train(tmp_path / "b", "parallel.nproc_per_node=1", f"checkpoint.resume_from={run_a}@3")
     assert "DPO reference" not in out

@@ -73,7 +73,7 @@ def _models(lora: bool, seed: int = 0):
     return base, ref_ours, plain, ref_theirs
 
 
-def _trl(policy, ref, pairs, loss: str, tmp_path, adapter=None):
+def _trl(policy, ref, pairs, loss: str, tmp_path, adapter=None, sft_weight: float = 0.0):
     """TRL's loss and reward metrics on `pairs` (its own collator), gradients left in the policy's parameters; with
     `adapter` (shardline's LoRA model), TRL adds the same LoRA to `policy` and takes the adapter's weights."""
     from datasets import Dataset
@@ -82,7 +82,8 @@ def _trl(policy, ref, pairs, loss: str, tmp_path, adapter=None):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     tok = train_bpe(["a b c"], 300)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, loss_type=[loss], report_to="none",
+    mix = {"loss_type": [loss, "sft"], "loss_weights": [1.0, sft_weight]} if sft_weight else {"loss_type": [loss]}
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, **mix, report_to="none",
                      use_cpu=True, bf16=False, per_device_train_batch_size=len(pairs))
     peft_config = None if adapter is None else LoraConfig(
         r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -101,14 +102,16 @@ def _trl(policy, ref, pairs, loss: str, tmp_path, adapter=None):
     return float(value.detach()), rewards, trainer.model
 
 
-@pytest.mark.parametrize(("lora", "loss", "chunk"), [
-    (False, "sigmoid", 4096), (False, "ipo", None), (False, "sigmoid_norm", 4096),
-    (True, "sigmoid", None), (True, "ipo", 4096),
+@pytest.mark.parametrize(("lora", "loss", "chunk", "sft_weight"), [
+    (False, "sigmoid", 4096, 0.0), (False, "ipo", None, 0.0), (False, "sigmoid_norm", 4096, 0.0),
+    (True, "sigmoid", None, 0.0), (True, "ipo", 4096, 0.0), (False, "sigmoid", None, 0.7), (True, "sigmoid", 4096, 1.0),
 ])
-def test_dpo_equals_trl(lora, loss, chunk, tmp_path):
+def test_dpo_equals_trl(lora, loss, chunk, sft_weight, tmp_path):
+    """`sft_weight`: TRL's loss_type=[loss, "sft"] with that weight (RPO), shardline's `train.dpo.sft_weight`."""
     pairs = _pairs(seed=7)
     ours, ref_ours, theirs, ref_theirs = _models(lora)
-    expected_loss, expected, theirs = _trl(theirs, ref_theirs, pairs, loss, tmp_path, adapter=ours if lora else None)
+    expected_loss, expected, theirs = _trl(theirs, ref_theirs, pairs, loss, tmp_path, adapter=ours if lora else None,
+                                           sft_weight=sft_weight)
 
     batch = _packed_batch(pairs)
     ours.train()
@@ -120,10 +123,11 @@ def test_dpo_equals_trl(lora, loss, chunk, tmp_path):
             ref = pair_logps(ref_ours, batch, chunk)
     policy = pair_logps(ours, batch, chunk)
     losses, chosen, rejected = dpo_losses(policy, ref.chosen, ref.rejected, DpoSpec(beta=BETA, loss=loss))
-    losses.mean().backward()
+    total = losses.mean() - sft_weight * policy.chosen.sum() / policy.chosen_tokens.sum()
+    total.backward()
 
     assert losses.numel() == len(pairs)
-    assert float(losses.mean()) == pytest.approx(expected_loss, abs=1e-5)
+    assert float(total) == pytest.approx(expected_loss, abs=1e-5)
     assert abs(float(losses.mean()) - np.log(2)) > 1e-3 or loss == "ipo", "the policy differs from the reference"
     assert float(chosen.mean()) == pytest.approx(expected["chosen"], abs=1e-5)
     assert float(rejected.mean()) == pytest.approx(expected["rejected"], abs=1e-5)

@@ -120,6 +120,35 @@ def plot_loss(recs: RunRecords):
     return fig
 
 
+def plot_preference(recs: RunRecords):
+    """DPO (`train.objective: dpo`): reward accuracy and margin per step, and on the held-out pairs."""
+    fig, ax = _figure("preference: reward accuracy (left) and reward margin (right)")
+    margin_ax = ax.twinx()
+    for i, seg in enumerate(recs.segments):
+        points = [(r["step"], r["preference"]) for r in seg if r.get("preference")]
+        if points:
+            steps = [p[0] for p in points]
+            ax.plot(steps, [p[1]["accuracy"] for p in points], color="tab:blue", lw=1.2,
+                    label="reward accuracy (train)" if i == 0 else None)
+            margin_ax.plot(steps, [p[1]["margin"] for p in points], color="tab:purple", lw=1, alpha=0.7,
+                           label="margin (train)" if i == 0 else None)
+    held = [(r["step"], r["val_preference"]) for r in recs.evals if r.get("val_preference")]
+    if held:
+        steps = [p[0] for p in held]
+        ax.plot(steps, [p[1]["accuracy"] for p in held], "o-", color="tab:orange", label="reward accuracy (held out)")
+        ax.plot(steps, [p[1]["prefers_chosen"] for p in held], "s--", color="tab:green",
+                label="chosen more likely (held out)")
+        margin_ax.plot(steps, [p[1]["margin"] for p in held], "o:", color="tab:red", label="margin (held out)")
+    _mark_resumes(ax, recs)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("share of pairs")
+    margin_ax.set_ylabel("β·log-ratio margin")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = margin_ax.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="lower right", fontsize=8)
+    return fig
+
+
 def plot_throughput(recs: RunRecords):
     fig, ax = _figure("throughput and MFU")
     _lines(ax, recs, "tokens_per_s_per_device", "tokens/s per device", "tab:green")
@@ -344,6 +373,9 @@ def write_report(run_dir: Path) -> Path:
     if goodput is not None:
         plots["goodput.png"] = ("Goodput: wall time by bucket, per attempt and over time",
                                 lambda _: plot_goodput(goodput))
+    if any(r.get("preference") for r in recs.train):
+        plots["preference.png"] = ("DPO: reward accuracy and margin per step and on the held-out pairs",
+                                   plot_preference)
     if any(r.get("slowest_rank") is not None for r in recs.train):  # a world of more than one rank
         plots["stragglers.png"] = ("Per-rank step time: slowest vs median rank, and which rank", plot_stragglers)
     priced = any(r.get("cost_usd") is not None for r in recs.train)

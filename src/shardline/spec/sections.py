@@ -209,6 +209,9 @@ class DpoSpec(Section):
     loss: DpoLoss = "sigmoid"
     """sigmoid: DPO's −log σ(β·Δ); ipo: (Δ/len − 1/(2β))² on per-token log-ratios; sigmoid_norm: DPO on per-token
     log-ratios (length-normalised). Δ = chosen log-ratio − rejected log-ratio; TRL's `loss_type` of the same name."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Adds this × the chosen completions' next-token loss (per token) to the DPO loss: DPO alone tends to lower
+    the chosen completions' likelihood along with the rejected ones'; TRL's `loss_type=[…, "sft"]` (RPO)."""
     reference: DpoReference = "auto"
     """adapters_off: the reference is the same weights with the LoRA adapters off, one no-grad forward per step;
     precomputed: the reference log-probabilities of every pair, computed once before the first step with the starting

@@ -8,7 +8,9 @@ computed once with the starting weights (`ReferenceTable`), kept in every checkp
 
 The losses are TRL's `DPOTrainer` losses of the same names (its `loss_type`): with Δ = (log π_c − log π_ref,c) −
 (log π_r − log π_ref,r), `sigmoid` is −log σ(βΔ); `sigmoid_norm` and `ipo` take each log-ratio per completion
-token, then −log σ(βΔ) and (Δ − 1/(2β))². A step's loss is the mean over the global batch's pairs.
+token, then −log σ(βΔ) and (Δ − 1/(2β))². A step's loss is the mean over the global batch's pairs, plus
+`train.dpo.sft_weight` × the chosen completions' NLL per token over the global batch (TRL's `loss_type=[..., "sft"]`
+with that weight; RPO's remedy for DPO lowering the chosen completions' likelihood).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from shardline.data.packing import PackedRows
 from shardline.spec import DpoSpec
 from shardline.training.evaluate import token_losses
 
-METRICS = ("pairs", "loss", "chosen_reward", "rejected_reward", "accuracy", "chosen_logp", "rejected_logp")
-"""The summed per-pair quantities a step or a validation reduces over ranks (`pair_metrics`), `pairs` first."""
+METRICS = ("pairs", "loss", "chosen_reward", "rejected_reward", "accuracy", "chosen_logp", "rejected_logp",
+           "prefers_chosen", "chosen_tokens")
+"""The summed per-pair quantities a step or a validation reduces over ranks (`pair_metrics`), `pairs` first:
+`accuracy` counts pairs whose chosen reward exceeds the rejected one (relative to the reference, TRL's
+`rewards/accuracies`), `prefers_chosen` those whose chosen completion is the more likely (the model alone)."""
 
 
 @dataclass
@@ -101,17 +106,31 @@ def pair_metrics(losses: torch.Tensor, chosen_reward: torch.Tensor, rejected_rew
         torch.tensor(float(losses.numel()), dtype=torch.float64, device=losses.device),
         losses.detach().double().sum(), chosen_reward.double().sum(), rejected_reward.double().sum(),
         (chosen_reward > rejected_reward).double().sum(), policy.chosen.detach().double().sum(),
-        policy.rejected.detach().double().sum(),
+        policy.rejected.detach().double().sum(), (policy.chosen > policy.rejected).double().sum(),
+        policy.chosen_tokens.double().sum(),
     ])
 
 
-def mean_metrics(sums: torch.Tensor) -> dict[str, float]:
-    """`METRICS` means over the pairs summed in `sums` (all ranks' after an all-reduce), and the reward margin."""
-    values = sums.tolist()
-    pairs = max(values[0], 1.0)
-    out = {name: value / pairs for name, value in zip(METRICS[1:], values[1:], strict=True)}
+def mean_metrics(sums: torch.Tensor, sft_weight: float = 0.0) -> dict[str, float]:
+    """`METRICS` means over the pairs summed in `sums` (all ranks' after an all-reduce), the reward margin, the
+    chosen completions' per-token NLL (`chosen_nll`) and the loss with `train.dpo.sft_weight` of it added."""
+    values = dict(zip(METRICS, sums.tolist(), strict=True))
+    pairs = max(values["pairs"], 1.0)
+    out = {name: values[name] / pairs for name in METRICS[1:-1]}
     out["margin"] = out["chosen_reward"] - out["rejected_reward"]
-    return {"pairs": int(values[0]), **out}
+    out["chosen_nll"] = -values["chosen_logp"] / max(values["chosen_tokens"], 1.0)
+    out["loss"] += sft_weight * out["chosen_nll"]
+    return {"pairs": int(values["pairs"]), **out}
+
+
+def chosen_targets(batches: list[Batch]) -> int:
+    """Loss-bearing tokens of the chosen completions in `batches` (the even real documents)."""
+    total = 0
+    for b in batches:
+        if b.n_loss_tokens:
+            docs, _ = document_targets(b)
+            total += int((docs % 2 == 0).sum())
+    return total
 
 
 def pairs_in(batches: list[Batch]) -> int:

@@ -79,6 +79,7 @@ from shardline.training.preference import (
     METRICS,
     ReferenceTable,
     adapters_off,
+    chosen_targets,
     dpo_losses,
     eval_row_indices,
     mean_metrics,
@@ -310,6 +311,8 @@ class Trainer:
         started = time.perf_counter()
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
+        if not with_optimizer and self.reference_tables:  # an evaluation of a DPO run scores against its reference
+            state["train"] = {"reference_logps": self._counters()["reference_logps"]}
         state = self.checkpointer.load(step, state, store, ranks_per_row=self.spec.parallel.ranks_per_row)
         rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
         if with_optimizer:
@@ -438,8 +441,10 @@ class Trainer:
     def _preference_step(self, batches: list, indices: list, fsdp_ranks: int) -> dict:
         """Forward and backward of every micro-batch's pairs (`train.objective: dpo`); the global batch's means."""
         t = self.spec.train
-        pairs = torch.tensor([float(pairs_in(batches))], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(pairs)
+        counts = torch.tensor([float(pairs_in(batches)), float(chosen_targets(batches))], dtype=torch.float64,
+                              device=self.ctx.device)
+        dist.all_reduce(counts)
+        pairs, chosen_tokens = counts.clamp(min=1).unbind()
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.device)
         for batch, index in zip(batches, indices, strict=True):
             ref_chosen, ref_rejected = self._reference_logps(batch, index, "train")
@@ -447,11 +452,14 @@ class Trainer:
                 with record_function("shardline.forward"):
                     policy = pair_logps(self.model, batch, t.loss_chunk_tokens)
                     losses, chosen, rejected = dpo_losses(policy, ref_chosen, ref_rejected, t.dpo)
+                    loss = losses.sum() / pairs
+                    if t.dpo.sft_weight:
+                        loss = loss - t.dpo.sft_weight * policy.chosen.sum() / chosen_tokens
                 with record_function("shardline.backward"):
-                    (losses.sum() * (fsdp_ranks / pairs.clamp(min=1))).backward()
+                    (loss * fsdp_ranks).backward()
             sums += pair_metrics(losses, chosen, rejected, policy)
         dist.all_reduce(sums)
-        return mean_metrics(sums)
+        return mean_metrics(sums, t.dpo.sft_weight)
 
     def _reference_logps(self, batch, index, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference log-probabilities of `batch`'s pairs: the adapters-off forward, or the precomputed table."""
@@ -570,7 +578,7 @@ class Trainer:
         finally:
             self.model.train()
         dist.all_reduce(sums)
-        return mean_metrics(sums)
+        return mean_metrics(sums, t.dpo.sft_weight)
 
     def validate(self) -> float:
         """Validation loss over every validation row (and per source, for a mixture), logged as an eval record;
@@ -583,8 +591,9 @@ class Trainer:
             if self.metrics:
                 self.metrics.write("eval", {"step": self.step, "val_loss": found["loss"], "val_preference": found,
                                             "seconds": round(time.perf_counter() - started, 3)})
-            self._say(f"step {self.step}: validation DPO loss {found['loss']:.4f} · preference accuracy "
-                      f"{found['accuracy']:.3f} · reward margin {found['margin']:+.4f} ({found['pairs']} pairs)")
+            self._say(f"step {self.step}: validation DPO loss {found['loss']:.4f} · reward accuracy "
+                      f"{found['accuracy']:.3f} · margin {found['margin']:+.4f} · chosen more likely than rejected "
+                      f"in {100 * found['prefers_chosen']:.1f}% of {found['pairs']} pairs")
             self.phase = phase
             return found["loss"]
         rows = self.data.rows("validation")
@@ -620,6 +629,8 @@ class Trainer:
         self.maybe_resume()
         if self.reference_tables and self.step == 0:
             self._compute_reference()
+        if self.dpo and self.step == 0:  # where the preferences start: the report's first point
+            self._stoppable(self.validate)
         self.phase = "training"
         records: list[TrainRecord] = []
         wall = time.perf_counter()
