@@ -90,6 +90,19 @@ def test_records_become_gauges_and_counters():
     assert _samples(sink)["shardline_run_status{shardline_run_status=evaluating}"] == 1
 
 
+def test_dpo_means_become_gauges_per_split():
+    sink = PrometheusSink("run-1", {"run_name": "run"}, max_steps=3)
+    pref = {"pairs": 8, "loss": 0.5, "accuracy": 0.75, "margin": 0.2, "prefers_chosen": 0.9}
+    sink("train", _train(1, preference=pref))
+    sink("eval", {"step": 1, "val_loss": 0.6, "val_preference": {**pref, "accuracy": 0.5}, "time": 1003.0})
+    s = _samples(sink)
+    assert s["shardline_dpo_accuracy{split=train}"] == 0.75 and s["shardline_dpo_accuracy{split=validation}"] == 0.5
+    assert s["shardline_dpo_margin{split=train}"] == 0.2 and s["shardline_dpo_prefers_chosen{split=train}"] == 0.9
+    sft = PrometheusSink("run-2", {"run_name": "run"}, max_steps=3)
+    sft("train", _train(1, preference=None))
+    assert not any(k.startswith("shardline_dpo_") for k in _samples(sft))
+
+
 def test_a_run_without_a_price_exports_no_cost_series():
     sink = PrometheusSink("run-2", {})
     sink("train", _train(1))

@@ -27,6 +27,8 @@ def test_records_become_named_scalars():
     step, values = scalars("event", {"event": "checkpoint", "step": 4, "stall_s": 1.5, "location": "/x"})
     assert step == 4 and values == {"checkpoint/stall_s": 1.5}
     assert scalars("event", {"event": "setup", "peak_tflops": 1.0})[0] is None
+    _, values = scalars("train", {"step": 5, "loss": 0.4, "preference": {"accuracy": 0.75, "margin": 0.2}})
+    assert values == {"train/loss": 0.4, "train/preference.accuracy": 0.75, "train/preference.margin": 0.2}
 
 
 def test_tensorboard_event_files_hold_the_step_series(tmp_path):

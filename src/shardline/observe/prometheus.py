@@ -70,6 +70,14 @@ TRAIN_COUNTERS: dict[str, tuple[str, str]] = {
     "step_time_s": ("shardline_train_step_seconds", "Summed step wall time (÷ steps = mean step time)."),
     "data_wait_s": ("shardline_train_data_wait_seconds", "Summed data-wait time of the steps."),
 }
+# DPO's means (`shardline_dpo_<field>{split="train"|"validation"}`): the latest step's pairs, the held-out pairs.
+PREFERENCE_GAUGES: dict[str, str] = {
+    "loss": "DPO loss (with train.dpo.sft_weight's term).",
+    "accuracy": "Share of pairs whose chosen reward exceeds the rejected one's (0-1).",
+    "margin": "Mean chosen minus rejected reward (β·log-ratio).",
+    "prefers_chosen": "Share of pairs whose chosen completion the model finds more likely (0-1).",
+}
+
 EVAL_GAUGES: dict[str, str] = {
     "val_loss": "Validation loss at the latest evaluation.",
     "sql_execution_accuracy": "SQL test-suite execution accuracy on the distinct test questions (0-1).",
@@ -104,6 +112,8 @@ class PrometheusSink:
             return Counter(name, doc, labels, registry=self.registry)
 
         self.train_gauges = {f: gauge(metric_name(f), doc) for f, doc in TRAIN_GAUGES.items()}
+        self.preference = {f: Gauge(PREFIX + "dpo_" + f, doc, [*labels, "split"], registry=self.registry)
+                           for f, doc in PREFERENCE_GAUGES.items()}
         self.train_counters = {f: counter(name, doc) for f, (name, doc) in TRAIN_COUNTERS.items()}
         self.eval_gauges = {f: gauge(metric_name(f), doc) for f, doc in EVAL_GAUGES.items()}
         self.steps = counter("shardline_train_steps", "Optimizer steps completed by this worker process.")
@@ -172,14 +182,22 @@ class PrometheusSink:
             for field, c in self.train_counters.items():
                 if record.get(field) is not None:
                     c.labels(rid).inc(max(0.0, float(record[field])))
+            self._preference(record.get("preference"), "train")
             self.steps.labels(rid).inc()
             self.last_step_time.labels(rid).set(now)
         elif kind == "eval":
             for field, g in self.eval_gauges.items():
                 if record.get(field) is not None:
                     g.labels(rid).set(record[field])
+            self._preference(record.get("val_preference"), "validation")
         else:
             self._event(record.get("event", kind), record)
+
+    def _preference(self, found: dict | None, split: str) -> None:
+        """DPO's latest means (`train.objective: dpo`), on the step's pairs or the held-out pairs."""
+        for field, g in self.preference.items():
+            if found and found.get(field) is not None:
+                g.labels(self.run_id, split).set(found[field])
 
     def _event(self, event: str, record: dict) -> None:
         rid = self.run_id

@@ -22,8 +22,10 @@ NOT_SCALARS = {"kind", "time", "step", "event", "location", "blocking", "n", "fo
 def scalars(kind: str, record: dict) -> tuple[int | None, dict[str, float]]:
     """The step and the numeric series of one record, named `<kind>/<field>` (events: `<event>/<field>`)."""
     group = record.get("event", kind) if kind in ("event", "checkpoint") else kind
-    values = {f"{group}/{k}": float(v) for k, v in record.items()
-              if k not in NOT_SCALARS and isinstance(v, int | float) and not isinstance(v, bool)}
+    flat = {f"{k}.{inner}" if isinstance(v, dict) else k: w for k, v in record.items() if k not in NOT_SCALARS
+            for inner, w in (v.items() if isinstance(v, dict) else [(None, v)])}  # DPO's `preference` means
+    values = {f"{group}/{k}": float(v) for k, v in flat.items()
+              if isinstance(v, int | float) and not isinstance(v, bool)}
     step = record.get("step")
     return (int(step) if isinstance(step, int | float) else None), values
 
