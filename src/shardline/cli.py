@@ -113,7 +113,8 @@ def _show_examples(spec, data, count: int, json_file: str | None, quiet: bool) -
         return
     console.print(f"tokens between {LOSS_OPEN} {LOSS_CLOSE} carry loss", highlight=False)
     for i, item in enumerate(shown):
-        line = Text(f"── {i + 1} · {item['split']} · {item['source']} · {len(item['tokens'])} tokens, "
+        pair = f" · {item['pair']}" if "pair" in item else ""
+        line = Text(f"── {i + 1} · {item['split']} · {item['source']}{pair} · {len(item['tokens'])} tokens, "
                     f"{sum(item['loss'])} with loss\n", style="dim")
         for text, trained in marked_text(tok, item["tokens"], item["loss"]):
             line.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if trained else text, style="green" if trained else None)

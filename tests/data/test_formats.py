@@ -380,3 +380,16 @@ def test_preference_rows_that_prefer_nothing_are_counted_drops(row, reason, tmp_
     with pytest.raises(RowProblem) as e:
         FORMATS["preference"].read(row, small_spec(tmp_path).data.columns)
     assert e.value.reason == reason
+
+
+def test_show_renders_both_documents_of_a_pair_under_dpo_and_the_chosen_under_sft(tmp_path):
+    from shardline.data.preview import rendered
+
+    tok = train_bpe(["Capital of France? Answer: Paris. Lyon."], 300)
+    ex = FORMATS["preference"].read(FORMATS["preference"].example, small_spec(tmp_path).data.columns)
+    dpo = rendered(tok, [("train", ex)], small_spec(tmp_path, "train.objective=dpo", "data.format=preference"))
+    assert [item["pair"] for item in dpo] == ["chosen", "rejected"]
+    assert [tok.decode([t for t, w in zip(item["tokens"], item["loss"], strict=True) if w]) for item in dpo] == \
+        [" Paris." + tok.eos_token, " Lyon." + tok.eos_token]
+    sft = rendered(tok, [("train", ex)], small_spec(tmp_path))
+    assert len(sft) == 1 and "pair" not in sft[0] and sft[0]["tokens"] == dpo[0]["tokens"]

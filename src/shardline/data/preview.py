@@ -12,13 +12,17 @@ from shardline.tasks import get_task
 
 
 def rendered(tok: PreTrainedTokenizerBase, examples: list[tuple[str, Example]], spec: JobSpec) -> list[dict]:
-    """Per example (split, example), before packing: its split, source, text, token ids and loss flags."""
+    """Per example (split, example), before packing: its split, source, text, token ids and loss flags; a preference
+    pair of a DPO run as its two documents, each marked `pair: chosen | rejected` (SFT trains the chosen alone)."""
     template = get_task(spec.data.task).prompt
     out = []
     for split, ex in examples:
-        r = render(tok, ex, template, spec.data.prompt_format, spec.data.assistant_turns)
-        out.append({"split": split, "source": ex.source or "generated", "text": tok.decode(r.ids),
-                    "tokens": r.ids, "loss": r.loss})
+        pairs = ex.preference and spec.train.objective == "dpo"
+        docs = ex.chosen_and_rejected() if pairs else ex.chosen_and_rejected()[:1] if ex.preference else (ex,)
+        for doc, pair in zip(docs, ("chosen", "rejected") if pairs else (None,), strict=False):
+            r = render(tok, doc, template, spec.data.prompt_format, spec.data.assistant_turns)
+            out.append({"split": split, "source": ex.source or "generated", "text": tok.decode(r.ids),
+                        "tokens": r.ids, "loss": r.loss, **({"pair": pair} if pair else {})})
     return out
 
 

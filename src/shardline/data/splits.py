@@ -52,7 +52,9 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
         order = [(i, split) for split in ("test", "validation") for i in range(len(source.bundled[split]))]
         n_train = len(source.bundled["train"])
         held = {n_train + k: split for k, (_, split) in enumerate(order)}
-        return Assignment(examples=n_train + len(order), held=held)
+        pairs = data.format == "preference"  # the generated set drawn as pairs (train.objective: dpo)
+        return Assignment(examples=n_train + len(order), held=held,
+                          format="preference" if pairs else "question_answer")
     dropped: Counter = Counter()
     found: dict[str, str] = {}
     groups = array("Q")
