@@ -71,7 +71,7 @@ def pair_logps(model: nn.Module, batch: Batch, chunk_tokens: int | None) -> Pair
     logp = -token_losses(model, batch, chunk_tokens)
     device = logp.device
     docs = docs.to(device)
-    sums = torch.zeros(max(n_docs, 1), dtype=logp.dtype, device=device).index_add(0, docs[: logp.numel()], logp)
+    sums = torch.zeros(max(n_docs, 1), dtype=logp.dtype, device=device).index_add(0, docs, logp)
     counts = torch.bincount(docs, minlength=max(n_docs, 1)).to(logp.dtype)
     if n_docs == 0:
         empty = sums[:0] + 0 * logp.sum()  # keeps the graph: every rank backpropagates through its forward
