@@ -73,6 +73,7 @@ from shardline.training.evaluate import (
     validation_loss,
     validation_loss_sums,
 )
+from shardline.training.heap import HeapTrimmer
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from shardline.training.preference import (
@@ -635,9 +636,11 @@ class Trainer:
         records: list[TrainRecord] = []
         wall = time.perf_counter()
         last_save = time.monotonic()
+        heap = HeapTrimmer(self.ctx.device)
         while self.step < t.max_steps:
             record = self.train_step()
             records.append(record)
+            heap.after_step(record.step)
             if self.metrics:
                 if record.step % t.log_every == 0 or record.step in (1, t.max_steps):
                     self.metrics.train(record, t.max_steps)
