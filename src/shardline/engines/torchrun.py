@@ -31,8 +31,8 @@ CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD
 mmapped and returned on free. A fixed threshold also stops glibc raising it to the largest freed block.
 The threshold was 32 MiB (+7 % tok/s on the bench model, bench/RESULTS.md), but the heap then fragments under
 per-step sizes that vary (document-length buckets, the last loss chunk): the default tiny run's peak RSS grew
-0.59 → 1.11 GiB over 60 steps and 1.34 GiB by step 300. At 1 MiB it levels off after ~50 steps: 0.92 GiB at
-step 50, 0.97 at step 170 (2 processes, one session). Workers on a GPU host keep glibc's defaults (their
+0.59 → 1.11 GiB over 60 steps. At 1 MiB the heap still grows slowly (1.41 GiB by step 900), which the workers'
+`training.heap` trim (every 50 steps) holds at ~1.0 GiB. Workers on a GPU host keep glibc's defaults (their
 tensors live in the CUDA caching allocator). Values the environment already sets win."""
 
 
