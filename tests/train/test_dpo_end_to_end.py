@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides
 
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
 DPO = ["train.objective=dpo", "train.dpo.beta=0.2", "train.lr=1e-3", "observe.metrics_port=null",
        "observe.report=false", "train.eval_every=3", "data.train_size=200", "data.validation_size=16",
        "train.seq_len=384", "model.arch.max_position_embeddings=384"]
@@ -92,3 +93,21 @@ def test_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_an
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_dpo_on_a_users_preference_file_with_no_task(tmp_path):
+    """The main use: the user's own prompt/chosen/rejected JSONL (`data.format: auto` finds `preference`), no task
+    metric: the held-out pairs are scored, and the sample generations show the chosen completion as the reference."""
+    rows = [{"prompt": f"Q{i}: say {w}?", "chosen": f" {w}.", "rejected": f" {WORDS[(i + 1) % len(WORDS)]}."}
+            for i, w in enumerate(WORDS * 8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run, out = _train(tmp_path / "runs", f"data.path={path}", "data.task=none", "data.test_size=0",
+                      "data.validation_size=8", "train.max_steps=3", "train.eval_every=3", "train.sample_generations=2",
+                      "train.eval_max_new_tokens=4", "parallel.nproc_per_node=2")
+    assert "DPO reference: log-probabilities of 80 pairs" in out  # 72 training and 8 held-out pairs
+    evals = [e for e in read_metrics(run, "eval") if "val_preference" in e]
+    assert [e["step"] for e in evals] == [0, 3] and evals[0]["val_preference"]["pairs"] == 8
+    samples = json.loads((run / "eval.json").read_text())["samples"]
+    assert len(samples) == 2 and all(s["gold"] in {r["chosen"] for r in rows} for s in samples)
