@@ -63,6 +63,7 @@ from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
+from shardline.spec.rules import dpo_reference
 from shardline.tasks import get_task
 from shardline.training.evaluate import (
     generation_eval,
@@ -143,8 +144,7 @@ class Trainer:
         self.rows = data.rows("train")
         t = spec.train
         self.dpo = t.objective == "dpo"
-        self.reference = (("adapters_off" if spec.model.lora.enabled else "precomputed")
-                          if t.dpo.reference == "auto" else t.dpo.reference) if self.dpo else None
+        self.reference = dpo_reference(spec)
         self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
                                   for split in ("train", "validation")} if self.reference == "precomputed" else {})
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
