@@ -99,7 +99,7 @@ def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     reference is the adapters off also runs that forward every step."""
     from shardline.model.flops import ParamCounts, flops_per_token
     from shardline.planning.memory import model_shape, param_budget
-    from shardline.spec.rules import dpo_reference
+    from shardline.spec.objective import dpo_reference
 
     shape = model_shape(spec.model)
     pb = param_budget(shape, spec.model.lora)

@@ -192,16 +192,6 @@ def check_objective(spec: JobSections) -> None:
                         "use train.dpo.reference=precomputed (or auto), or enable LoRA")
 
 
-def dpo_reference(spec: JobSections) -> str | None:
-    """The reference a DPO run uses (`train.dpo.reference`, `auto` resolved); None without DPO."""
-    t = spec.train
-    if t.objective != "dpo":
-        return None
-    if t.dpo.reference == "auto":
-        return "adapters_off" if spec.model.lora.enabled else "precomputed"
-    return t.dpo.reference
-
-
 def require_torch_engine(spec: JobSections, runner: str) -> None:
     """`runner` (a torch target, the worker) starts shardline's PyTorch worker: a MaxText (TPU) spec is refused."""
     if spec.train.engine != "torch":

@@ -61,9 +61,9 @@ from shardline.resilience.signals import EvaluationStopped, Preempted, StopReque
 from shardline.resilience.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
+from shardline.spec.objective import dpo_reference
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
-from shardline.spec.rules import dpo_reference
 from shardline.tasks import get_task
 from shardline.training.evaluate import (
     generation_eval,
