@@ -13,6 +13,7 @@ from shardline.spec.sections import (
     DataSpec,
     DpoSpec,
     GpucheckSpec,
+    GrpoSpec,
     JobSections,
     KubernetesSpec,
     LaunchSpec,
@@ -39,7 +40,8 @@ from shardline.spec.sections import (
 
 __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
-    "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "JobSections", "JobSpec", "KubernetesSpec",
+    "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "GrpoSpec", "JobSections", "JobSpec",
+    "KubernetesSpec",
     "LaunchSpec", "LoraSpec", "ModelSpec", "NetcheckSpec", "Objective", "ObserveSpec", "ParallelSpec", "Precision",
     "PromptFormat", "Provisioning", "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec",
     "TaskName", "Toleration", "TpuSpec", "TrainSpec",

@@ -165,22 +165,31 @@ def check_base_quantization(spec: JobSections) -> None:
 
 
 def check_objective(spec: JobSections) -> None:
-    """`train.objective: dpo` trains preference pairs on the torch engine, each pair whole on one rank."""
+    """`train.objective: dpo | grpo` on the torch engine, each pair or completion whole on one rank; DPO trains
+    preference rows, GRPO prompts a reward can score."""
     t, p = spec.train, spec.parallel
     if t.objective == "sft":
         return
     where = "train.objective"
     if t.engine != "torch":
         raise SpecError(where, f"is {t.objective} with train.engine={t.engine}: MaxText trains next-token loss only",
-                        "use train.engine=torch (GPUs or CPU) for preference optimisation")
+                        "use train.engine=torch (GPUs or CPU) for preference optimisation and GRPO")
     if spec.data.task == "random_tokens":
-        raise SpecError(where, f"is {t.objective}, but data.task=random_tokens has no prompts or completions to "
-                        "prefer", "use preference data (data.format=preference) or the generated text-to-SQL pairs")
+        raise SpecError(where, f"is {t.objective}, but data.task=random_tokens has no prompts or completions",
+                        "use your own data (data.path) or the generated text-to-SQL set (data.task=text_to_sql)")
     if p.cp > 1 or p.tp > 1:
         name, degree = ("parallel.cp", p.cp) if p.cp > 1 else ("parallel.tp", p.tp)
-        raise SpecError(where, f"is {t.objective} with {name}={degree}: shardline's DPO sums each completion's "
+        raise SpecError(where, f"is {t.objective} with {name}={degree}: shardline sums each completion's "
                         "log-probabilities on the rank that holds the whole row, which tensor and context parallel "
-                        "split", f"use {name}=1 (FSDP shards the model; LoRA keeps DPO's memory near SFT's)")
+                        "split", f"use {name}=1 (FSDP shards the model; LoRA keeps the memory near SFT's)")
+    if t.objective == "dpo":
+        _check_dpo(spec)
+    else:
+        _check_grpo(spec)
+
+
+def _check_dpo(spec: JobSections) -> None:
+    t = spec.train
     formats = {spec.data.format, *(s.format for s in spec.data.sources)} - {"auto", "preference"}
     if formats:
         raise SpecError("data.format", f"is {sorted(formats)[0]} with train.objective={t.objective}, which trains "
@@ -190,6 +199,30 @@ def check_objective(spec: JobSections) -> None:
         raise SpecError("train.dpo.reference", "is adapters_off, but model.lora.enabled is false: a full fine-tune "
                         "has no adapters to turn off, and its weights move away from the reference",
                         "use train.dpo.reference=precomputed (or auto), or enable LoRA")
+
+
+def _check_grpo(spec: JobSections) -> None:
+    t, g = spec.train, spec.train.grpo
+    if "text" in {spec.data.format, *(s.format for s in spec.data.sources)}:
+        raise SpecError("data.format", "is text with train.objective=grpo: raw text asks nothing to sample "
+                        "completions for", "use rows with prompts (prompt/completion, messages, or question/answer)")
+    if g.reward == "auto" and spec.data.task == "none":
+        raise SpecError("train.grpo.reward", "is auto with data.task=none: your data has no built-in reward",
+                        "name your reward function, train.grpo.reward=my_module:my_reward (called with prompts, "
+                        "completions and the rows' columns), or use data.task=text_to_sql")
+    groups = g.num_generations * spec.world_size  # every rank samples whole groups of its own prompts
+    if t.global_batch_size % groups:
+        raise SpecError("train.global_batch_size", f"is {t.global_batch_size} completions, not a multiple of "
+                        f"train.grpo.num_generations × ranks = {g.num_generations} × {spec.world_size}: each rank "
+                        "samples whole groups of completions of its own prompts", f"use a multiple of {groups}")
+    if g.max_new_tokens >= t.seq_len:
+        raise SpecError("train.grpo.max_new_tokens", f"is {g.max_new_tokens}, not below train.seq_len={t.seq_len}: "
+                        "a prompt and its completion are trained in one row", "raise train.seq_len or lower "
+                        "train.grpo.max_new_tokens")
+    if g.beta > 0 and not spec.model.lora.enabled:
+        raise SpecError("train.grpo.beta", f"is {g.beta} with a full fine-tune: the KL's reference is the weights "
+                        "with the LoRA adapters off, and a full fine-tune has none", "use train.grpo.beta=0 (TRL's "
+                        "default), or enable LoRA (model.lora.enabled=true)")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:

@@ -5,9 +5,10 @@ Every field here is read by some part of the code; unknown keys are errors.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
@@ -15,9 +16,11 @@ BaseQuantization = Literal["none", "nf4"]
 PromptFormat = Literal["plain", "chat"]
 DataFormat = Literal["auto", "messages", "conversations", "preference", "prompt_completion", "instruction",
                      "question_answer", "text"]
-Objective = Literal["sft", "dpo"]
+Objective = Literal["sft", "dpo", "grpo"]
 DpoLoss = Literal["sigmoid", "ipo", "sigmoid_norm"]
 DpoReference = Literal["auto", "adapters_off", "precomputed"]
+GrpoLoss = Literal["dapo", "grpo", "bnpo", "dr_grpo"]
+RewardScaling = Literal["group", "batch", "none"]
 TaskName = Literal["text_to_sql", "none", "random_tokens"]
 """The tasks `data.task` can name (shardline.tasks.TASKS holds one for each)."""
 WARMUP_PERCENT = 5  # default linear warmup, as a share of train.max_steps
@@ -218,12 +221,57 @@ class DpoSpec(Section):
     weights and kept in the run directory; auto: adapters_off with LoRA, precomputed without."""
 
 
+class GrpoSpec(Section):
+    """Group relative policy optimisation with verifiable rewards (`train.objective: grpo`, docs/post-training.md).
+
+    Each step samples `num_generations` completions of each of `train.global_batch_size / num_generations` training
+    prompts with the model itself, scores them with the reward, and trains on the group-normalised advantages."""
+
+    num_generations: int = Field(8, ge=2)
+    """G: completions sampled per prompt; a prompt's advantages are its completions' rewards relative to the group."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the policy's log-probabilities are taken at the same temperature (as TRL does)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all)."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Longest completion sampled; a completion cut here has no end token (and is trained as sampled)."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the per-token KL to the reference (the weights with the LoRA adapters off); 0 (TRL's default)
+    runs no reference forward. A full fine-tune has no reference here: beta > 0 needs LoRA."""
+    epsilon: float = Field(0.2, gt=0)
+    """The ratio π/π_old is clipped to [1 − epsilon, 1 + epsilon_high] (PPO's clip)."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """The clip's upper side (DAPO's clip-higher); None: epsilon."""
+    loss: GrpoLoss = "dapo"
+    """How per-token losses become one: dapo (TRL's default): summed over the global batch's completion tokens and
+    divided by their count; grpo: each completion's mean, then the mean over completions; bnpo: summed and divided
+    by each process's tokens; dr_grpo: summed and divided by completions × max_new_tokens. TRL's `loss_type`."""
+    scale_rewards: RewardScaling = "group"
+    """Advantages are rewards minus their group's mean, divided by the group's std (group), the batch's std (batch)
+    or nothing (none: Dr. GRPO's advice); TRL's `scale_rewards`."""
+    reward: str = "auto"
+    """auto: the task's own reward (text-to-SQL: 1 for a query whose result matches the gold's on every database of
+    its test suite, plus 0.1 for a query that runs); or `module:function`, importable on every worker, called as
+    TRL calls a reward function: `function(prompts=[...], completions=[...], **columns)` with the rows' columns
+    (question, context, answer, db_id, source) as lists; it returns one number per completion."""
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_reference(cls, value: str) -> str:
+        if value != "auto" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            raise ValueError(f"{value!r} is neither auto nor module:function (e.g. my_rewards:sql_reward)")
+        return value
+
+
 class TrainSpec(Section):
     objective: Objective = "sft"
     """sft: next-token loss on the completions; dpo: preference pairs (prompt, chosen, rejected) trained by
-    `train.dpo` against a frozen reference (docs/post-training.md)."""
+    `train.dpo` against a frozen reference; grpo: completions sampled by the model, scored by a reward and trained
+    by `train.grpo` (docs/post-training.md)."""
     dpo: DpoSpec = DpoSpec()
     """DPO's settings; read only with `objective: dpo`."""
+    grpo: GrpoSpec = GrpoSpec()
+    """GRPO's settings; read only with `objective: grpo`."""
     max_steps: int = Field(300, ge=1)
     """Optimizer steps."""
     seed: int = 0

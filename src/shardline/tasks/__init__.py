@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardline.spec import TaskName
-from shardline.tasks.base import GenerationScores, Splits, Task
+from shardline.tasks.base import GenerationScores, Rewards, Splits, Task
 
-__all__ = ["TASKS", "GenerationScores", "Splits", "Task", "get_task"]
+__all__ = ["TASKS", "GenerationScores", "Rewards", "Splits", "Task", "get_task"]
 
 
 def _text_to_sql() -> Task:

@@ -29,6 +29,15 @@ class GenerationScores:
     """Per example: `question`, `gold`, `pred` and, where the metric gives one, a bool `match`."""
 
 
+@dataclass
+class Rewards:
+    """A reward's verdict on completions: one number each, and where the task can tell, whether each solved its
+    example (the run's `solved` share)."""
+
+    values: list[float]
+    solved: list[bool] | None = None
+
+
 @dataclass(frozen=True)
 class Task:
     """A task the trainer can run: everything it knows about the text it trains on comes through here."""
@@ -41,3 +50,6 @@ class Task:
     score: Callable[[list[Example], list[str], DataSpec], GenerationScores] | None
     """Scores the greedy generations (one per example, the prompt's continuation up to the answer's end);
     None: the task has no generation metric, and validation loss is its only evaluation."""
+    reward: Callable[[list[Example], list[str], DataSpec], Rewards] | None = None
+    """GRPO's built-in reward of completions (one example per completion; `train.grpo.reward: auto`); None: the
+    task has none, and a GRPO run names its own reward function."""

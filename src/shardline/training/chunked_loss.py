@@ -27,17 +27,19 @@ from shardline.data.loader import IGNORE_INDEX
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
-                              softcap: float | None, chunk_tokens: int, reduction: str = "sum") -> torch.Tensor:
+                              softcap: float | None, chunk_tokens: int, reduction: str = "sum",
+                              temperature: float = 1.0) -> torch.Tensor:
     """Summed fp32 cross-entropy of `head(hidden)` ([N, d] → [N, V]), soft-capped as transformers does
     (`tanh(logits / cap) * cap`), against `labels` [N], in chunks of `chunk_tokens` rows; `reduction="none"`: each
     row's cross-entropy [N] instead. With gradients on and more than one chunk, each chunk keeps only its input for
-    backward and recomputes its logits there."""
+    backward and recomputes its logits there. `temperature`: the logits divided by it first (GRPO's policy at its
+    sampling temperature)."""
     recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk_tokens
     parts = []
     # An empty batch still runs one (empty) chunk: every rank must produce a head gradient for FSDP's reduce-scatter.
     for h, y in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens), strict=True):
-        parts.append(checkpoint(_chunk_loss, h, y, head, softcap, reduction, use_reentrant=False) if recompute
-                     else _chunk_loss(h, y, head, softcap, reduction))
+        parts.append(checkpoint(_chunk_loss, h, y, head, softcap, reduction, temperature, use_reentrant=False)
+                     if recompute else _chunk_loss(h, y, head, softcap, reduction, temperature))
     total = torch.cat(parts) if reduction == "none" else sum(parts[1:], parts[0])
     return total.to_local() if isinstance(total, DTensor) else total  # loss parallel: the same sum on every peer
 
@@ -52,17 +54,18 @@ def vocabulary_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, softcap: float | None,
-                reduction: str = "sum") -> torch.Tensor:
+                reduction: str = "sum", temperature: float = 1.0) -> torch.Tensor:
     logits = vocabulary_logits(head, hidden)
     if softcap is not None:  # the same three ops, in the same dtype, as the families' own forward
         logits = logits / softcap
         logits = torch.tanh(logits)
         logits = logits * softcap
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def _loss_forward(self: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int, reduction: str = "sum",
-                  **model_kwargs) -> torch.Tensor:
+                  temperature: float = 1.0, **model_kwargs) -> torch.Tensor:
     """The causal LM's forward with the chunked loss in place of the logits (bound to the causal LM)."""
     hidden = self.model(**model_kwargs).last_hidden_state.flatten(0, 1)
     targets = labels.flatten()
@@ -70,11 +73,12 @@ def _loss_forward(self: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk
         keep = torch.nonzero_static(targets != IGNORE_INDEX, size=loss_tokens).squeeze(1)
         hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    return chunked_cross_entropy_sum(hidden, targets, self.get_output_embeddings(), softcap, chunk_tokens, reduction)
+    return chunked_cross_entropy_sum(hidden, targets, self.get_output_embeddings(), softcap, chunk_tokens, reduction,
+                                     temperature)
 
 
 def chunked_loss(lm: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_tokens: int, reduction: str = "sum",
-                 **model_kwargs: Any) -> torch.Tensor:
+                 temperature: float = 1.0, **model_kwargs: Any) -> torch.Tensor:
     """Call the causal LM `lm` with the chunked loss as its forward: summed fp32 cross-entropy of its next-token
     logits against `labels` ([B, T]; `loss_tokens` of them not IGNORE_INDEX), the body called with `model_kwargs`;
     `reduction="none"`: the cross-entropy of each loss-bearing position [loss_tokens], in their flattened order."""
@@ -82,7 +86,7 @@ def chunked_loss(lm: nn.Module, labels: torch.Tensor, loss_tokens: int, chunk_to
     lm.forward = MethodType(_loss_forward, lm)  # this call only: module hooks (FSDP's root unshard) run around it
     try:
         return lm(labels=labels, loss_tokens=loss_tokens, chunk_tokens=chunk_tokens, reduction=reduction,
-                  **model_kwargs)
+                  temperature=temperature, **model_kwargs)
     finally:
         del lm.forward
         if before is not None:

@@ -53,23 +53,28 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
     return _token_loss(model, batch, chunk_tokens, "sum")
 
 
-def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None) -> torch.Tensor:
+def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
     """`token_loss_sum`'s terms: the fp32 cross-entropy of each loss-bearing position of `batch`, in flattened
-    order ([batch.n_loss_tokens]); minus each is the log-probability of that target."""
-    return _token_loss(model, batch, chunk_tokens, "none")
+    order ([batch.n_loss_tokens]); minus each is the log-probability of that target (of the logits divided by
+    `temperature`: GRPO's policy at its sampling temperature)."""
+    return _token_loss(model, batch, chunk_tokens, "none", temperature)
 
 
-def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduction: str) -> torch.Tensor:
+def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduction: str,
+                temperature: float = 1.0) -> torch.Tensor:
     flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
     spans = {} if batch.spans is None else batch.spans.model_kwargs(
         batch.input_ids.device if flash else torch.device("cpu"))
     lm = causal_lm(model)
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
-        return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction,
+        return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction, temperature,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **spans).logits.flatten(0, 1).float()
     labels = batch.labels.flatten()
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
+    if temperature != 1.0:
+        logits = logits / temperature
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction=reduction)
     return losses if reduction == "sum" else losses[labels != IGNORE_INDEX]
 
 

@@ -42,6 +42,9 @@ class TrainRecord:
     slowest_rank: int | None = None
     # train.objective: dpo — the global batch's pairs and their means (shardline.training.preference.mean_metrics)
     preference: dict | None = None
+    # train.objective: grpo — the global batch's completions and their means (shardline.training.grpo.mean_metrics),
+    # and the seconds this step spent sampling them (`generation_s`) and scoring them (`reward_s`)
+    grpo: dict | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -115,7 +118,9 @@ class MetricsWriter:
                 cost += f"  ${line['cost_usd'] * max_steps / r.step:.4g} projected"
         pref = r.preference
         text = (f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
-                + (f"acc {pref['accuracy']:4.2f} margin {pref['margin']:+7.4f}  " if pref else "") +
+                + (f"acc {pref['accuracy']:4.2f} margin {pref['margin']:+7.4f}  " if pref else "")
+                + (f"reward {r.grpo['reward']:6.3f} len {r.grpo['completion_length']:5.1f} "
+                   f"gen {r.grpo['generation_s']:5.2f}s  " if r.grpo else "") +
                 f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
                 f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
                 f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "

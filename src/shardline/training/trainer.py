@@ -71,9 +71,13 @@ from shardline.training.evaluate import (
     sample_generations,
     takes_chunked_loss,
     token_loss_sum,
+    token_losses,
     validation_loss,
     validation_loss_sums,
 )
+from shardline.training.grpo import METRICS as GRPO_METRICS
+from shardline.training.grpo import Normalisers, group_advantages, reduce_loss, token_terms
+from shardline.training.grpo import mean_metrics as grpo_means
 from shardline.training.heap import HeapTrimmer
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
@@ -82,6 +86,7 @@ from shardline.training.preference import (
     ReferenceTable,
     adapters_off,
     chosen_targets,
+    document_targets,
     dpo_losses,
     eval_row_indices,
     mean_metrics,
@@ -90,6 +95,15 @@ from shardline.training.preference import (
     pairs_in,
 )
 from shardline.training.profiling import StepProfiler
+from shardline.training.rewards import reward_function
+from shardline.training.rollout import (
+    RolloutBatch,
+    decoded,
+    prompt_pool,
+    rollout_batches,
+    sample_completions,
+    sampling_seed,
+)
 
 log = logging.getLogger("shardline")
 T = TypeVar("T")
@@ -147,8 +161,22 @@ class Trainer:
         self.reference = dpo_reference(spec)
         self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
                                   for split in ("train", "validation")} if self.reference == "precomputed" else {})
-        self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
-                                   self.dp_world)
+        self.grpo = t.objective == "grpo"
+        if self.grpo:  # the steps draw prompts, G completions each sampled per step
+            self.prompts = prompt_pool(data.examples("train"), self.tokenizer, self.task.prompt,
+                                       spec.data.prompt_format, t.seq_len - t.grpo.max_new_tokens)
+            if not self.prompts.examples:
+                raise ShardlineError("data", f"no training example asks something that fits train.seq_len="
+                                     f"{t.seq_len} with train.grpo.max_new_tokens={t.grpo.max_new_tokens} "
+                                     f"({self.prompts.too_long} prompts too long)", "use rows with prompts, raise "
+                                     "train.seq_len or lower train.grpo.max_new_tokens")
+            self.reward = reward_function(t.grpo.reward, self.task, spec.data)
+            prompts = t.global_batch_size // t.grpo.num_generations
+            self.sampler = StepSampler(len(self.prompts.examples), t.seed, prompts, prompts // self.dp_world,
+                                       self.dp_world)
+        else:
+            self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
+                                       self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
         self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
                                          on_gpu=ctx.device.type == "cuda")
@@ -370,11 +398,19 @@ class Trainer:
         ctx, start = self.ctx, time.perf_counter()
         maybe_fail("train_step", ctx.rank, self.step + 1)
         self.profiler.before_step(self.step + 1)
+        rollout: list[RolloutBatch] = []
+        grpo: dict = {}
+        if self.grpo:  # sample and score this step's completions: they are its batches
+            indices = [self.sampler.micro_indices(self.step, 0, self.dp_rank)]
+            rollout, grpo = self._rollout(indices[0])
         with record_function("shardline.data"):
-            indices = [self.sampler.micro_indices(self.step, k, self.dp_rank) for k in range(self.sampler.accum)]
-            batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
+            if self.grpo:
+                batches = [r.batch.to(ctx.device) for r in rollout]
+            else:
+                indices = [self.sampler.micro_indices(self.step, k, self.dp_rank) for k in range(self.sampler.accum)]
+                batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
             self._trace_samples(indices)
-        data_wait = time.perf_counter() - start
+        data_wait = time.perf_counter() - start - grpo.get("generation_s", 0.0) - grpo.get("reward_s", 0.0)
         with record_function("shardline.sync"):
             counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
                                    sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
@@ -397,7 +433,10 @@ class Trainer:
             preference = self._preference_step(batches, indices, fsdp_ranks)
             loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the loss is a mean over pairs
             loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
-        for batch in batches if not self.dpo else ():
+        if self.grpo:
+            loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the shares sum to the loss
+            loss_sum += self._grpo_backward(rollout, grpo, fsdp_ranks)
+        for batch in batches if not (self.dpo or self.grpo) else ():
             with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
                 with record_function("shardline.forward"):
                     micro_loss = token_loss_sum(self.model, part, self.spec.train.loss_chunk_tokens)
@@ -437,7 +476,83 @@ class Trainer:
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
             epoch=self.sampler.epoch_of(self.step), **stragglers, preference=preference if self.dpo else None,
+            grpo=grpo or None,
         )
+
+    def _rollout(self, index) -> tuple[list[RolloutBatch], dict]:
+        """This rank's share of the step's prompts, G completions each sampled and scored; every completion's
+        advantage (rewards gathered from every rank: a group's, or the batch's, statistics) in `advantages`."""
+        t, g, ctx = self.spec.train, self.spec.train.grpo, self.ctx
+        started = time.perf_counter()
+        prompts = [self.prompts.ids[i] for i in index]
+        with record_function("shardline.generate"):
+            completions = sample_completions(
+                self.model, prompts, [self.prompts.stops[i] for i in index], g.num_generations, g.temperature,
+                g.top_p, g.max_new_tokens, self.data.meta["pad_id"], ctx.device, ctx.world > 1,
+                sampling_seed(t.seed, self.step, self.dp_rank))
+        generated = time.perf_counter()
+        with record_function("shardline.reward"):
+            repeated = [i for i in index for _ in range(g.num_generations)]
+            rewards = self.reward([self.prompts.examples[i] for i in repeated],
+                                  decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]),
+                                  decoded(self.tokenizer, completions.ids))
+        scored = time.perf_counter()
+        local = torch.tensor(rewards.values, dtype=torch.float32, device=ctx.device)
+        everyone = [torch.empty_like(local) for _ in range(ctx.world)]
+        dist.all_gather(everyone, local)
+        advantages, group_std = group_advantages(torch.cat(everyone), g.num_generations, g.scale_rewards)
+        mine = slice(self.dp_rank * local.numel(), (self.dp_rank + 1) * local.numel())
+        lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64, device=ctx.device)
+        solved = rewards.solved or []
+        sums = torch.zeros(len(GRPO_METRICS), dtype=torch.float64, device=ctx.device)
+        sums[:8] = torch.tensor([float(local.numel()), float(local.double().sum()), float(group_std[mine].sum()),
+                                 float((group_std[mine] < 1e-6).sum()), float(sum(solved)), float(len(solved)),
+                                 float(lengths.sum()), float(sum(not e for e in completions.ended))],
+                                dtype=torch.float64)
+        batches = rollout_batches([self.prompts.ids[i] for i in repeated], completions.ids, t.micro_batch_size,
+                                  t.seq_len, self.data.meta["pad_id"])
+        return batches, {"advantages": advantages[mine], "sums": sums,
+                         "generation_s": generated - started, "reward_s": scored - generated}
+
+    def _grpo_backward(self, rollout: list[RolloutBatch], grpo: dict, fsdp_ranks: int) -> torch.Tensor:
+        """Forward and backward of every micro-batch of this rank's completions; this rank's share of the loss.
+        `grpo` gets the global batch's means (`shardline.training.grpo.mean_metrics`) in place of its sums."""
+        t, g, device = self.spec.train, self.spec.train.grpo, self.ctx.device
+        sums = grpo.pop("sums")
+        advantages = grpo.pop("advantages")
+        tokens = sums[GRPO_METRICS.index("completion_tokens")].clone()
+        dist.all_reduce(tokens)
+        norm = Normalisers(tokens=float(tokens.clamp(min=1)), completions=float(t.global_batch_size),
+                           micro_batches=float(len(rollout) * self.dp_world))
+        share = torch.zeros((), dtype=torch.float64, device=device)
+        kl = GRPO_METRICS.index("kl")
+        for part in rollout:
+            batch = part.batch.to(device)
+            documents, n_documents = document_targets(batch)
+            documents = documents.to(device)
+            per_token = advantages[torch.from_numpy(part.completions).to(device)][documents]
+            ref = None
+            if g.beta:
+                with torch.no_grad(), adapters_off(self.model), record_function("shardline.reference"):
+                    ref = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
+            with rank_part(self.model, batch, None):
+                with record_function("shardline.forward"):
+                    logp = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
+                    terms = token_terms(logp, logp.detach(), ref, per_token, g)
+                    loss = reduce_loss(terms, documents, n_documents, norm, g)
+                with record_function("shardline.backward"):
+                    (loss * fsdp_ranks).backward()
+            share += loss.detach().double()
+            if terms.kl is not None:
+                sums[kl] += terms.kl.detach().double().sum()
+            sums[kl + 1] += terms.clipped.double().sum()
+        dist.all_reduce(sums)
+        total = share.clone()
+        dist.all_reduce(total)
+        grpo.update(grpo_means(sums), loss=float(total))
+        for name in ("generation_s", "reward_s"):
+            grpo[name] = round(grpo[name], 4)
+        return share
 
     def _preference_step(self, batches: list, indices: list, fsdp_ranks: int) -> dict:
         """Forward and backward of every micro-batch's pairs (`train.objective: dpo`); the global batch's means."""
@@ -700,10 +815,14 @@ class Trainer:
             "grace_needed_s": round(max((r.step_time_s for r in records), default=0) + self.last_blocking_save_s, 2),
         }
         if records:
-            drop = 1 - records[-1].loss / records[0].loss
+            if self.grpo:  # its loss is a policy gradient's surrogate: the reward is what moves
+                first, last = records[0].grpo, records[-1].grpo
+                trend = f"reward {first['reward']:.3f} → {last['reward']:.3f} (mean of each step's completions)"
+            else:
+                drop = 1 - records[-1].loss / records[0].loss if records[0].loss else 0.0
+                trend = f"loss {records[0].loss:.3f} → {records[-1].loss:.3f} ({100 * drop:.0f}% lower)"
             self._say(
-                f"done: {len(records)} steps in {wall:.1f}s · loss {records[0].loss:.3f} → {records[-1].loss:.3f} "
-                f"({100 * drop:.0f}% lower) · val {val_loss:.3f} · "
+                f"done: {len(records)} steps in {wall:.1f}s · {trend} · val {val_loss:.3f} · "
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
                 f"MFU {100 * summary['mean_mfu']:.1f}% (causal half only: {100 * summary['mean_mfu_causal']:.1f}%; "
                 f"HFU {100 * summary['mean_hfu']:.1f}%; steps > {WARMUP_STEPS_EXCLUDED})"

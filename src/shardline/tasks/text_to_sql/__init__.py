@@ -8,6 +8,7 @@ from shardline.tasks.base import Splits, Task
 from shardline.tasks.text_to_sql.generate import generate_splits
 from shardline.tasks.text_to_sql.pairs import with_rejected
 from shardline.tasks.text_to_sql.prompt import SQL_PROMPT
+from shardline.tasks.text_to_sql.reward import sql_reward
 from shardline.tasks.text_to_sql.score import score_sql
 
 DEFAULT_TRAIN_SIZE = 4000  # generated training examples when data.train_size is null
@@ -20,4 +21,5 @@ def generated_splits(data: DataSpec) -> Splits:
     return with_rejected(splits, data.seed) if data.format == "preference" else splits
 
 
-TEXT_TO_SQL = Task(name="text_to_sql", prompt=SQL_PROMPT, bundled_splits=generated_splits, score=score_sql)
+TEXT_TO_SQL = Task(name="text_to_sql", prompt=SQL_PROMPT, bundled_splits=generated_splits, score=score_sql,
+                   reward=sql_reward)

@@ -1,0 +1,132 @@
+"""GRPO's rollouts: the training prompts, G completions of each sampled by the model itself, and the packed
+micro-batches the policy is trained on.
+
+Sampling is seeded by (`train.seed`, step, data-parallel rank) inside a forked RNG, so a step's completions
+depend only on the weights and the step: a run resumed exactly samples the same completions, and the sampling
+never moves the RNG streams dropout draws from. A prompt and its completion are one document; the completions of
+a micro-batch are packed into rows with per-document attention, never padded to one length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from shardline.data.example import Example
+from shardline.data.loader import Batch, make_batch
+from shardline.data.packing import Document, assign_rows, pack
+from shardline.data.render import generation_prompt
+from shardline.data.template import PromptTemplate
+from shardline.spec import PromptFormat
+
+
+@dataclass
+class PromptPool:
+    """The training examples GRPO samples completions for: their prompt ids and the ids generation stops at."""
+
+    examples: list[Example]
+    ids: list[list[int]]
+    stops: list[list[int]]
+    too_long: int
+    """Examples dropped because prompt + `max_new_tokens` exceeds `train.seq_len`."""
+
+
+def prompt_pool(examples: list[Example], tok: PreTrainedTokenizerBase, template: PromptTemplate, fmt: PromptFormat,
+                room: int) -> PromptPool:
+    """The examples that ask something (not raw text) with prompts of at most `room` tokens."""
+    pool = PromptPool([], [], [], 0)
+    for ex in examples:
+        asked = generation_prompt(tok, ex, template, fmt)
+        if asked is None:
+            continue
+        if len(asked[0]) > room:
+            pool.too_long += 1
+            continue
+        pool.examples.append(ex)
+        pool.ids.append(asked[0])
+        pool.stops.append(asked[2])
+    return pool
+
+
+@dataclass
+class Completions:
+    """Completions of one rank's prompts, each prompt's G consecutive: ids (through the stop token when one ended
+    it) and whether generation ended there (False: cut at `max_new_tokens`)."""
+
+    ids: list[list[int]]
+    ended: list[bool]
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a step's sampling on a data-parallel rank."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+@torch.no_grad()
+def sample_completions(model: nn.Module, prompts: list[list[int]], stops: list[list[int]], generations: int,
+                       temperature: float, top_p: float, max_new_tokens: int, pad: int, device: torch.device,
+                       synced: bool, seed: int) -> Completions:
+    """`generations` sampled continuations of each prompt (KV cache), left-padded into one `generate` call."""
+    repeated = [p for p in prompts for _ in range(generations)]
+    stop = sorted({t for s in stops for t in s})
+    width = max(len(p) for p in repeated)
+    ids = torch.full((len(repeated), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(repeated):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    devices = [device] if device.type == "cuda" else []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                                 temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+                                 eos_token_id=stop, pad_token_id=pad, use_cache=True, synced_gpus=synced)
+    finally:
+        model.train(was_training)
+    completions = Completions([], [])
+    for i, row in enumerate(out[:, width:].cpu().tolist()):
+        own = set(stops[i // generations])
+        end = next((j for j, t in enumerate(row) if t in stop), None)
+        if end is None:
+            completions.ids.append(row)
+            completions.ended.append(False)
+        else:
+            completions.ids.append(row[: end + 1])
+            completions.ended.append(row[end] in own)
+    return completions
+
+
+@dataclass
+class RolloutBatch:
+    """One micro-batch of packed completions: the batch, and which completion (this rank's index) each of its
+    documents is, in the batch's document order."""
+
+    batch: Batch
+    completions: np.ndarray
+
+
+def rollout_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, seq_len: int,
+                    pad: int) -> list[RolloutBatch]:
+    """The completions in micro-batches of `micro`, each packed into rows: a document is its prompt (no loss)
+    then its completion (loss)."""
+    out = []
+    for start in range(0, len(completions), micro):
+        members = list(range(start, min(start + micro, len(completions))))
+        docs = [Document(np.asarray(prompts[i] + completions[i], dtype=np.int32), n_prompt=len(prompts[i]))
+                for i in members]
+        rows = pack(docs, seq_len, pad)
+        order = [members[j] for row in assign_rows([len(d.ids) for d in docs], seq_len, True) for j in row]
+        out.append(RolloutBatch(make_batch(rows, np.arange(len(rows.n_real))), np.asarray(order)))
+    return out
+
+
+def decoded(tok: PreTrainedTokenizerBase, ids: list[list[int]]) -> list[str]:
+    return [tok.decode(i, skip_special_tokens=True).strip() for i in ids]
+
