@@ -46,3 +46,18 @@ def test_one_launch_counts_its_lead_as_startup_and_preparation():
     assert g.buckets["restart_gap"] == 0.0 and g.buckets["data_preparation"] == pytest.approx(3.0)
     assert g.buckets["startup"] == pytest.approx(17.0) and g.wall_s == pytest.approx(30.0)
     assert sum(g.buckets.values()) == pytest.approx(g.wall_s)
+
+
+def test_grpo_sampling_and_scoring_are_their_own_buckets_not_productive_time():
+    records = _attempt_records(T0, range(1, 6))
+    for r in records[1:]:
+        r["data_wait_s"] = 0.1
+        r["grpo"] = {"generation_s": 1.2, "reward_s": 0.3}
+    manifest = {"start_time": _iso(T0), "status": "finished", "end_time": _iso(records[-1]["time"]),
+                "attempts": [{"start_time": _iso(T0), "prepare_s": 3.0}]}
+    g = compute_goodput(records, manifest)
+    assert g.buckets["generation"] == pytest.approx(5 * 1.2) and g.buckets["scoring"] == pytest.approx(5 * 0.3)
+    assert g.buckets["productive"] == pytest.approx(5 * (2.0 - 0.1 - 1.2 - 0.3))
+    assert g.buckets["data_wait"] == pytest.approx(0.5)
+    assert sum(g.buckets.values()) == pytest.approx(g.wall_s)
+    assert "generation 20.0%" in g.line()  # 6 s of the run's 30 s

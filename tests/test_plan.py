@@ -313,3 +313,26 @@ def test_dpo_step_time_counts_the_adapters_off_reference_forward():
     assert 1.4 < dpo / sft < 1.55
     table = load_spec("llama-3.1-8b-lora", ["train.objective=dpo", "train.dpo.reference=precomputed"])
     assert estimated_step_time(table, 989.0) == sft
+
+
+def test_grpo_plan_counts_the_sampling_and_says_when_generation_dominates():
+    """8B LoRA on an H100: each decoded token reads the whole bf16 model (16 GB at 3.35 TB/s ≈ 4.8 ms), 128 of them
+    per step: sampling ≥ 0.6 s against 0.32 s of training, so generation dominates and the cost counts it. Fewer,
+    shorter completions of the tiny model on this CPU are bound by compute instead."""
+    from shardline.planning.cost import estimated_step_time, plan_cost_lines
+    from shardline.planning.rollout import rollout_estimate
+
+    spec = load_spec("llama-3.1-8b-lora", ["train.objective=grpo"])
+    lines = plan_cost_lines(spec, "cuda", "NVIDIA H100 80GB HBM3")
+    sampling = next(line for line in lines if line.startswith("GRPO sampling"))
+    assert "memory-bound decode" in sampling and "generation dominates the step" in sampling, sampling
+    from shardline.hardware import match_device
+
+    r = rollout_estimate(spec, 989.0, match_device("NVIDIA H100 80GB HBM3"))
+    assert r.sequences == spec.train.global_batch_size // spec.world_size
+    assert 128 * 16e9 / 3.35e12 < r.seconds < 2 * 128 * 16.1e9 / 3.35e12  # the weights read per decoded token
+    assert r.kv_cache_bytes == 2 * 32 * 8 * 128 * 2 * r.sequences * spec.train.seq_len  # Llama-3.1-8B: 8 KV heads
+    sft = estimated_step_time(spec, 989.0)
+    assert f"{sft + r.seconds:.3g} s/step" in lines[0] and "GRPO's sampling included" in lines[0]
+    tiny = load_spec("tiny", ["train.objective=grpo"])
+    assert rollout_estimate(tiny, 1.0, None).bound == "compute"

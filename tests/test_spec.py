@@ -125,6 +125,14 @@ def test_an_unknown_field_suggests_the_closest_one_also_inside_a_list_of_section
     (["model.lora.enabled=true", "model.lora.quantize_base=nf4", "parallel.offload=true"],
      "model.lora.quantize_base", "outside FSDP, on the device"),
     (["data.sources=[{path: a.jsonl, name: x}, {path: b.jsonl, name: x}]"], "data.sources", "twice"),
+    (["train.objective=grpo", "parallel.tp=2"], "train.objective", "tensor and context parallel split"),
+    (["train.objective=grpo", "data.path=a.jsonl", "data.format=text"], "data.format", "asks nothing"),
+    (["train.objective=grpo", "data.path=a.jsonl", "data.task=none"], "train.grpo.reward", "no built-in reward"),
+    (["train.objective=grpo", "train.grpo.num_generations=12"], "train.global_batch_size",
+     "num_generations × ranks = 12 × 2"),
+    (["train.objective=grpo", "train.grpo.max_new_tokens=256"], "train.grpo.max_new_tokens", "not below"),
+    (["train.objective=grpo", "train.grpo.beta=0.04"], "train.grpo.beta", "adapters off"),
+    (["train.objective=grpo", "train.grpo.reward=os.system"], "train.grpo.reward", "neither auto nor"),
 ])
 def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):
     with pytest.raises(SpecError) as e:

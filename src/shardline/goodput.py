@@ -11,7 +11,9 @@ finding.
 
 | bucket | what it is |
 |---|---|
-| productive | step time of the steps that stood, less their data wait |
+| productive | step time of the steps that stood, less their data wait (and GRPO's sampling and scoring) |
+| generation | GRPO: sampling the completions a step trains on (the model generating with its KV cache) |
+| scoring | GRPO: the reward scoring those completions (SQL execution, a user's reward function) |
 | startup | process start → training loop: imports, rendezvous, model build and load, the MFU probe; the launcher |
 | data_preparation | tokenising and packing (`prepare_s`), or finding the prepared data in the cache |
 | data_wait | steps waiting for their batches |
@@ -30,10 +32,10 @@ from pydantic import BaseModel
 from shardline.clock import epoch as _epoch
 from shardline.clock import format_duration
 
-BUCKETS = ("productive", "startup", "data_preparation", "data_wait", "checkpoint_save", "checkpoint_restore",
-           "eval", "wasted", "restart_gap", "other")
+BUCKETS = ("productive", "generation", "scoring", "startup", "data_preparation", "data_wait", "checkpoint_save",
+           "checkpoint_restore", "eval", "wasted", "restart_gap", "other")
 BADPUT = BUCKETS[1:]
-FIELDS = ("kind", "event", "time", "step", "step_time_s", "data_wait_s", "stall_s", "restore_s", "seconds",
+FIELDS = ("kind", "event", "time", "step", "step_time_s", "data_wait_s", "grpo", "stall_s", "restore_s", "seconds",
           "process_start", "prepare_s")
 """The record fields goodput reads: a reader that keeps records for it may drop the rest."""
 
@@ -175,8 +177,13 @@ def _attempt(index: int, setup: dict, rows: list[dict], redone: set[tuple[int, i
             buckets["wasted"] += r["step_time_s"]
         else:
             wait = min(r.get("data_wait_s", 0.0), r["step_time_s"])
-            buckets["productive"] += r["step_time_s"] - wait
+            rollout = r.get("grpo") or {}
+            sampled = min(rollout.get("generation_s", 0.0), r["step_time_s"] - wait)
+            scored = min(rollout.get("reward_s", 0.0), r["step_time_s"] - wait - sampled)
+            buckets["productive"] += r["step_time_s"] - wait - sampled - scored
             buckets["data_wait"] += wait
+            buckets["generation"] += sampled
+            buckets["scoring"] += scored
     events = [r for r in rows if r.get("kind") == "event"]
     buckets["checkpoint_save"] = sum(r.get("stall_s", 0.0) for r in events
                                      if r.get("event") in ("checkpoint", "checkpoint_wait"))

@@ -103,6 +103,19 @@ def test_dpo_means_become_gauges_per_split():
     assert not any(k.startswith("shardline_dpo_") for k in _samples(sft))
 
 
+def test_grpo_means_become_gauges():
+    sink = PrometheusSink("run-1", {"run_name": "run"}, max_steps=3)
+    found = {"completions": 16, "reward": 0.42, "solved": 0.375, "zero_std": 0.25, "completion_length": 21.5,
+             "truncated": 0.125, "kl": 0.003, "clipped": 0.0, "generation_s": 1.5, "reward_s": 0.02, "loss": 0.01}
+    sink("train", _train(1, grpo=found))
+    s = _samples(sink)
+    assert s["shardline_grpo_reward"] == 0.42 and s["shardline_grpo_solved"] == 0.375
+    assert s["shardline_grpo_completion_length"] == 21.5 and s["shardline_grpo_generation_s"] == 1.5
+    sft = PrometheusSink("run-2", {"run_name": "run"}, max_steps=3)
+    sft("train", _train(1))
+    assert not any(k.startswith("shardline_grpo_") for k in _samples(sft))
+
+
 def test_a_run_without_a_price_exports_no_cost_series():
     sink = PrometheusSink("run-2", {})
     sink("train", _train(1))

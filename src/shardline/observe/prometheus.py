@@ -78,6 +78,17 @@ PREFERENCE_GAUGES: dict[str, str] = {
     "prefers_chosen": "Share of pairs whose chosen completion the model finds more likely (0-1).",
 }
 
+GRPO_GAUGES: dict[str, str] = {
+    "reward": "GRPO: mean reward of the latest step's sampled completions.",
+    "solved": "GRPO: share of the latest step's completions the task's check passed (0-1), where it has one.",
+    "zero_std": "GRPO: share of the latest step's completions whose group's rewards were all equal (no signal).",
+    "completion_length": "GRPO: mean tokens per sampled completion in the latest step.",
+    "truncated": "GRPO: share of the latest step's completions cut at train.grpo.max_new_tokens.",
+    "kl": "GRPO: mean per-token KL to the reference in the latest step (0 with train.grpo.beta=0).",
+    "generation_s": "GRPO: seconds the latest step spent sampling completions.",
+    "reward_s": "GRPO: seconds the latest step spent scoring completions.",
+}
+
 EVAL_GAUGES: dict[str, str] = {
     "val_loss": "Validation loss at the latest evaluation.",
     "sql_execution_accuracy": "SQL test-suite execution accuracy on the distinct test questions (0-1).",
@@ -114,6 +125,7 @@ class PrometheusSink:
         self.train_gauges = {f: gauge(metric_name(f), doc) for f, doc in TRAIN_GAUGES.items()}
         self.preference = {f: Gauge(PREFIX + "dpo_" + f, doc, [*labels, "split"], registry=self.registry)
                            for f, doc in PREFERENCE_GAUGES.items()}
+        self.grpo = {f: gauge(PREFIX + "grpo_" + f, doc) for f, doc in GRPO_GAUGES.items()}
         self.train_counters = {f: counter(name, doc) for f, (name, doc) in TRAIN_COUNTERS.items()}
         self.eval_gauges = {f: gauge(metric_name(f), doc) for f, doc in EVAL_GAUGES.items()}
         self.steps = counter("shardline_train_steps", "Optimizer steps completed by this worker process.")
@@ -183,6 +195,9 @@ class PrometheusSink:
                 if record.get(field) is not None:
                     c.labels(rid).inc(max(0.0, float(record[field])))
             self._preference(record.get("preference"), "train")
+            for field, g in self.grpo.items():
+                if (record.get("grpo") or {}).get(field) is not None:
+                    g.labels(rid).set(record["grpo"][field])
             self.steps.labels(rid).inc()
             self.last_step_time.labels(rid).set(now)
         elif kind == "eval":

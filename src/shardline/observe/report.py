@@ -149,6 +149,33 @@ def plot_preference(recs: RunRecords):
     return fig
 
 
+def plot_grpo(recs: RunRecords):
+    """GRPO (`train.objective: grpo`): reward, solved share and KL per step (left), completion length (right)."""
+    fig, ax = _figure("GRPO: reward, solved share and KL (left), completion length (right)")
+    length_ax = ax.twinx()
+    for i, seg in enumerate(recs.segments):
+        points = [(r["step"], r["grpo"]) for r in seg if r.get("grpo")]
+        if not points:
+            continue
+        steps, found = [p[0] for p in points], [p[1] for p in points]
+        first = i == 0
+        ax.plot(steps, [f["reward"] for f in found], color="tab:blue", lw=1.2, label="mean reward" if first else None)
+        if all("solved" in f for f in found):
+            ax.plot(steps, [f["solved"] for f in found], color="tab:green", lw=1,
+                    label="completions solved" if first else None)
+        if any(f["kl"] for f in found):
+            ax.plot(steps, [f["kl"] for f in found], color="tab:red", lw=1, label="KL to reference" if first else None)
+        length_ax.plot(steps, [f["completion_length"] for f in found], color="tab:gray", lw=1, alpha=0.7,
+                       label="completion tokens" if first else None)
+    _mark_resumes(ax, recs)
+    ax.set_ylabel("reward · share · KL")
+    length_ax.set_ylabel("tokens per completion")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = length_ax.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="lower right", fontsize=8)
+    return fig
+
+
 def plot_throughput(recs: RunRecords):
     fig, ax = _figure("throughput and MFU")
     _lines(ax, recs, "tokens_per_s_per_device", "tokens/s per device", "tab:green")
@@ -259,7 +286,8 @@ def plot_cost(recs: RunRecords):
     return fig
 
 
-BUCKET_COLORS = {"productive": "tab:green", "startup": "tab:orange", "data_preparation": "gold",
+BUCKET_COLORS = {"productive": "tab:green", "generation": "tab:cyan", "scoring": "tab:purple", "startup": "tab:orange",
+                 "data_preparation": "gold",
                  "data_wait": "tab:olive", "checkpoint_save": "tab:red", "checkpoint_restore": "tab:pink",
                  "eval": "tab:blue", "wasted": "black", "restart_gap": "tab:gray", "other": "lightgray"}
 
@@ -376,6 +404,8 @@ def write_report(run_dir: Path) -> Path:
     if any(r.get("preference") for r in recs.train):
         plots["preference.png"] = ("DPO: reward accuracy and margin per step and on the held-out pairs",
                                    plot_preference)
+    if any(r.get("grpo") for r in recs.train):
+        plots["grpo.png"] = ("GRPO: reward, solved share, KL and completion length per step", plot_grpo)
     if any(r.get("slowest_rank") is not None for r in recs.train):  # a world of more than one rank
         plots["stragglers.png"] = ("Per-rank step time: slowest vs median rank, and which rank", plot_stragglers)
     priced = any(r.get("cost_usd") is not None for r in recs.train)

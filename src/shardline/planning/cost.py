@@ -114,6 +114,20 @@ def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     return per_token * tokens / (spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu)
 
 
+def _sampling_lines(spec: JobSpec, peak: float, gpu, train_s: float) -> tuple[float, str] | None:
+    """GRPO: the sampling's seconds per step and what `plan` says of it; None for other objectives."""
+    from shardline.planning.rollout import rollout_estimate
+
+    if spec.train.objective != "grpo":
+        return None
+    r = rollout_estimate(spec, peak, gpu)
+    share = r.seconds / (r.seconds + train_s)
+    verdict = "generation dominates the step" if share > 0.5 else "training dominates the step"
+    return r.seconds, (f"GRPO sampling: {r.sequences} sequences per rank × {spec.train.grpo.max_new_tokens} new "
+                       f"tokens, KV cache up to {r.kv_cache_bytes / 2**30:.3g} GiB per rank; ≥ {r.seconds:.3g} s/step "
+                       f"({r.bound}-bound decode) vs {train_s:.3g} s/step training: {verdict} ({100 * share:.0f}%)")
+
+
 def measured_step_time(spec: JobSpec, run_dir: Path) -> tuple[float, str]:
     """Seconds per step this spec would take, from a finished run's measured tokens/s per device.
 
@@ -227,10 +241,16 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
             where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
         step_s = estimated_step_time(spec, peak)
         source = f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s ({where})"
+        sampling = _sampling_lines(spec, peak, gpu, step_s)
+        if sampling:
+            step_s += sampling[0]
+            source += "; GRPO's sampling included"
     key = device_name if device_kind in ("cuda", "tpu") else "cpu"
     p = project_cost(spec, key, step_s, source)
     lines = [f"time: {p.steps} steps × {p.step_time_s:.3g} s/step = {p.hours:.3g} h on {p.devices} devices "
              f"({source}); startup, evaluation and checkpoint time not included"]
+    if from_run is None and sampling:
+        lines.append(sampling[1])
     if p.total_usd is None:
         lines.append(f"cost: unknown — {p.price.source}")
     else:
