@@ -43,6 +43,16 @@ def records(run: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == kind]
 
 
+def sft_export(root: Path) -> tuple[str, Path]:
+    """The data cache setting and the SFT run under `root` (trained with no arguments' spec and exported to
+    `root/sft-export` unless there already)."""
+    cache = f"data.cache_dir={root / 'prepared'}"
+    if not (root / "sft-export").is_dir():
+        shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache)
+        shardline("export", str(only_run(root / "sft")), "--out", str(root / "sft-export"))
+    return cache, only_run(root / "sft")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dpo-steps", type=int, default=200)
@@ -52,11 +62,7 @@ def main() -> None:
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="dpo-sql-"))
-    cache = f"data.cache_dir={root / 'prepared'}"
-    if not (root / "sft-export").is_dir():
-        shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache)
-        shardline("export", str(only_run(root / "sft")), "--out", str(root / "sft-export"))
-    sft = only_run(root / "sft")
+    cache, sft = sft_export(root)
     out = root / f"dpo-w{args.sft_weight:g}-b{args.beta:g}-lr{args.lr:g}-s{args.dpo_steps}"
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=dpo",
               "--set", f"model.path={root / 'sft-export'}", "--set", f"train.max_steps={args.dpo_steps}",

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from dpo_sql import only_run, records, shardline
+from dpo_sql import only_run, records, sft_export, shardline
 
 
 def main() -> None:
@@ -37,11 +37,7 @@ def main() -> None:
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="grpo-sql-"))
-    cache = f"data.cache_dir={root / 'prepared'}"
-    if not (root / "sft-export").is_dir():
-        shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache)
-        shardline("export", str(only_run(root / "sft")), "--out", str(root / "sft-export"))
-    sft = only_run(root / "sft")
+    cache, sft = sft_export(root)
     out = root / (f"grpo-g{args.generations}-b{args.batch}-lr{args.lr:g}-beta{args.beta:g}-t{args.temperature:g}"
                   f"-s{args.steps}")
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=grpo",

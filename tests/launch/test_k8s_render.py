@@ -238,3 +238,14 @@ def test_a_run_id_that_cannot_name_kubernetes_objects_is_refused_by_name(target,
     with pytest.raises(SpecError) as refused:
         get_backend(target).render(spec)
     assert refused.value.field == override.split("=")[0] and "cannot name Kubernetes objects" in refused.value.problem
+
+
+@pytest.mark.parametrize("target", ["k8s-job", "jobset", "trainjob"])
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_every_target_ships_a_post_training_objective_in_the_spec_the_workers_read(target, objective):
+    objs = _render(target, f"train.objective={objective}", "train.grpo.num_generations=2", "train.global_batch_size=32")
+    validate_all(objs)
+    (config,) = [o for o in objs if o["kind"] == "ConfigMap" and "spec.yaml" in o.get("data", {})]
+    shipped = yaml.safe_load(config["data"]["spec.yaml"])
+    assert shipped["train"]["objective"] == objective
+    assert shipped["train"]["grpo"]["num_generations"] == 2

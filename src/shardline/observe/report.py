@@ -143,10 +143,15 @@ def plot_preference(recs: RunRecords):
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("share of pairs")
     margin_ax.set_ylabel("β·log-ratio margin")
-    lines, labels = ax.get_legend_handles_labels()
-    more, more_labels = margin_ax.get_legend_handles_labels()
-    ax.legend(lines + more, labels + more_labels, loc="lower right", fontsize=8)
+    _twin_legend(ax, margin_ax)
     return fig
+
+
+def _twin_legend(ax, twin) -> None:
+    """One legend for a plot and its twin axis."""
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = twin.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="lower right", fontsize=8)
 
 
 def plot_grpo(recs: RunRecords):
@@ -170,9 +175,7 @@ def plot_grpo(recs: RunRecords):
     _mark_resumes(ax, recs)
     ax.set_ylabel("reward · share · KL")
     length_ax.set_ylabel("tokens per completion")
-    lines, labels = ax.get_legend_handles_labels()
-    more, more_labels = length_ax.get_legend_handles_labels()
-    ax.legend(lines + more, labels + more_labels, loc="lower right", fontsize=8)
+    _twin_legend(ax, length_ax)
     return fig
 
 
