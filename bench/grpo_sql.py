@@ -32,21 +32,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="completions per step (train.global_batch_size)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=10, help="train.warmup_steps")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="grpo-sql-"))
     cache, sft = sft_export(root)
-    out = root / (f"grpo-g{args.generations}-b{args.batch}-lr{args.lr:g}-beta{args.beta:g}-t{args.temperature:g}"
-                  f"-s{args.steps}")
+    out = root / (f"grpo-g{args.generations}-b{args.batch}-lr{args.lr:g}-w{args.warmup}-beta{args.beta:g}"
+                  f"-t{args.temperature:g}-s{args.steps}")
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=grpo",
               "--set", f"model.path={root / 'sft-export'}", "--set", f"train.max_steps={args.steps}",
               "--set", f"train.grpo.num_generations={args.generations}",
               "--set", f"train.global_batch_size={args.batch}",
               "--set", f"train.lr={args.lr}", "--set", f"train.grpo.beta={args.beta}",
               "--set", f"train.grpo.temperature={args.temperature}",
-              "--set", f"train.grpo.max_new_tokens={args.max_new_tokens}", "--set", "train.warmup_steps=0",
+              "--set", f"train.grpo.max_new_tokens={args.max_new_tokens}", "--set", f"train.warmup_steps={args.warmup}",
               "--set", f"train.eval_every={max(1, args.steps // 4)}")
     grpo = only_run(out)
     steps = [r["grpo"] for r in records(grpo, "train") if r.get("grpo")]
