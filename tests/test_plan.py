@@ -336,3 +336,18 @@ def test_grpo_plan_counts_the_sampling_and_says_when_generation_dominates():
     assert f"{sft + r.seconds:.3g} s/step" in lines[0] and "GRPO's sampling included" in lines[0]
     tiny = load_spec("tiny", ["train.objective=grpo"])
     assert rollout_estimate(tiny, 1.0, None).bound == "compute"
+
+
+def test_grpo_memory_plan_peaks_while_sampling_when_the_kv_cache_outgrows_the_training_step():
+    """Many sequences per rank: the keys and values of all of them (sampled together) outgrow a micro-batch's
+    activations, and the plan's peak moves to the sampling, with the KV cache as its own row."""
+    from shardline.planning.memory import kv_cache_bytes, model_shape, plan_memory, plan_rows
+
+    few = plan_memory(load_spec("llama-3.1-8b-lora", ["train.objective=grpo"]), "h100")
+    assert few.phase != "GRPO sampling" and few.kv_cache == 0
+    spec = load_spec("llama-3.1-8b-lora", ["train.objective=grpo", "train.global_batch_size=4096"])
+    many = plan_memory(spec, "h100")
+    sequences = 4096 // spec.world_size
+    assert many.phase == "GRPO sampling" and many.activations == 0
+    assert many.kv_cache == kv_cache_bytes(model_shape(spec.model), 2, sequences, spec.train.seq_len)
+    assert ("KV cache (GRPO's sampling)", f"{many.kv_cache / 2**30:.2f}") in plan_rows(many)

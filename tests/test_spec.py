@@ -131,7 +131,6 @@ def test_an_unknown_field_suggests_the_closest_one_also_inside_a_list_of_section
     (["train.objective=grpo", "train.grpo.num_generations=12"], "train.global_batch_size",
      "num_generations × ranks = 12 × 2"),
     (["train.objective=grpo", "train.grpo.max_new_tokens=256"], "train.grpo.max_new_tokens", "not below"),
-    (["train.objective=grpo", "train.grpo.beta=0.04"], "train.grpo.beta", "adapters off"),
     (["train.objective=grpo", "train.grpo.reward=os.system"], "train.grpo.reward", "neither auto nor"),
 ])
 def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):

@@ -6,7 +6,10 @@ built-in reward nothing and so moves nothing:
   and loss records, the goodput's generation and scoring buckets, the report's GRPO plot), the SQL evaluation after
   it;
 - a run whose last checkpoint never committed (a kill during the final save) trains the lost steps again: the same
-  completions are sampled (seeded per step and rank), so the same rewards and losses come back exactly.
+  completions are sampled (seeded per step and rank), so the same rewards and losses come back exactly; `shardline
+  eval` of it runs where the reward function does not import (an evaluation samples nothing);
+- a full fine-tune with a KL (`train.grpo.beta`): its reference is a frozen copy of the starting weights, so the
+  KL is exactly 0 at the first step (the policy is the reference) and grows once the policy moves.
 """
 
 from __future__ import annotations
@@ -71,3 +74,22 @@ def test_grpo_samples_scores_and_trains_and_retrains_lost_steps_exactly(tmp_path
         assert again[step]["grpo"]["completion_length"] == full[step]["grpo"]["completion_length"]
         assert again[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-9)
         assert again[step]["grad_norm"] == pytest.approx(full[step]["grad_norm"], rel=1e-5)
+
+    # `shardline eval` of the finished run needs no reward (run from elsewhere: grpo_rewards does not import there)
+    proc = run_cli("eval", str(run))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SQL execution accuracy" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_with_a_kl_keeps_a_frozen_copy_of_the_starting_weights(tmp_path):
+    (tmp_path / "grpo_rewards.py").write_text(REWARD)
+    runs = tmp_path / "runs"
+    sets = [*small_overrides(runs), *GRPO, "parallel.nproc_per_node=1", "train.global_batch_size=8",
+            "train.max_steps=3", "train.grpo.beta=0.1", "checkpoint.every_steps=null", "train.eval_examples=0",
+            "observe.report=false"]
+    proc = run_cli("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "GRPO's KL reference: a frozen copy of the starting weights" in proc.stdout
+    kl = {r["step"]: r["grpo"]["kl"] for r in read_metrics(only_run(runs), "train")}
+    assert kl[1] == 0.0 and kl[2] > 0 and kl[3] > 0, kl

@@ -96,10 +96,10 @@ class CostProjection:
 def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     """Seconds per optimizer step at `cost.assumed_mfu` of `peak_tflops` per device, with full rows
     (global batch × seq len tokens; packing fills ~95-99 %, so this is slightly pessimistic); a DPO run whose
-    reference is the adapters off also runs that forward every step."""
+    reference is the adapters off, and a GRPO run with a KL, also run the reference's forward every step."""
     from shardline.model.flops import ParamCounts, flops_per_token
     from shardline.planning.memory import model_shape, param_budget
-    from shardline.spec.objective import dpo_reference
+    from shardline.spec.objective import reference_forward
 
     shape = model_shape(spec.model)
     pb = param_budget(shape, spec.model.lora)
@@ -108,7 +108,7 @@ def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     trainable = pb.trainable if spec.model.lora.enabled else matmul
     counts = ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie)
     per_token = flops_per_token(counts, shape.layers, shape.heads * shape.hd, spec.train.seq_len, shape.windows)
-    if dpo_reference(spec) == "adapters_off":  # DPO's reference: one more forward of every matmul per step
+    if reference_forward(spec):  # DPO's adapters-off reference, GRPO's KL: one more forward of every matmul
         per_token += 2 * matmul
     tokens = spec.train.global_batch_size * spec.train.seq_len
     return per_token * tokens / (spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu)

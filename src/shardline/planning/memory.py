@@ -65,6 +65,7 @@ from shardline.planning.devices import (
     planned_precision,
 )
 from shardline.spec import JobSpec, LoraSpec, ModelSpec, TrainSpec
+from shardline.spec.objective import frozen_reference_copy
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -345,6 +346,8 @@ class MemoryPlan:
     saved_activations: int  # all blocks' activations at the start of backward (whatever moment peaks)
     family: Family = LLAMA
     """The decoder family the shape was read as (`shardline.model.families`)."""
+    kv_cache: int = 0
+    """GRPO: the keys and values of this rank's sampled sequences, when sampling is the peak moment."""
 
     @property
     def total_bytes(self) -> int:
@@ -360,12 +363,13 @@ class MemoryPlan:
         return self.total_bytes <= self.capacity_bytes
 
 
-COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "temporaries",
+COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "kv_cache", "temporaries",
               "allocator", "runtime")
 LABELS = {
     "params": "parameters (shards; frozen ones in the compute dtype or NF4)", "grads": "gradients (fp32 shards)",
     "optimizer": "optimizer state (AdamW, 2 × fp32)", "gather_buffers": "FSDP gather buffers (root + 2 blocks)",
-    "activations": "activations", "logits": "logits + cross-entropy", "temporaries": "temporary buffers",
+    "activations": "activations", "logits": "logits + cross-entropy", "kv_cache": "KV cache (GRPO's sampling)",
+    "temporaries": "temporary buffers",
     "allocator": "allocator retention (glibc)", "runtime": "runtime (context / process)",
 }
 
@@ -384,6 +388,11 @@ def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[f
     if spec.model.attn_implementation == "eager":
         saved += c * t.seq_len * n  # one additive mask shared by all blocks
     return saved, block, n_ckpt
+
+
+def kv_cache_bytes(shape: ModelShape, c: int, sequences: int, tokens: int) -> int:
+    """Keys and values of `sequences` sequences of `tokens` tokens in a `c`-byte dtype, every layer."""
+    return 2 * shape.layers * shape.kv_heads * shape.hd * c * sequences * tokens
 
 
 def _as_device(device: Device | str | None) -> Device:
@@ -412,6 +421,8 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     nf4_params = pb.layers * sum(nf4)
     params = ((4 * pb.trainable + c * (pb.total - pb.trainable - nf4_params)) / shard
               + pb.layers * sum(nf4_bytes(n, c) for n in nf4))
+    if frozen_reference_copy(spec):  # GRPO's KL in a full fine-tune: the starting weights, frozen, sharded alike
+        params += c * pb.total / shard
     dequantize = nf4_dequantize_bytes(max(nf4, default=0), c)  # one weight at a time, forward and backward
     grads, opt = 4 * pb.trainable / shard, 8 * pb.trainable / shard
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
@@ -438,6 +449,10 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
         "root reduce-scatter": dict(temporaries=root_rs, grads=grads),
         "optimizer step": dict(temporaries=opt_temp, grads=grads),
     }
+    if t.objective == "grpo":  # sampling: every weight gathered in turn, this rank's sequences' keys and values
+        sequences = t.global_batch_size // spec.world_size
+        moments["GRPO sampling"] = dict(gather_buffers=gathers, kv_cache=kv_cache_bytes(shape, c, sequences, t.seq_len),
+                                        logits=(c + 8) * sequences * shape.head_vocab)  # last position; fp32 softmax
     host = 0
     if p.offload and dev.kind == "cuda":
         host = params + grads + opt + opt_temp
@@ -447,7 +462,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
         moments["optimizer step"]["temporaries"] = 0
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     parts = {k: int(x) for k, x in parts.items()}
-    parts = {"grads": 0, "gather_buffers": 0, "activations": 0, "logits": 0, "temporaries": 0} | parts
+    parts = {"grads": 0, "gather_buffers": 0, "activations": 0, "logits": 0, "kv_cache": 0, "temporaries": 0} | parts
     allocator = 0
     if dev.kind == "cpu":
         transient = sum(x for k, x in parts.items() if k != "grads")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardline.hardware import Accelerator
-from shardline.planning.memory import model_shape, param_budget
+from shardline.planning.memory import kv_cache_bytes, model_shape, param_budget
 from shardline.spec import JobSpec
 
 
@@ -36,7 +36,7 @@ def rollout_estimate(spec: JobSpec, peak_tflops: float, device: Accelerator | No
     weight_bytes = 0.5 if spec.model.lora.quantize_base != "none" else 2 if t.precision != "fp32" else 4
     act_bytes = 4 if t.precision == "fp32" else 2
     sequences = t.global_batch_size // spec.world_size
-    kv = 2 * shape.layers * shape.kv_heads * shape.hd * act_bytes * sequences * t.seq_len
+    kv = kv_cache_bytes(shape, act_bytes, sequences, t.seq_len)
     rate = peak_tflops * 1e12 * spec.cost.assumed_mfu
     compute = 2 * params * sequences / rate
     memory = (params * weight_bytes + kv / 2) / (device.hbm_gbps * 1e9) if device is not None else 0.0

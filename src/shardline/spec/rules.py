@@ -219,10 +219,6 @@ def _check_grpo(spec: JobSections) -> None:
         raise SpecError("train.grpo.max_new_tokens", f"is {g.max_new_tokens}, not below train.seq_len={t.seq_len}: "
                         "a prompt and its completion are trained in one row", "raise train.seq_len or lower "
                         "train.grpo.max_new_tokens")
-    if g.beta > 0 and not spec.model.lora.enabled:
-        raise SpecError("train.grpo.beta", f"is {g.beta} with a full fine-tune: the KL's reference is the weights "
-                        "with the LoRA adapters off, and a full fine-tune has none", "use train.grpo.beta=0 (TRL's "
-                        "default), or enable LoRA (model.lora.enabled=true)")
 
 
 def require_torch_engine(spec: JobSections, runner: str) -> None:

@@ -236,8 +236,9 @@ class GrpoSpec(Section):
     max_new_tokens: int = Field(128, ge=1)
     """Longest completion sampled; a completion cut here has no end token (and is trained as sampled)."""
     beta: float = Field(0.0, ge=0)
-    """Weight of the per-token KL to the reference (the weights with the LoRA adapters off); 0 (TRL's default)
-    runs no reference forward. A full fine-tune has no reference here: beta > 0 needs LoRA."""
+    """Weight of the per-token KL to the reference: the starting weights, as the LoRA adapters off or, in a full
+    fine-tune, a frozen sharded copy in the compute dtype (one more model's weights in memory); 0 (TRL's default)
+    runs no reference forward."""
     epsilon: float = Field(0.2, gt=0)
     """The ratio π/π_old is clipped to [1 − epsilon, 1 + epsilon_high] (PPO's clip)."""
     epsilon_high: float | None = Field(None, gt=0)

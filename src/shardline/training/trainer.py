@@ -61,7 +61,7 @@ from shardline.resilience.signals import EvaluationStopped, Preempted, StopReque
 from shardline.resilience.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
-from shardline.spec.objective import dpo_reference
+from shardline.spec.objective import dpo_reference, frozen_reference_copy
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
@@ -153,6 +153,13 @@ class Trainer:
         self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
+        self.reference_model = None
+        if frozen_reference_copy(spec):  # GRPO's KL in a full fine-tune: the starting weights, frozen and sharded
+            reference = build_model(model_spec, meta["vocab_size"], special, device="meta").requires_grad_(False)
+            self.reference_model = parallelize(reference, self.mesh, spec.parallel, spec.train.precision)
+            materialize(self.reference_model, model_spec,
+                        torch.device("cpu") if spec.parallel.offload else ctx.device)
+            self.reference_model.eval()
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, spec.train)
         self.rows = data.rows("train")
@@ -161,22 +168,9 @@ class Trainer:
         self.reference = dpo_reference(spec)
         self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
                                   for split in ("train", "validation")} if self.reference == "precomputed" else {})
-        self.grpo = t.objective == "grpo"
-        if self.grpo:  # the steps draw prompts, G completions each sampled per step
-            self.prompts = prompt_pool(data.examples("train"), self.tokenizer, self.task.prompt,
-                                       spec.data.prompt_format, t.seq_len - t.grpo.max_new_tokens)
-            if not self.prompts.examples:
-                raise ShardlineError("data", f"no training example asks something that fits train.seq_len="
-                                     f"{t.seq_len} with train.grpo.max_new_tokens={t.grpo.max_new_tokens} "
-                                     f"({self.prompts.too_long} prompts too long)", "use rows with prompts, raise "
-                                     "train.seq_len or lower train.grpo.max_new_tokens")
-            self.reward = reward_function(t.grpo.reward, self.task, spec.data)
-            prompts = t.global_batch_size // t.grpo.num_generations
-            self.sampler = StepSampler(len(self.prompts.examples), t.seed, prompts, prompts // self.dp_world,
-                                       self.dp_world)
-        else:
-            self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
-                                       self.dp_world)
+        self.grpo = t.objective == "grpo"  # its prompts, reward and sampler: `_prepare_grpo`, when training starts
+        self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
+                                   self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
         self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
                                          on_gpu=ctx.device.type == "cuda")
@@ -247,6 +241,11 @@ class Trainer:
             self._say(f"precision {t.precision}: {self.precision.reason}")
         if self.quantized_base is not None:
             self._say(self.quantized_base.describe())
+        if self.reference_model is not None:
+            held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
+                       for p in self.reference_model.parameters())
+            self._say(f"GRPO's KL reference: a frozen copy of the starting weights, sharded like the policy "
+                      f"({held / 2**30:.2f} GiB on this rank)")
         if self.precision_warning:
             self._say(self.precision_warning)
         self._say(f"MFU (headline) counts model FLOPs = {FORMULA}; with full {t.seq_len}-token documents "
@@ -479,6 +478,26 @@ class Trainer:
             grpo=grpo or None,
         )
 
+    def _prepare_grpo(self) -> None:
+        """GRPO's prompts (the training examples that ask something and fit), its reward (a user's function is
+        imported here: a bad name fails before the first step) and the sampler that draws each step's prompts.
+        Not at construction: an evaluation of a GRPO run needs none of them."""
+        t = self.spec.train
+        self.prompts = prompt_pool(self.data.examples("train"), self.tokenizer, self.task.prompt,
+                                   self.spec.data.prompt_format, t.seq_len - t.grpo.max_new_tokens)
+        if not self.prompts.examples:
+            raise ShardlineError("data", f"no training example asks something that fits train.seq_len={t.seq_len} "
+                                 f"with train.grpo.max_new_tokens={t.grpo.max_new_tokens} ({self.prompts.too_long} "
+                                 "prompts too long)", "use rows with prompts, raise train.seq_len or lower "
+                                 "train.grpo.max_new_tokens")
+        self.reward = reward_function(t.grpo.reward, self.task, self.spec.data)
+        prompts = t.global_batch_size // t.grpo.num_generations
+        self.sampler = StepSampler(len(self.prompts.examples), t.seed, prompts, prompts // self.dp_world,
+                                   self.dp_world)
+        if self.prompts.too_long:
+            self._say(f"GRPO: {len(self.prompts.examples):,} training prompts; {self.prompts.too_long:,} longer than "
+                      f"train.seq_len − train.grpo.max_new_tokens = {t.seq_len - t.grpo.max_new_tokens} skipped")
+
     def _rollout(self, index) -> tuple[list[RolloutBatch], dict]:
         """This rank's share of the step's prompts, G completions each sampled and scored; every completion's
         advantage (rewards gathered from every rank: a group's, or the batch's, statistics) in `advantages`."""
@@ -533,8 +552,12 @@ class Trainer:
             per_token = advantages[torch.from_numpy(part.completions).to(device)][documents]
             ref = None
             if g.beta:
-                with torch.no_grad(), adapters_off(self.model), record_function("shardline.reference"):
-                    ref = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
+                with torch.no_grad(), record_function("shardline.reference"):
+                    if self.reference_model is not None:
+                        ref = -token_losses(self.reference_model, batch, t.loss_chunk_tokens, g.temperature)
+                    else:
+                        with adapters_off(self.model):
+                            ref = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
             with rank_part(self.model, batch, None):
                 with record_function("shardline.forward"):
                     logp = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
@@ -742,6 +765,8 @@ class Trainer:
     def fit(self) -> dict:
         t, ck = self.spec.train, self.spec.checkpoint
         self.describe()
+        if self.grpo:
+            self._prepare_grpo()
         self.maybe_resume()
         if self.reference_tables and self.step == 0:
             self._compute_reference()
