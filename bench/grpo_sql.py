@@ -35,12 +35,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10, help="train.warmup_steps")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another spec override for the GRPO run (repeatable), e.g. train.grpo.loss=dr_grpo")
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="grpo-sql-"))
     cache, sft = sft_export(root)
     out = root / (f"grpo-g{args.generations}-b{args.batch}-lr{args.lr:g}-w{args.warmup}-beta{args.beta:g}"
-                  f"-t{args.temperature:g}-s{args.steps}")
+                  f"-t{args.temperature:g}-s{args.steps}" + "".join(f"-{kv.split('.')[-1]}" for kv in args.set))
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=grpo",
               "--set", f"model.path={root / 'sft-export'}", "--set", f"train.max_steps={args.steps}",
               "--set", f"train.grpo.num_generations={args.generations}",
@@ -48,7 +50,7 @@ def main() -> None:
               "--set", f"train.lr={args.lr}", "--set", f"train.grpo.beta={args.beta}",
               "--set", f"train.grpo.temperature={args.temperature}",
               "--set", f"train.grpo.max_new_tokens={args.max_new_tokens}", "--set", f"train.warmup_steps={args.warmup}",
-              "--set", f"train.eval_every={max(1, args.steps // 4)}")
+              "--set", f"train.eval_every={max(1, args.steps // 4)}", *[a for kv in args.set for a in ("--set", kv)])
     grpo = only_run(out)
     steps = [r["grpo"] for r in records(grpo, "train") if r.get("grpo")]
     first, last = steps[:10], steps[-10:]
@@ -56,7 +58,8 @@ def main() -> None:
     sql_before = json.loads((sft / "eval.json").read_text())
     sql_after = json.loads((grpo / "eval.json").read_text())
     print(f"SFT run {sft.name} → GRPO run {grpo.name} ({args.steps} steps, G={args.generations}, {args.batch} "
-          f"completions per step, lr={args.lr}, beta={args.beta}, temperature={args.temperature}); "
+          f"completions per step, lr={args.lr}, beta={args.beta}, temperature={args.temperature}"
+          f"{''.join(' ' + kv for kv in args.set)}); "
           f"{sql_after['n']} test questions")
     print("| measure | after SFT | after GRPO |\n|---|---|---|")
     print(f"| SQL execution accuracy (test questions, greedy) | {100 * sql_before['sql_execution_accuracy']:.1f}% | "

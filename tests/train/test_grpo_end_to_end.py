@@ -59,6 +59,7 @@ def test_grpo_samples_scores_and_trains_and_retrains_lost_steps_exactly(tmp_path
     assert (run / "report" / "grpo.png").is_file()
     trace = [json.loads(ln) for ln in (run / "logs" / "samples-rank-1.jsonl").read_text().splitlines()]
     assert [len(t["rows"]) for t in trace] == [2] * 4  # each rank samples for 2 of the step's 4 prompts
+    _check_rollouts(run, tmp_path)
 
     # a kill during the final save: step 4 never committed, steps 3-4 are sampled and trained again from step 2
     (run / "checkpoints" / "step-00000004" / "COMMITTED").unlink()
@@ -74,6 +75,11 @@ def test_grpo_samples_scores_and_trains_and_retrains_lost_steps_exactly(tmp_path
         assert again[step]["grpo"]["completion_length"] == full[step]["grpo"]["completion_length"]
         assert again[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-9)
         assert again[step]["grad_norm"] == pytest.approx(full[step]["grad_norm"], rel=1e-5)
+
+    for rank in (0, 1):  # the lost steps sampled the same completions again
+        logged = _rollouts(run, rank)
+        assert [r["step"] for r in logged] == [1, 2, 3, 4, 3, 4]
+        assert logged[2]["completions"] == logged[4]["completions"] and logged[3] == logged[5]
 
     # `shardline eval` of the finished run needs no reward (run from elsewhere: grpo_rewards does not import there)
     proc = run_cli("eval", str(run))
@@ -93,3 +99,33 @@ def test_a_full_fine_tune_with_a_kl_keeps_a_frozen_copy_of_the_starting_weights(
     assert "GRPO's KL reference: a frozen copy of the starting weights" in proc.stdout
     kl = {r["step"]: r["grpo"]["kl"] for r in read_metrics(only_run(runs), "train")}
     assert kl[1] == 0.0 and kl[2] > 0 and kl[3] > 0, kl
+
+
+def _rollouts(run, rank: int) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "logs" / f"rollouts-rank-{rank}.jsonl").read_text().splitlines()]
+
+
+def _check_rollouts(run, module_dir) -> None:
+    """Each rank's logged completions, rewards and advantages: the rewards are the user's function of the logged
+    completions, and the advantages are each group's normalised rewards over both ranks' completions (rank 0's
+    groups first) — the rewards and advantages line up with the completions the ranks trained on."""
+    import importlib.util
+
+    import torch
+
+    from shardline.training.grpo import group_advantages
+
+    loaded = importlib.util.spec_from_file_location("grpo_rewards_check", module_dir / "grpo_rewards.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    ranks = [_rollouts(run, rank) for rank in (0, 1)]
+    for steps in zip(*ranks, strict=True):
+        rewards = []
+        for logged in steps:
+            assert len(logged["completions"]) == 8 and len(logged["prompts"]) == 2
+            expected = module.letters(prompts=logged["completions"], completions=logged["completions"],
+                                      answer=["SELECT"] * 8)
+            assert logged["rewards"] == pytest.approx(expected)
+            rewards += logged["rewards"]
+        advantages, _ = group_advantages(torch.tensor(rewards), 4, "group")
+        assert steps[0]["advantages"] + steps[1]["advantages"] == pytest.approx(advantages.tolist(), abs=1e-5)

@@ -512,15 +512,19 @@ class Trainer:
         generated = time.perf_counter()
         with record_function("shardline.reward"):
             repeated = [i for i in index for _ in range(g.num_generations)]
+            texts = decoded(self.tokenizer, completions.ids)
             rewards = self.reward([self.prompts.examples[i] for i in repeated],
-                                  decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]),
-                                  decoded(self.tokenizer, completions.ids))
+                                  decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]), texts)
         scored = time.perf_counter()
         local = torch.tensor(rewards.values, dtype=torch.float32, device=ctx.device)
         everyone = [torch.empty_like(local) for _ in range(ctx.world)]
         dist.all_gather(everyone, local)
         advantages, group_std = group_advantages(torch.cat(everyone), g.num_generations, g.scale_rewards)
         mine = slice(self.dp_rank * local.numel(), (self.dp_rank + 1) * local.numel())
+        with (self.run_dir / "logs" / f"rollouts-rank-{ctx.rank}.jsonl").open("a") as f:  # what was sampled, scored
+            f.write(json.dumps({"step": self.step + 1, "prompts": [int(i) for i in index], "completions": texts,
+                                "ended": completions.ended, "rewards": rewards.values,
+                                "advantages": [round(a, 6) for a in advantages[mine].tolist()]}) + "\n")
         lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64, device=ctx.device)
         solved = rewards.solved or []
         sums = torch.zeros(len(GRPO_METRICS), dtype=torch.float64, device=ctx.device)
