@@ -64,6 +64,10 @@ def main() -> None:
     print("| measure | after SFT | after GRPO |\n|---|---|---|")
     print(f"| SQL execution accuracy (test questions, greedy) | {100 * sql_before['sql_execution_accuracy']:.1f}% | "
           f"{100 * sql_after['sql_execution_accuracy']:.1f}% |")
+    pairs = list(zip(sql_before["samples"], sql_after["samples"], strict=True))
+    gained = sum(not a["match"] and b["match"] for a, b in pairs)
+    lost = sum(a["match"] and not b["match"] for a, b in pairs)
+    print(f"| test questions GRPO solves that SFT did not / the reverse (paired) | – | {gained} / {lost} |")
     print(f"| SQL exact match | {100 * sql_before['sql_exact_match']:.1f}% | "
           f"{100 * sql_after['sql_exact_match']:.1f}% |")
     print(f"| training reward, mean of steps 1-10 → last 10 (sampled) | {mean(first, 'reward'):.3f} | "
