@@ -434,7 +434,7 @@ class Trainer:
             loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
         if self.grpo:
             loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the shares sum to the loss
-            loss_sum += self._grpo_backward(rollout, grpo, fsdp_ranks)
+            loss_sum += self._grpo_backward(rollout, batches, grpo, fsdp_ranks)
         for batch in batches if not (self.dpo or self.grpo) else ():
             with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
                 with record_function("shardline.forward"):
@@ -525,19 +525,20 @@ class Trainer:
             f.write(json.dumps({"step": self.step + 1, "prompts": [int(i) for i in index], "completions": texts,
                                 "ended": completions.ended, "rewards": rewards.values,
                                 "advantages": [round(a, 6) for a in advantages[mine].tolist()]}) + "\n")
-        lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64, device=ctx.device)
         solved = rewards.solved or []
-        sums = torch.zeros(len(GRPO_METRICS), dtype=torch.float64, device=ctx.device)
-        sums[:8] = torch.tensor([float(local.numel()), float(local.double().sum()), float(group_std[mine].sum()),
-                                 float((group_std[mine] < 1e-6).sum()), float(sum(solved)), float(len(solved)),
-                                 float(lengths.sum()), float(sum(not e for e in completions.ended))],
-                                dtype=torch.float64)
+        found = {"completions": len(rewards.values), "reward": sum(rewards.values),
+                 "reward_std": float(group_std[mine].sum()), "zero_std": float((group_std[mine] < 1e-6).sum()),
+                 "solved": sum(solved), "scored": len(solved), "completion_tokens": sum(map(len, completions.ids)),
+                 "truncated": sum(not e for e in completions.ended)}  # kl and clipped: summed in the backward
+        sums = torch.tensor([float(found.get(name, 0.0)) for name in GRPO_METRICS], dtype=torch.float64,
+                            device=ctx.device)
         batches = rollout_batches([self.prompts.ids[i] for i in repeated], completions.ids, t.micro_batch_size,
                                   t.seq_len, self.data.meta["pad_id"])
         return batches, {"advantages": advantages[mine], "sums": sums,
                          "generation_s": generated - started, "reward_s": scored - generated}
 
-    def _grpo_backward(self, rollout: list[RolloutBatch], grpo: dict, fsdp_ranks: int) -> torch.Tensor:
+    def _grpo_backward(self, rollout: list[RolloutBatch], batches: list, grpo: dict,
+                       fsdp_ranks: int) -> torch.Tensor:
         """Forward and backward of every micro-batch of this rank's completions; this rank's share of the loss.
         `grpo` gets the global batch's means (`shardline.training.grpo.mean_metrics`) in place of its sums."""
         t, g, device = self.spec.train, self.spec.train.grpo, self.ctx.device
@@ -548,9 +549,8 @@ class Trainer:
         norm = Normalisers(tokens=float(tokens.clamp(min=1)), completions=float(t.global_batch_size),
                            micro_batches=float(len(rollout) * self.dp_world))
         share = torch.zeros((), dtype=torch.float64, device=device)
-        kl = GRPO_METRICS.index("kl")
-        for part in rollout:
-            batch = part.batch.to(device)
+        kl, clipped = GRPO_METRICS.index("kl"), GRPO_METRICS.index("clipped")
+        for part, batch in zip(rollout, batches, strict=True):  # the batches: on the device already
             documents, n_documents = document_targets(batch)
             documents = documents.to(device)
             per_token = advantages[torch.from_numpy(part.completions).to(device)][documents]
@@ -572,11 +572,9 @@ class Trainer:
             share += loss.detach().double()
             if terms.kl is not None:
                 sums[kl] += terms.kl.detach().double().sum()
-            sums[kl + 1] += terms.clipped.double().sum()
+            sums[clipped] += terms.clipped.double().sum()
         dist.all_reduce(sums)
-        total = share.clone()
-        dist.all_reduce(total)
-        grpo.update(grpo_means(sums), loss=float(total))
+        grpo.update(grpo_means(sums))  # the loss: the step's own, summed over ranks with its timings
         for name in ("generation_s", "reward_s"):
             grpo[name] = round(grpo[name], 4)
         return share
