@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,6 +120,55 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subproce
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     return subprocess.run([sys.executable, "-m", "shardline.cli", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextmanager
+def cli_in_background(*args: str, cwd: Path | None = None, fault: str | None = None) -> Iterator[subprocess.Popen]:
+    """`shardline ARGS` running in the background (stdout and stderr in one pipe) for a drill that acts while it
+    runs, with `SHARDLINE_FAULT` set to `fault` (and only then: a drill never leaks into a run that wants none);
+    its whole process group is killed if the drill fails half-way."""
+    env = {k: v for k, v in os.environ.items() if k != "SHARDLINE_FAULT"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    if fault:
+        env["SHARDLINE_FAULT"] = fault
+    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", *args], cwd=cwd or REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def workers(run: Path) -> list[int]:
+    """The PIDs of the run's training workers (torchrun's children)."""
+    out = subprocess.run(["pgrep", "-f", "--", f"-m shardline.worker --spec {run}/spec.yaml"], capture_output=True,
+                         text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except FileNotFoundError:
+        return False
+
+
+def kill_the_stopped_worker(runs: Path, proc: subprocess.Popen, after_step: int = 0) -> Path:
+    """kill -9 of the worker a `SHARDLINE_FAULT=…:action=stop` drill stopped, once the run under `runs` has recorded
+    `after_step`: the rank dies at exactly the drill's point. Returns the run directory."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the drill never stopped a worker"
+        run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
+        victim = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
+        recorded = (run / "metrics.jsonl").exists() and any(
+            r["step"] >= after_step for r in read_metrics(run, "train")) if victim else False
+        if victim and (recorded or after_step == 0):
+            os.kill(victim, signal.SIGKILL)
+            return run
+        time.sleep(0.05)
 
 
 def read_metrics(run_dir: Path, kind: str) -> list[dict]:

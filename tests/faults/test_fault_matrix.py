@@ -10,14 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from shardline.checkpointing.manager import CheckpointStore, step_name
-from tests.conftest import REPO, only_run, read_metrics, small_overrides
+from tests.conftest import REPO, cli_in_background, only_run, read_metrics, small_overrides, stopped, workers
 from tests.faults.conftest import MATRIX
 
 pytestmark = pytest.mark.slow
@@ -61,19 +59,6 @@ def _resume_continues_exactly(run: Path, reference: dict[int, float], resumed_at
     return again.stdout + again.stderr
 
 
-@contextmanager
-def _training(runs: Path, fault: str | None = None) -> Iterator[subprocess.Popen]:
-    """`shardline train` running in the background, for a drill that acts while it trains; its whole process
-    group is killed if the drill fails half-way."""
-    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", *_args(runs)], cwd=REPO, env=_env(fault),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _store(run: Path) -> CheckpointStore:
     return CheckpointStore(str(run / "checkpoints"))
 
@@ -89,29 +74,16 @@ def reference(tmp_path_factory) -> tuple[dict[int, float], int]:
     return _losses(run), size
 
 
-def _workers(run: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "--", f"-m shardline.worker --spec {run}/spec.yaml"], capture_output=True,
-                         text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except FileNotFoundError:
-        return False
-
-
 def test_kill_9_of_a_rank_inside_a_checkpoint_write_keeps_the_last_good_one(tmp_path, reference):
     losses, _ = reference
     runs = tmp_path / "runs"
     # rank 1 stops itself inside the save of step 8: its shard files are on disk, the save is not finished
-    with _training(runs, f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop") as proc:
+    with cli_in_background(*_args(runs), fault=f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop") as proc:
         deadline, victim = time.monotonic() + 300, None
         while victim is None:
             assert proc.poll() is None and time.monotonic() < deadline, "the drill never reached the write"
             run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
-            victim = next((pid for pid in _workers(run) if _stopped(pid)), None) if run else None
+            victim = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
             time.sleep(0.05)
         in_flight = run / "checkpoints" / step_name(2 * EVERY)
         assert list(in_flight.glob("__1_*.distcp")), "the kill must land inside the write"
@@ -196,7 +168,7 @@ def test_a_taken_metrics_port_never_stops_training(tmp_path, reference):
 def test_prepared_data_deleted_mid_run_is_a_named_error_and_the_resume_prepares_it_again(tmp_path, reference):
     losses, _ = reference
     runs = tmp_path / "runs"
-    with _training(runs) as proc:
+    with cli_in_background(*_args(runs)) as proc:
         deadline, run = time.monotonic() + 300, None
         while True:  # delete the prepared data once step 4 is committed and before step 8 is saved
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the drill"

@@ -5,8 +5,9 @@
   to the same losses: the reference table comes back from the checkpoint (recomputed from the step-3 weights, the
   losses would differ), and the loss is the mean over the global batch's pairs whatever the world size; `shardline
   eval` of it scores the held-out pairs against the same table;
-- LoRA on 2 ranks with the adapters-off reference: a run whose last checkpoint never committed (a kill during the
-  final save) trains the lost steps again to the same losses, and its merged export loads in transformers.
+- LoRA on 2 ranks with the adapters-off reference: a kill -9 of a rank after step 3 (the last checkpoint step 2's):
+  torchrun restarts the ranks, which train step 3 again to the same loss, and the merged export loads in
+  transformers.
 """
 
 import json
@@ -15,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import cli_in_background, kill_the_stopped_worker, only_run, read_metrics, run_cli, small_overrides
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
 DPO = ["train.objective=dpo", "train.dpo.beta=0.2", "train.lr=1e-3", "observe.metrics_port=null",
@@ -68,25 +69,25 @@ def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp
 
 
 @pytest.mark.slow
-def test_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_and_merges(tmp_path):
+def test_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_after_a_kill_9_and_merges(tmp_path):
+    runs = tmp_path / "runs"
     lora = ["parallel.nproc_per_node=2", "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
-            "checkpoint.every_steps=2", "train.max_steps=4", "train.eval_examples=0"]
-    run, out = _train(tmp_path / "runs", *lora)
+            "checkpoint.every_steps=2", "train.max_steps=4", "train.eval_examples=0", "launch.max_restarts=1"]
+    sets = [*small_overrides(runs), *DPO, *lora]
+    # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last
+    # committed checkpoint, so torchrun's restart trains step 3 again, then step 4
+    with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)],
+                           fault="train_step:rank=1:step=4:restart=0:action=stop") as proc:
+        run = kill_the_stopped_worker(runs, proc, after_step=3)
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
     assert "DPO reference" not in out  # the adapters off, no table
-    full = _losses(run)
-    assert sorted(full) == [1, 2, 3, 4] and full[1] == pytest.approx(0.693147, abs=1e-5)
-    assert full[4] < full[1]
-
-    # a kill during the final save: step 4 never committed, steps 3-4 are trained again from step 2
-    (run / "checkpoints" / "step-00000004" / "COMMITTED").unlink()
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    (run / "metrics.jsonl").write_text("\n".join(ln for ln in lines if not any(
-        f'"step": {s},' in ln or f'"step": {s}}}' in ln for s in (3, 4))) + "\n")
-    proc = run_cli("train", str(run))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    again = _losses(run)
-    assert sorted(again) == [1, 2, 3, 4]
-    assert again[3] == pytest.approx(full[3], rel=1e-6) and again[4] == pytest.approx(full[4], rel=1e-6)
+    trained = read_metrics(run, "train")
+    assert [r["step"] for r in trained] == [1, 2, 3, 3, 4]
+    assert trained[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and trained[-1]["loss"] < trained[0]["loss"]
+    assert trained[3]["loss"] == pytest.approx(trained[2]["loss"], rel=1e-6)  # step 3 again, after the restart
+    assert trained[3]["grad_norm"] == pytest.approx(trained[2]["grad_norm"], rel=1e-5)
+    assert [e["step"] for e in read_metrics(run, "event") if e["event"] == "resume"] == [2]
 
     merged = tmp_path / "merged"
     proc = run_cli("export", str(run), "--out", str(merged), "--merge-lora")

@@ -5,9 +5,9 @@ built-in reward nothing and so moves nothing:
 - 2 ranks, 4 groups of G=4 completions per step: every step's completions sampled, scored and trained (the reward
   and loss records, the goodput's generation and scoring buckets, the report's GRPO plot), the SQL evaluation after
   it;
-- a run whose last checkpoint never committed (a kill during the final save) trains the lost steps again: the same
-  completions are sampled (seeded per step and rank), so the same rewards and losses come back exactly; `shardline
-  eval` of it runs where the reward function does not import (an evaluation samples nothing);
+- a kill -9 of a rank after step 3 (the last checkpoint step 2's): torchrun restarts the ranks, which sample and train
+  step 3 again — the same completions (seeded per step and rank), so the same rewards and losses exactly; `shardline
+  eval` of the run runs where the reward function does not import (an evaluation samples nothing);
 - a full fine-tune with a KL (`train.grpo.beta`): its reference is a frozen copy of the starting weights, so the
   KL is exactly 0 at the first step (the policy is the reference) and grows once the policy moves.
 """
@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import cli_in_background, kill_the_stopped_worker, only_run, read_metrics, run_cli, small_overrides
 
 GRPO = ["train.objective=grpo", "train.grpo.num_generations=4", "train.global_batch_size=16",
         "train.micro_batch_size=4", "train.grpo.max_new_tokens=12", "train.grpo.reward=grpo_rewards:letters",
@@ -37,49 +37,45 @@ def _records(run) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_grpo_samples_scores_and_trains_and_retrains_lost_steps_exactly(tmp_path):
+def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly(tmp_path):
     (tmp_path / "grpo_rewards.py").write_text(REWARD)
     runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), *GRPO]
-    proc = run_cli("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = only_run(runs)
-    full = _records(run)
-    assert sorted(full) == [1, 2, 3, 4]
-    for r in full.values():
+    sets = [*small_overrides(runs), *GRPO, "launch.max_restarts=1"]
+    # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last
+    # committed checkpoint, so torchrun's restart samples and trains step 3 again, then step 4
+    with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
+                           fault="train_step:rank=1:step=4:restart=0:action=stop") as proc:
+        run = kill_the_stopped_worker(runs, proc, after_step=3)
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
+    trained = read_metrics(run, "train")
+    assert [r["step"] for r in trained] == [1, 2, 3, 3, 4]
+    first, again = trained[2], trained[3]  # step 3 before the kill and after the restart
+    assert again["grpo"]["reward"] == first["grpo"]["reward"]  # the same completions
+    assert again["grpo"]["completion_length"] == first["grpo"]["completion_length"]
+    assert again["loss"] == pytest.approx(first["loss"], rel=1e-6, abs=1e-9)
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-5)
+    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [2] and resumes[0]["rng_restored"]
+    for r in trained:
         g = r["grpo"]
         assert g["completions"] == 16 and 0 < g["completion_length"] <= 12 and g["generation_s"] > 0
         assert 0 < g["reward"] < 1 and g["zero_std"] < 1  # the samples differ: advantages, and a gradient
         assert r["grad_norm"] > 0 and g["kl"] == 0.0 and g["clipped"] == 0.0  # beta 0; one step per sample
         assert "solved" not in g  # a user's reward says nothing of solving
-    assert "reward" in proc.stdout and "GRPO" not in proc.stderr
+    assert "reward" in out
     assert "sql_execution_accuracy" in json.loads((run / "eval.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     assert summary["goodput"]["generation"] > 0 and summary["goodput"]["scoring"] > 0
+    assert summary["goodput"]["wasted"] > 0  # step 3's first run
     assert (run / "report" / "grpo.png").is_file()
     trace = [json.loads(ln) for ln in (run / "logs" / "samples-rank-1.jsonl").read_text().splitlines()]
-    assert [len(t["rows"]) for t in trace] == [2] * 4  # each rank samples for 2 of the step's 4 prompts
-    _check_rollouts(run, tmp_path)
-
-    # a kill during the final save: step 4 never committed, steps 3-4 are sampled and trained again from step 2
-    (run / "checkpoints" / "step-00000004" / "COMMITTED").unlink()
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    (run / "metrics.jsonl").write_text("\n".join(ln for ln in lines if not any(
-        f'"step": {s},' in ln or f'"step": {s}}}' in ln for s in (3, 4))) + "\n")
-    proc = run_cli("train", str(run), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    again = _records(run)
-    assert sorted(again) == [1, 2, 3, 4]
-    for step in (3, 4):
-        assert again[step]["grpo"]["reward"] == full[step]["grpo"]["reward"]  # the same completions
-        assert again[step]["grpo"]["completion_length"] == full[step]["grpo"]["completion_length"]
-        assert again[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6, abs=1e-9)
-        assert again[step]["grad_norm"] == pytest.approx(full[step]["grad_norm"], rel=1e-5)
-
-    for rank in (0, 1):  # the lost steps sampled the same completions again
+    assert [len(t["rows"]) for t in trace] == [2] * 5  # each rank samples for 2 of the step's 4 prompts
+    for rank in (0, 1):  # the lost step sampled the same completions again
         logged = _rollouts(run, rank)
-        assert [r["step"] for r in logged] == [1, 2, 3, 4, 3, 4]
-        assert logged[2]["completions"] == logged[4]["completions"] and logged[3] == logged[5]
+        assert [r["step"] for r in logged] == [1, 2, 3, 3, 4]
+        assert logged[2] == logged[3]
+    _check_rollouts(run, tmp_path)
 
     # `shardline eval` of the finished run needs no reward (run from elsewhere: grpo_rewards does not import there)
     proc = run_cli("eval", str(run))

@@ -17,7 +17,7 @@ from shardline.data.loader import StepSampler
 from shardline.errors import EXIT_PREEMPTED
 from shardline.goodput import BADPUT, BUCKETS
 from shardline.run_status import read_status
-from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides, workers
 
 pytestmark = pytest.mark.slow
 STEPS = 24
@@ -52,12 +52,6 @@ def _wait_for_step(runs: Path, step: int, proc: subprocess.Popen, committed: int
 def _losses(run: Path) -> dict[int, float]:
     """Last loss recorded per step (a restarted run re-records the steps after its checkpoint)."""
     return {r["step"]: r["loss"] for r in read_metrics(run, "train")}
-
-
-def _workers(run: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "--", f"-u -m shardline.worker --spec {run}/spec.yaml"], capture_output=True,
-                         text=True)
-    return [int(p) for p in out.stdout.split()]
 
 
 def _check_goodput(run: Path, attempts: int, elapsed: float) -> dict:
@@ -109,7 +103,7 @@ def test_kill_9_of_one_worker_restarts_and_matches_the_uninterrupted_run(tmp_pat
     started = time.time()
     proc = _start(runs, "launch.max_restarts=1", "checkpoint.async_save=true")  # the GPU default path
     run = _wait_for_step(runs, 10, proc, committed=8)
-    victim = _workers(run)[-1]
+    victim = workers(run)[-1]
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-6000:]

@@ -1,11 +1,14 @@
-"""Fault injection for tests and failure drills: `SHARDLINE_FAULT=<point>[:rank=R][:step=S][:action=stop]`.
+"""Fault injection for tests and failure drills:
+`SHARDLINE_FAULT=<point>[:rank=R][:step=S][:restart=N][:action=stop]`.
 
 At the named point (`train_step`, `validation`, `checkpoint`, `sql_evaluation`, `checkpoint_write` — inside a
 save, after this rank's shard files are on disk and before it reports them; `validation_batch`, `generation_batch` —
 after each batch of validation or of generation (SQL evaluation, sample generations)) the matching rank raises
 `InjectedFault`, exactly as a real error would surface there; with `action=stop` it stops itself (SIGSTOP)
 instead, so a drill can kill it at exactly that point; with `action=slow:seconds=X` it sleeps X seconds (a slow
-rank, as a throttled GPU or a slow data read makes one; without `step` at every step). A stop or a slow-down says
+rank, as a throttled GPU or a slow data read makes one; without `step` at every step). `restart=N` limits the
+drill to the worker group's Nth start (torchrun's `TORCHELASTIC_RESTART_COUNT`, 0 the first), so a group that
+torchrun restarts after the drill killed a rank trains on undisturbed. A stop or a slow-down says
 so in the rank's log first, so a drill can tell the rank is there. Unset (always, outside drills), it does nothing.
 """
 
@@ -36,7 +39,9 @@ def maybe_fail(point: str, rank: int, step: int) -> None:
     action = wanted.get("action", "raise")
     if action not in ACTIONS:
         raise ValueError(f"SHARDLINE_FAULT={spec!r}: unknown action {action!r}; choose from {', '.join(ACTIONS)}")
-    if name == point and int(wanted.get("rank", rank)) == rank and int(wanted.get("step", step)) == step:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if (name == point and int(wanted.get("rank", rank)) == rank and int(wanted.get("step", step)) == step
+            and int(wanted.get("restart", restart)) == restart):
         if action != "raise":
             logging.getLogger("shardline").info("fault injected: %s at %s (rank %d, step %d)",
                                                 action, point, rank, step)
