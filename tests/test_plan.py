@@ -336,6 +336,9 @@ def test_grpo_plan_counts_the_sampling_and_says_when_generation_dominates():
     assert f"{sft + r.seconds:.3g} s/step" in lines[0] and "GRPO's sampling included" in lines[0]
     tiny = load_spec("tiny", ["train.objective=grpo"])
     assert rollout_estimate(tiny, 1.0, None).bound == "compute"
+    reused = load_spec("llama-3.1-8b-lora", ["train.objective=grpo", "train.grpo.num_iterations=2"])
+    assert rollout_estimate(reused, 989.0, match_device("NVIDIA H100 80GB HBM3")).seconds == pytest.approx(
+        r.seconds / 2)  # one sampling serves two steps
 
 
 def test_grpo_memory_plan_peaks_while_sampling_when_the_kv_cache_outgrows_the_training_step():

@@ -132,6 +132,10 @@ def test_an_unknown_field_suggests_the_closest_one_also_inside_a_list_of_section
      "num_generations × ranks = 12 × 2"),
     (["train.objective=grpo", "train.grpo.max_new_tokens=256"], "train.grpo.max_new_tokens", "not below"),
     (["train.objective=grpo", "train.grpo.reward=os.system"], "train.grpo.reward", "neither auto nor"),
+    (["train.objective=grpo", "train.grpo.num_iterations=4", "train.max_steps=6"], "train.max_steps",
+     "not a multiple of train.grpo.num_iterations=4"),
+    (["train.objective=grpo", "train.grpo.num_iterations=2", "checkpoint.every_steps=3"], "checkpoint.every_steps",
+     "could not be resumed exactly"),
 ])
 def test_combinations_that_cannot_run_are_named_errors(overrides, field, words):
     with pytest.raises(SpecError) as e:

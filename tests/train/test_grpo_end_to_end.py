@@ -8,17 +8,33 @@ built-in reward nothing and so moves nothing:
 - a kill -9 of a rank after step 3 (the last checkpoint step 2's): torchrun restarts the ranks, which sample and train
   step 3 again — the same completions (seeded per step and rank), so the same rewards and losses exactly; `shardline
   eval` of the run runs where the reward function does not import (an evaluation samples nothing);
-- a full fine-tune with a KL (`train.grpo.beta`): its reference is a frozen copy of the starting weights, so the
-  KL is exactly 0 at the first step (the policy is the reference) and grows once the policy moves.
+- a full fine-tune with a KL (`train.grpo.beta`) and two steps per sampling (`train.grpo.num_iterations`): the KL's
+  reference is a frozen copy of the starting weights, so the KL is exactly 0 at the first step (the policy is the
+  reference) and grows once the policy moves; every second step trains the same completions again against their
+  sampling-time log-probabilities, where the clip acts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_in_background, kill_the_stopped_worker, only_run, read_metrics, run_cli, small_overrides
+from shardline.errors import EXIT_PREEMPTED
+from tests.conftest import (
+    cli_in_background,
+    kill_the_stopped_worker,
+    only_run,
+    read_metrics,
+    run_cli,
+    small_overrides,
+    stopped,
+    workers,
+)
 
 GRPO = ["train.objective=grpo", "train.grpo.num_generations=4", "train.global_batch_size=16",
         "train.micro_batch_size=4", "train.grpo.max_new_tokens=12", "train.grpo.reward=grpo_rewards:letters",
@@ -84,17 +100,64 @@ def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly
 
 
 @pytest.mark.slow
-def test_a_full_fine_tune_with_a_kl_keeps_a_frozen_copy_of_the_starting_weights(tmp_path):
+def test_a_full_fine_tune_with_a_kl_and_two_steps_per_sampling(tmp_path):
     (tmp_path / "grpo_rewards.py").write_text(REWARD)
     runs = tmp_path / "runs"
     sets = [*small_overrides(runs), *GRPO, "parallel.nproc_per_node=1", "train.global_batch_size=8",
-            "train.max_steps=3", "train.grpo.beta=0.1", "checkpoint.every_steps=null", "train.eval_examples=0",
-            "observe.report=false"]
+            "train.max_steps=4", "train.grpo.beta=0.1", "train.grpo.num_iterations=2", "train.grpo.epsilon=0.01",
+            "checkpoint.every_steps=null", "train.eval_examples=0", "observe.report=false"]
     proc = run_cli("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "GRPO's KL reference: a frozen copy of the starting weights" in proc.stdout
-    kl = {r["step"]: r["grpo"]["kl"] for r in read_metrics(only_run(runs), "train")}
-    assert kl[1] == 0.0 and kl[2] > 0 and kl[3] > 0, kl
+    grpo = {r["step"]: r["grpo"] for r in read_metrics(only_run(runs), "train")}
+    assert grpo[1]["kl"] == 0.0 and grpo[2]["kl"] > 0 and grpo[4]["kl"] > 0, grpo
+    # steps 1 and 3 sample; steps 2 and 4 train the same completions again against their sampling-time
+    # log-probabilities: the ratio has moved, so the clip acts (at epsilon 0.01)
+    assert [r["step"] for r in _rollouts(only_run(runs), 0)] == [1, 3]
+    for sampled, again in ((1, 2), (3, 4)):
+        assert grpo[sampled]["generation_s"] > 0 and grpo[again]["generation_s"] == 0.0
+        assert grpo[again]["reward"] == grpo[sampled]["reward"]
+        assert grpo[again]["completion_length"] == grpo[sampled]["completion_length"]
+        assert grpo[sampled]["clipped"] == 0.0 < grpo[again]["clipped"]
+
+
+@pytest.mark.slow
+def test_a_stop_between_two_samplings_checkpoints_at_the_next_sampling_step(tmp_path):
+    """With two steps per sampling a checkpoint after step 1 could not resume exactly (the sampled batch and its
+    log-probabilities are not in it): a SIGTERM that lands in step 1 trains step 2 too, then checkpoints it."""
+    (tmp_path / "grpo_rewards.py").write_text(REWARD)
+    runs = tmp_path / "runs"
+    sets = [*small_overrides(runs), *GRPO, "parallel.nproc_per_node=1", "train.global_batch_size=8",
+            "train.grpo.num_iterations=2", "checkpoint.every_steps=null", "train.eval_examples=0",
+            "observe.report=false", "launch.grace_seconds=60"]
+    with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
+                           fault="train_step:rank=0:step=1:action=stop") as proc:
+        deadline, worker = time.monotonic() + 300, None
+        while worker is None:  # the rank stops itself before step 1
+            assert proc.poll() is None and time.monotonic() < deadline, "the drill never stopped the rank"
+            run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
+            worker = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        while not _pending(worker, signal.SIGTERM):  # forwarded by the launcher; delivered when the rank goes on
+            assert proc.poll() is None and time.monotonic() < deadline, "the SIGTERM never reached the rank"
+            time.sleep(0.05)
+        os.kill(worker, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"]
+    assert [e["step"] for e in preempted] == [2] and "checkpoint of step 2 committed" in out
+    assert [r["step"] for r in read_metrics(run, "train")] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000002"]
+    proc = run_cli("train", str(run), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in _rollouts(run, 0)] == [1, 3]  # the resume samples at step 3, as the run would have
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits for delivery to the process (its thread's or the process's pending set)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return any(int(fields[key], 16) >> (signum - 1) & 1 for key in ("SigPnd", "ShdPnd"))
 
 
 def _rollouts(run, rank: int) -> list[dict]:

@@ -24,7 +24,7 @@ class RolloutEstimate:
     kv_cache_bytes: int
     """Per rank, at the longest (every sequence at `seq_len` tokens)."""
     seconds: float
-    """Sampling seconds per step (a lower bound)."""
+    """Sampling seconds per step (a lower bound; one sampling serves `train.grpo.num_iterations` steps)."""
     bound: str
     """What bounds a decode step: `memory` or `compute`."""
 
@@ -42,5 +42,5 @@ def rollout_estimate(spec: JobSpec, peak_tflops: float, device: Accelerator | No
     memory = (params * weight_bytes + kv / 2) / (device.hbm_gbps * 1e9) if device is not None else 0.0
     prefill = 2 * params * sequences * (t.seq_len - g.max_new_tokens) / rate
     decode = max(compute, memory)
-    return RolloutEstimate(sequences, int(kv), g.max_new_tokens * decode + prefill,
+    return RolloutEstimate(sequences, int(kv), (g.max_new_tokens * decode + prefill) / g.num_iterations,
                            "memory" if memory > compute else "compute")

@@ -215,6 +215,12 @@ def _check_grpo(spec: JobSections) -> None:
         raise SpecError("train.global_batch_size", f"is {t.global_batch_size} completions, not a multiple of "
                         f"train.grpo.num_generations × ranks = {g.num_generations} × {spec.world_size}: each rank "
                         "samples whole groups of completions of its own prompts", f"use a multiple of {groups}")
+    mu = g.num_iterations
+    for field, value in (("train.max_steps", t.max_steps), ("checkpoint.every_steps", spec.checkpoint.every_steps)):
+        if value and value % mu:
+            raise SpecError(field, f"is {value}, not a multiple of train.grpo.num_iterations={mu}: a checkpoint "
+                            "between two samplings could not be resumed exactly (the sampled batch and its "
+                            "sampling-time log-probabilities are not in it)", f"use a multiple of {mu}")
     if g.max_new_tokens >= t.seq_len:
         raise SpecError("train.grpo.max_new_tokens", f"is {g.max_new_tokens}, not below train.seq_len={t.seq_len}: "
                         "a prompt and its completion are trained in one row", "raise train.seq_len or lower "

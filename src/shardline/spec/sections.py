@@ -239,6 +239,12 @@ class GrpoSpec(Section):
     """Weight of the per-token KL to the reference: the starting weights, as the LoRA adapters off or, in a full
     fine-tune, a frozen sharded copy in the compute dtype (one more model's weights in memory); 0 (TRL's default)
     runs no reference forward."""
+    num_iterations: int = Field(1, ge=1)
+    """μ: optimizer steps per sampled batch (TRL's `num_iterations`). Each step trains the whole batch again against
+    the log-probabilities it was sampled with (π_old), so from the second step on the ratio moves and the clip acts;
+    the batch is sampled every μ steps. Checkpoints fall on sampling steps only (`checkpoint.every_steps` and
+    `train.max_steps` are multiples of μ; a time-based save or a stop signal waits for the next one), so a resume
+    samples exactly what the lost steps trained on."""
     epsilon: float = Field(0.2, gt=0)
     """The ratio π/π_old is clipped to [1 − epsilon, 1 + epsilon_high] (PPO's clip)."""
     epsilon_high: float | None = Field(None, gt=0)

@@ -112,6 +112,26 @@ class RolloutBatch:
     completions: np.ndarray
 
 
+@dataclass
+class SampledBatch:
+    """One sampling's completions on this rank, trained by the `train.grpo.num_iterations` steps from `step` on."""
+
+    step: int
+    """The step that sampled them (counted from 1)."""
+    index: np.ndarray
+    """This rank's prompts (training example indices)."""
+    batches: list[RolloutBatch]
+    advantages: torch.Tensor
+    """Every completion's advantage, this rank's completions' order."""
+    sums: torch.Tensor
+    """This rank's sums of the reward metrics (`shardline.training.grpo.METRICS`); the KL and clip are per step."""
+    generation_s: float
+    reward_s: float
+    old_logps: list[torch.Tensor | None]
+    """Per micro-batch, the log-probabilities the completions were sampled with (π_old): the first step's forward,
+    kept when a later step trains the batch again."""
+
+
 def rollout_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, seq_len: int,
                     pad: int) -> list[RolloutBatch]:
     """The completions in micro-batches of `micro`, each packed into rows: a document is its prompt (no loss)

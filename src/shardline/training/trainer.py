@@ -97,7 +97,7 @@ from shardline.training.preference import (
 from shardline.training.profiling import StepProfiler
 from shardline.training.rewards import reward_function
 from shardline.training.rollout import (
-    RolloutBatch,
+    SampledBatch,
     decoded,
     prompt_pool,
     rollout_batches,
@@ -169,6 +169,7 @@ class Trainer:
         self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
                                   for split in ("train", "validation")} if self.reference == "precomputed" else {})
         self.grpo = t.objective == "grpo"  # its prompts, reward and sampler: `_prepare_grpo`, when training starts
+        self._sampled: SampledBatch | None = None  # GRPO: the completions the next steps train on
         self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
                                    self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
@@ -397,14 +398,17 @@ class Trainer:
         ctx, start = self.ctx, time.perf_counter()
         maybe_fail("train_step", ctx.rank, self.step + 1)
         self.profiler.before_step(self.step + 1)
-        rollout: list[RolloutBatch] = []
+        sampled: SampledBatch | None = None
         grpo: dict = {}
-        if self.grpo:  # sample and score this step's completions: they are its batches
-            indices = [self.sampler.micro_indices(self.step, 0, self.dp_rank)]
-            rollout, grpo = self._rollout(indices[0])
+        if self.grpo:  # sample and score completions every num_iterations steps: they are the step's batches
+            sampled = self._sampled_batch()
+            indices = [sampled.index]
+            fresh = sampled.step == self.step + 1
+            grpo = {"generation_s": sampled.generation_s if fresh else 0.0,
+                    "reward_s": sampled.reward_s if fresh else 0.0}
         with record_function("shardline.data"):
-            if self.grpo:
-                batches = [r.batch.to(ctx.device) for r in rollout]
+            if sampled is not None:
+                batches = [r.batch.to(ctx.device) for r in sampled.batches]
             else:
                 indices = [self.sampler.micro_indices(self.step, k, self.dp_rank) for k in range(self.sampler.accum)]
                 batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
@@ -432,9 +436,9 @@ class Trainer:
             preference = self._preference_step(batches, indices, fsdp_ranks)
             loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the loss is a mean over pairs
             loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
-        if self.grpo:
+        if sampled is not None:
             loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the shares sum to the loss
-            loss_sum += self._grpo_backward(rollout, batches, grpo, fsdp_ranks)
+            loss_sum += self._grpo_backward(sampled, batches, grpo, fsdp_ranks)
         for batch in batches if not (self.dpo or self.grpo) else ():
             with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
                 with record_function("shardline.forward"):
@@ -474,8 +478,8 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
-            epoch=self.sampler.epoch_of(self.step), **stragglers, preference=preference if self.dpo else None,
-            grpo=grpo or None,
+            epoch=self.sampler.epoch_of(self._sampler_steps(self.step)), **stragglers,
+            preference=preference if self.dpo else None, grpo=grpo or None,
         )
 
     def _prepare_grpo(self) -> None:
@@ -498,9 +502,26 @@ class Trainer:
             self._say(f"GRPO: {len(self.prompts.examples):,} training prompts; {self.prompts.too_long:,} longer than "
                       f"train.seq_len − train.grpo.max_new_tokens = {t.seq_len - t.grpo.max_new_tokens} skipped")
 
-    def _rollout(self, index) -> tuple[list[RolloutBatch], dict]:
+    def _sampler_steps(self, steps: int) -> int:
+        """The sampler's steps begun in `steps` training steps: GRPO draws prompts once per sampling (every
+        `train.grpo.num_iterations` steps)."""
+        return -(-steps // self.spec.train.grpo.num_iterations) if self.grpo else steps
+
+    def _at_sampling_boundary(self) -> bool:
+        """Whether a checkpoint of the current step resumes exactly: GRPO's next step samples afresh (the sampled
+        batch and its π_old are not checkpointed)."""
+        return not self.grpo or self.step % self.spec.train.grpo.num_iterations == 0
+
+    def _sampled_batch(self) -> SampledBatch:
+        """The completions this step trains on: sampled now at a sampling step (or on a resume that lands between
+        two, which checkpoints never do), else the ones the last sampling step drew."""
+        if self._sampled is None or self._at_sampling_boundary():
+            self._sampled = self._rollout(self.sampler.micro_indices(self._sampler_steps(self.step), 0, self.dp_rank))
+        return self._sampled
+
+    def _rollout(self, index) -> SampledBatch:
         """This rank's share of the step's prompts, G completions each sampled and scored; every completion's
-        advantage (rewards gathered from every rank: a group's, or the batch's, statistics) in `advantages`."""
+        advantage (rewards gathered from every rank: a group's, or the batch's, statistics)."""
         t, g, ctx = self.spec.train, self.spec.train.grpo, self.ctx
         started = time.perf_counter()
         prompts = [self.prompts.ids[i] for i in index]
@@ -534,23 +555,21 @@ class Trainer:
                             device=ctx.device)
         batches = rollout_batches([self.prompts.ids[i] for i in repeated], completions.ids, t.micro_batch_size,
                                   t.seq_len, self.data.meta["pad_id"])
-        return batches, {"advantages": advantages[mine], "sums": sums,
-                         "generation_s": generated - started, "reward_s": scored - generated}
+        return SampledBatch(self.step + 1, index, batches, advantages[mine], sums, generated - started,
+                            scored - generated, [None] * len(batches))
 
-    def _grpo_backward(self, rollout: list[RolloutBatch], batches: list, grpo: dict,
-                       fsdp_ranks: int) -> torch.Tensor:
+    def _grpo_backward(self, sampled: SampledBatch, batches: list, grpo: dict, fsdp_ranks: int) -> torch.Tensor:
         """Forward and backward of every micro-batch of this rank's completions; this rank's share of the loss.
-        `grpo` gets the global batch's means (`shardline.training.grpo.mean_metrics`) in place of its sums."""
+        `grpo` gets the global batch's means (`shardline.training.grpo.mean_metrics`)."""
         t, g, device = self.spec.train, self.spec.train.grpo, self.ctx.device
-        sums = grpo.pop("sums")
-        advantages = grpo.pop("advantages")
+        sums, advantages, rollout = sampled.sums.clone(), sampled.advantages, sampled.batches
         tokens = sums[GRPO_METRICS.index("completion_tokens")].clone()
         dist.all_reduce(tokens)
         norm = Normalisers(tokens=float(tokens.clamp(min=1)), completions=float(t.global_batch_size),
                            micro_batches=float(len(rollout) * self.dp_world))
         share = torch.zeros((), dtype=torch.float64, device=device)
         kl, clipped = GRPO_METRICS.index("kl"), GRPO_METRICS.index("clipped")
-        for part, batch in zip(rollout, batches, strict=True):  # the batches: on the device already
+        for k, (part, batch) in enumerate(zip(rollout, batches, strict=True)):  # the batches: on the device already
             documents, n_documents = document_targets(batch)
             documents = documents.to(device)
             per_token = advantages[torch.from_numpy(part.completions).to(device)][documents]
@@ -565,7 +584,10 @@ class Trainer:
             with rank_part(self.model, batch, None):
                 with record_function("shardline.forward"):
                     logp = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
-                    terms = token_terms(logp, logp.detach(), ref, per_token, g)
+                    if sampled.old_logps[k] is None and g.num_iterations > 1:  # π_old, for the later steps
+                        sampled.old_logps[k] = logp.detach()
+                    old = logp.detach() if sampled.old_logps[k] is None else sampled.old_logps[k]
+                    terms = token_terms(logp, old, ref, per_token, g)
                     loss = reduce_loss(terms, documents, n_documents, norm, g)
                 with record_function("shardline.backward"):
                     (loss * fsdp_ranks).backward()
@@ -650,19 +672,25 @@ class Trainer:
         """Checkpoint the current step synchronously unless it is committed already, record the grace used and the
         phase the stop interrupted, and stop."""
         self.checkpointer.wait()  # a background save in flight commits first (or fails loudly)
-        if not self.checkpointer.store.is_committed(self.step):  # a committed step is not saved again
+        saved = self.step
+        if not self._at_sampling_boundary():  # stopped inside a validation between two GRPO samplings
+            saved = self.checkpointer.store.latest() or 0
+        elif not self.checkpointer.store.is_committed(self.step):  # a committed step is not saved again
             self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
         grace = time.monotonic() - self.stop.received_at if self.stop.received_at else None
-        self._event(event="preempted", step=self.step, phase=phase, signal=self.stop.name or "peer rank",
+        self._event(event="preempted", step=saved, phase=phase, signal=self.stop.name or "peer rank",
                     grace_used_s=round(grace, 3) if grace is not None else None)
         doing = {**PHASES, "sample_generations": "generating the sample answers"}.get(phase, phase)
         during = "" if phase == "training" else f" while {doing}"
         rest = ("; training is complete: `shardline train RUN_DIR` runs the evaluation that was cut short"
                 if self.step >= self.spec.train.max_steps and phase != "training" else "")
+        lost = (f" (GRPO's last sampling step: steps {saved + 1}-{self.step} train again when it resumes)"
+                if saved != self.step else "")
         self._say(f"preempted by {self.stop.name or 'a signal on another rank'}{during}: checkpoint of step "
-                  f"{self.step} committed" + (f", {grace:.1f}s after the signal" if grace is not None else "") + rest)
-        raise Preempted(self.step)
+                  f"{saved} committed" + lost + (f", {grace:.1f}s after the signal" if grace is not None else "")
+                  + rest)
+        raise Preempted(saved)
 
     def _stoppable(self, evaluation: Callable[[], T]) -> T:
         """Run a validation or generation; a stop the ranks agreed on inside it ends the attempt as a preemption."""
@@ -791,12 +819,13 @@ class Trainer:
             self.checkpointer.poll()
             self._flush_checkpoint_events()
             stop, time_due = self._agree(last_save)
-            if stop:
+            resumable = self._at_sampling_boundary()  # else a stop or a time-based save waits for the next step
+            if stop and resumable:
                 self._preempt()
             if record.step % t.eval_every == 0 and record.step < t.max_steps:
                 self._stoppable(self.validate)
             step_due = ck.every_steps and record.step % ck.every_steps == 0
-            if (step_due or time_due) and record.step < t.max_steps:
+            if (step_due or (time_due and resumable)) and record.step < t.max_steps:
                 self.save_checkpoint()
                 last_save = time.monotonic()
         wall = time.perf_counter() - wall
