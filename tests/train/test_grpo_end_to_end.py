@@ -109,6 +109,7 @@ def test_a_full_fine_tune_with_a_kl_and_two_steps_per_sampling(tmp_path):
     proc = run_cli("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "GRPO's KL reference: a frozen copy of the starting weights" in proc.stdout
+    assert "(slowest step × 2 (train.grpo.num_iterations) + blocking save" in proc.stdout  # a stop waits a step
     grpo = {r["step"]: r["grpo"] for r in read_metrics(only_run(runs), "train")}
     assert grpo[1]["kl"] == 0.0 and grpo[2]["kl"] > 0 and grpo[4]["kl"] > 0, grpo
     # steps 1 and 3 sample; steps 2 and 4 train the same completions again against their sampling-time

@@ -502,15 +502,18 @@ class Trainer:
             self._say(f"GRPO: {len(self.prompts.examples):,} training prompts; {self.prompts.too_long:,} longer than "
                       f"train.seq_len − train.grpo.max_new_tokens = {t.seq_len - t.grpo.max_new_tokens} skipped")
 
+    def _steps_per_sampling(self) -> int:
+        """GRPO trains each sampled batch `train.grpo.num_iterations` steps; SFT and DPO draw every step."""
+        return self.spec.train.grpo.num_iterations if self.grpo else 1
+
     def _sampler_steps(self, steps: int) -> int:
-        """The sampler's steps begun in `steps` training steps: GRPO draws prompts once per sampling (every
-        `train.grpo.num_iterations` steps)."""
-        return -(-steps // self.spec.train.grpo.num_iterations) if self.grpo else steps
+        """The sampler's steps begun in `steps` training steps: GRPO draws prompts once per sampling."""
+        return -(-steps // self._steps_per_sampling())
 
     def _at_sampling_boundary(self) -> bool:
         """Whether a checkpoint of the current step resumes exactly: GRPO's next step samples afresh (the sampled
         batch and its π_old are not checkpointed)."""
-        return not self.grpo or self.step % self.spec.train.grpo.num_iterations == 0
+        return self.step % self._steps_per_sampling() == 0
 
     def _sampled_batch(self) -> SampledBatch:
         """The completions this step trains on: sampled now at a sampling step (or on a resume that lands between
@@ -672,9 +675,12 @@ class Trainer:
         """Checkpoint the current step synchronously unless it is committed already, record the grace used and the
         phase the stop interrupted, and stop."""
         self.checkpointer.wait()  # a background save in flight commits first (or fails loudly)
-        saved = self.step
+        saved, kept = self.step, f"checkpoint of step {self.step} committed"
         if not self._at_sampling_boundary():  # stopped inside a validation between two GRPO samplings
-            saved = self.checkpointer.store.latest() or 0
+            latest = self.checkpointer.store.latest()
+            saved = latest or 0
+            kept = ("no checkpoint yet" if latest is None else f"checkpoint of step {latest} committed") + (
+                f" (GRPO's last sampling step: steps {saved + 1}-{self.step} train again when the run resumes)")
         elif not self.checkpointer.store.is_committed(self.step):  # a committed step is not saved again
             self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
@@ -685,11 +691,8 @@ class Trainer:
         during = "" if phase == "training" else f" while {doing}"
         rest = ("; training is complete: `shardline train RUN_DIR` runs the evaluation that was cut short"
                 if self.step >= self.spec.train.max_steps and phase != "training" else "")
-        lost = (f" (GRPO's last sampling step: steps {saved + 1}-{self.step} train again when it resumes)"
-                if saved != self.step else "")
-        self._say(f"preempted by {self.stop.name or 'a signal on another rank'}{during}: checkpoint of step "
-                  f"{saved} committed" + lost + (f", {grace:.1f}s after the signal" if grace is not None else "")
-                  + rest)
+        self._say(f"preempted by {self.stop.name or 'a signal on another rank'}{during}: {kept}"
+                  + (f", {grace:.1f}s after the signal" if grace is not None else "") + rest)
         raise Preempted(saved)
 
     def _stoppable(self, evaluation: Callable[[], T]) -> T:
@@ -867,8 +870,10 @@ class Trainer:
             "mem_planned_bytes": self.planned_peak,
             "dataset_version": self.data.version,
             "checkpoint_stall_s_total": round(sum(self.checkpoint_stalls), 3),
-            # A stop signal waits for the current step to end, then for one blocking save.
-            "grace_needed_s": round(max((r.step_time_s for r in records), default=0) + self.last_blocking_save_s, 2),
+            # A stop signal waits for the current step to end (GRPO: the steps up to the next sampling too), then
+            # for one blocking save.
+            "grace_needed_s": round(max((r.step_time_s for r in records), default=0) * self._steps_per_sampling()
+                                    + self.last_blocking_save_s, 2),
         }
         if records:
             if self.grpo:  # its loss is a policy gradient's surrogate: the reward is what moves
@@ -888,7 +893,9 @@ class Trainer:
                 self._say(f"peak memory {measured / 2**30:.2f} GiB measured vs {self.planned_peak / 2**30:.2f} GiB "
                           f"planned ({100 * (self.planned_peak / measured - 1):+.0f}%)")
             self._say(f"checkpoints stalled training {summary['checkpoint_stall_s_total']:.2f}s in total; "
-                      f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step + blocking save; "
+                      f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step"
+                      + (f" × {mu} (train.grpo.num_iterations)" if (mu := self._steps_per_sampling()) > 1 else "")
+                      + " + blocking save; "
                       f"launch.grace_seconds={self.spec.launch.grace_seconds})")
         return summary
 
