@@ -11,7 +11,8 @@ built-in reward nothing and so moves nothing:
 - a full fine-tune with a KL (`train.grpo.beta`) and two steps per sampling (`train.grpo.num_iterations`): the KL's
   reference is a frozen copy of the starting weights, so the KL is exactly 0 at the first step (the policy is the
   reference) and grows once the policy moves; every second step trains the same completions again against their
-  sampling-time log-probabilities, where the clip acts.
+  sampling-time log-probabilities, where the clip acts; a SIGTERM in the first step of a sampling waits for the
+  second, so the checkpoint resumes exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from shardline.errors import EXIT_PREEMPTED
 from tests.conftest import (
     cli_in_background,
     kill_the_stopped_worker,
-    only_run,
     read_metrics,
     run_cli,
     small_overrides,
@@ -100,37 +100,16 @@ def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly
 
 
 @pytest.mark.slow
-def test_a_full_fine_tune_with_a_kl_and_two_steps_per_sampling(tmp_path):
+def test_a_full_fine_tune_with_a_kl_and_two_steps_per_sampling_stopped_between_them(tmp_path):
+    """A full fine-tune with a KL, two steps per sampling, and a SIGTERM that lands in step 1: a checkpoint after
+    step 1 could not resume exactly (the sampled batch and its log-probabilities are not in it), so the run trains
+    step 2 too, checkpoints it and stops; the rerun trains steps 3-4."""
     (tmp_path / "grpo_rewards.py").write_text(REWARD)
     runs = tmp_path / "runs"
     sets = [*small_overrides(runs), *GRPO, "parallel.nproc_per_node=1", "train.global_batch_size=8",
             "train.max_steps=4", "train.grpo.beta=0.1", "train.grpo.num_iterations=2", "train.grpo.epsilon=0.01",
-            "checkpoint.every_steps=null", "train.eval_examples=0", "observe.report=false"]
-    proc = run_cli("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "GRPO's KL reference: a frozen copy of the starting weights" in proc.stdout
-    assert "(slowest step × 2 (train.grpo.num_iterations) + blocking save" in proc.stdout  # a stop waits a step
-    grpo = {r["step"]: r["grpo"] for r in read_metrics(only_run(runs), "train")}
-    assert grpo[1]["kl"] == 0.0 and grpo[2]["kl"] > 0 and grpo[4]["kl"] > 0, grpo
-    # steps 1 and 3 sample; steps 2 and 4 train the same completions again against their sampling-time
-    # log-probabilities: the ratio has moved, so the clip acts (at epsilon 0.01)
-    assert [r["step"] for r in _rollouts(only_run(runs), 0)] == [1, 3]
-    for sampled, again in ((1, 2), (3, 4)):
-        assert grpo[sampled]["generation_s"] > 0 and grpo[again]["generation_s"] == 0.0
-        assert grpo[again]["reward"] == grpo[sampled]["reward"]
-        assert grpo[again]["completion_length"] == grpo[sampled]["completion_length"]
-        assert grpo[sampled]["clipped"] == 0.0 < grpo[again]["clipped"]
-
-
-@pytest.mark.slow
-def test_a_stop_between_two_samplings_checkpoints_at_the_next_sampling_step(tmp_path):
-    """With two steps per sampling a checkpoint after step 1 could not resume exactly (the sampled batch and its
-    log-probabilities are not in it): a SIGTERM that lands in step 1 trains step 2 too, then checkpoints it."""
-    (tmp_path / "grpo_rewards.py").write_text(REWARD)
-    runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), *GRPO, "parallel.nproc_per_node=1", "train.global_batch_size=8",
-            "train.grpo.num_iterations=2", "checkpoint.every_steps=null", "train.eval_examples=0",
-            "observe.report=false", "launch.grace_seconds=60"]
+            "checkpoint.every_steps=null", "train.eval_examples=0", "observe.report=false",
+            "launch.grace_seconds=60"]
     with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
                            fault="train_step:rank=0:step=1:action=stop") as proc:
         deadline, worker = time.monotonic() + 300, None
@@ -146,13 +125,26 @@ def test_a_stop_between_two_samplings_checkpoints_at_the_next_sampling_step(tmp_
         os.kill(worker, signal.SIGCONT)
         out, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert "GRPO's KL reference: a frozen copy of the starting weights" in out
     preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"]
     assert [e["step"] for e in preempted] == [2] and "checkpoint of step 2 committed" in out
     assert [r["step"] for r in read_metrics(run, "train")] == [1, 2]
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000002"]
+
     proc = run_cli("train", str(run), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["step"] for r in _rollouts(run, 0)] == [1, 3]  # the resume samples at step 3, as the run would have
+    assert "(slowest step × 2 (train.grpo.num_iterations) + blocking save" in proc.stdout  # a stop waits a step
+    grpo = {r["step"]: r["grpo"] for r in read_metrics(run, "train")}
+    # the reference (rebuilt from model.init_seed on resume) is the starting weights: KL 0 only at the first step
+    assert grpo[1]["kl"] == 0.0 and grpo[2]["kl"] > 0 and grpo[3]["kl"] > 0 and grpo[4]["kl"] > 0, grpo
+    # steps 1 and 3 sample (the resume samples at step 3, as the run would have); steps 2 and 4 train the same
+    # completions again against their sampling-time log-probabilities: the ratio has moved, so the clip acts
+    assert [r["step"] for r in _rollouts(run, 0)] == [1, 3]
+    for sampled, again in ((1, 2), (3, 4)):
+        assert grpo[sampled]["generation_s"] > 0 and grpo[again]["generation_s"] == 0.0
+        assert grpo[again]["reward"] == grpo[sampled]["reward"]
+        assert grpo[again]["completion_length"] == grpo[sampled]["completion_length"]
+        assert grpo[sampled]["clipped"] == 0.0 < grpo[again]["clipped"]
 
 
 def _pending(pid: int, signum: int) -> bool:
