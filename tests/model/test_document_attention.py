@@ -240,3 +240,46 @@ def test_attention_sinks_are_refused_by_name_not_dropped():
     with pytest.raises(SpecError, match="attention sinks") as e:
         document_sdpa(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, s_aux=torch.zeros(2))
     assert e.value.where == "model.attn_implementation"
+
+
+def test_masks_built_before_the_forward_keep_the_buckets_loss_and_a_compiled_block_whole():
+    """On CUDA, short rows run the dense path; its masks come to the model built before the forward, so the attention
+    reads no span offsets on the host and a compiled block (`parallel.compile`) is one graph. Here the same masks
+    on the CPU: the loss and gradients equal the per-document buckets', and dynamo compiles each block without a
+    graph break, where the buckets' path breaks it at every layer."""
+    from torch._dynamo.utils import counters
+
+    from shardline.data.spans import DocumentSpans
+    from shardline.model.document_attention import DENSE_MASKS, dense_masks
+    from shardline.model.families import layer_windows
+
+    ours, arch = _model("sdpa")
+    batch = make_batch(_rows([40, 24, 17, 30, 17, 64, 5, 9, 33, 17], seed=5), np.arange(4))
+    rows, seq = batch.input_ids.shape
+    masks = dense_masks(batch.spans, rows, seq, torch.device("cpu"), layer_windows(ours.config))
+    assert masks is not None and set(masks) == {0}
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+              **batch.spans.model_kwargs(torch.device("cpu"))}
+    results = {}
+    for path in ("buckets", "dense"):
+        ours.zero_grad()
+        logits = ours(**inputs, **({DENSE_MASKS: masks} if path == "dense" else {})).logits
+        logits.float().pow(2).mean().backward()
+        results[path] = (logits.detach(), [p.grad.clone() for p in ours.parameters()])
+    torch.testing.assert_close(results["dense"][0], results["buckets"][0], atol=1e-5, rtol=1e-4)
+    for dense, buckets in zip(results["dense"][1], results["buckets"][1], strict=True):
+        torch.testing.assert_close(dense, buckets, atol=1e-5, rtol=1e-4)
+
+    for layer in ours.model.layers:
+        layer.compile(backend="eager")  # dynamo's graphs and breaks, without inductor's codegen
+    breaks = {}
+    for path in ("dense", "buckets"):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            ours(**inputs, **({DENSE_MASKS: masks} if path == "dense" else {}))
+        breaks[path] = sum(counters["graph_break"].values())
+    assert breaks["dense"] == 0 and breaks["buckets"] >= arch.num_layers, breaks
+    crossing = (40, 24, 17, 30, 64, 5, 9, 33, 34)  # a document crosses a row boundary: the buckets stay
+    spans = DocumentSpans(torch.tensor([0, *crossing]).cumsum(0).int(), crossing, (True,) * len(crossing))
+    assert dense_masks(spans, rows, seq, torch.device("cpu"), (None,)) is None

@@ -91,6 +91,20 @@ def _block_mask(lengths: tuple[int, ...], rows: int, seq: int, device: torch.dev
     return mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask.to(device)
 
 
+DENSE_MASKS = "document_masks"
+"""The model keyword that carries the dense path's block-diagonal masks, built before the forward (`dense_masks`):
+the attention function then reads no span offsets on the host, so a compiled block (`parallel.compile`) runs the
+whole attention in its graph instead of breaking it at every layer."""
+
+
+def dense_masks(spans: DocumentSpans, rows: int, seq: int, device: torch.device,
+                windows: tuple[int | None, ...]) -> dict[int, torch.Tensor] | None:
+    """The dense path's masks of these spans for each layer window (key 0: no window), on `device`; None when a
+    document crosses a row boundary (then only the per-document buckets are exact)."""
+    masks = {window or 0: _block_mask(tuple(spans.lengths), rows, seq, device, window) for window in set(windows)}
+    return None if any(mask is None for mask in masks.values()) else masks
+
+
 @dataclass(frozen=True)
 class _Bucket:
     """Documents of one rounded length: where their tokens are and which of the rounded slots are real."""
@@ -237,9 +251,11 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         raise SpecError("model.attn_implementation", f"{type(module).__name__} adds attention sinks, which "
                         "per-document attention does not compute", "set model.attn_implementation=eager (or "
                         "flash_attention_2 on a GPU) for this model")
+    gqa = key.shape[1] != query.shape[1]
+    if softcap is None and (masks := kwargs.get(DENSE_MASKS)) is not None:  # built before the forward
+        return _dense(query, key, value, masks[int(window) if window else 0], scaling, gqa), None
     bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake
     lengths = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]  # step reads them too)
-    gqa = key.shape[1] != query.shape[1]
     if softcap is None and uses_dense_mask(query.shape[2], query.device):
         mask = _block_mask(tuple(lengths), query.shape[0], query.shape[2], query.device,
                            int(window) if window else None)

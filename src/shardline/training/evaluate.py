@@ -24,7 +24,8 @@ from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
-from shardline.model.families import is_tested
+from shardline.model.document_attention import DENSE_MASKS, NAME, dense_masks, uses_dense_mask
+from shardline.model.families import is_tested, layer_windows
 from shardline.parallel.context import context_parallel_batch, shard_batch
 from shardline.parallel.fsdp import data_parallel_rank
 from shardline.parallel.tensor import loss_context
@@ -63,10 +64,15 @@ def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None
 
 def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduction: str,
                 temperature: float = 1.0) -> torch.Tensor:
-    flash = "flash" in getattr(model.config, "_attn_implementation", "")  # reads the offsets on the device
-    spans = {} if batch.spans is None else batch.spans.model_kwargs(
-        batch.input_ids.device if flash else torch.device("cpu"))
+    attention, device = getattr(model.config, "_attn_implementation", ""), batch.input_ids.device
+    spans = {} if batch.spans is None else batch.spans.model_kwargs(  # flash reads the offsets on the device
+        device if "flash" in attention else torch.device("cpu"))
+    rows, seq = batch.input_ids.shape
     lm = causal_lm(model)
+    masks = (dense_masks(batch.spans, rows, seq, device, layer_windows(lm.config))
+             if spans and attention == NAME and uses_dense_mask(seq, device) else None)
+    if masks is not None:  # the attention reads no span offsets on the host: a compiled block does not break
+        spans[DENSE_MASKS] = masks
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction, temperature,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
