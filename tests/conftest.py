@@ -141,8 +141,9 @@ def cli_in_background(*args: str, cwd: Path | None = None, fault: str | None = N
 
 
 def workers(run: Path) -> list[int]:
-    """The PIDs of the run's training workers (torchrun's children)."""
-    out = subprocess.run(["pgrep", "-f", "--", f"-m shardline.worker --spec {run}/spec.yaml"], capture_output=True,
+    """The PIDs of the run's training workers: torchrun starts them `python -u -m shardline.worker …` (its own
+    command line has `-m shardline.worker` without the `-u`)."""
+    out = subprocess.run(["pgrep", "-f", "--", f"-u -m shardline.worker --spec {run}/spec.yaml"], capture_output=True,
                          text=True)
     return [int(p) for p in out.stdout.split()]
 
