@@ -31,7 +31,7 @@ def _sets(runs: Path, *extra: str) -> list[str]:
 def _start(runs: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shardline.cli", "train", *_sets(runs, *extra), "--nproc", str(nproc)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
 
 
 def _wait_for_step(runs: Path, step: int, proc: subprocess.Popen, committed: int | None = None) -> Path:
@@ -118,29 +118,6 @@ def test_kill_9_of_one_worker_restarts_and_matches_the_uninterrupted_run(tmp_pat
         assert losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
 
 
-def test_sigterm_checkpoints_at_the_next_step_exits_75_and_the_rerun_matches(tmp_path, reference):
-    runs = tmp_path / "runs"
-    started = time.time()
-    proc = _start(runs, "checkpoint.every_steps=100", "launch.grace_seconds=60")
-    run = _wait_for_step(runs, 6, proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
-    preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][0]
-    step = preempted["step"]
-    assert 6 <= step < STEPS and preempted["signal"] == "SIGTERM" and preempted["grace_used_s"] < 60
-    assert (run / "checkpoints" / f"step-{step:08d}" / "COMMITTED").exists()
-    assert json.loads((run / "manifest.json").read_text())["status"] == "preempted"
-    again = run_cli("train", str(run))
-    assert again.returncode == 0, again.stdout[-3000:]
-    buckets = _check_goodput(run, 2, time.time() - started)
-    assert buckets["wasted"] == 0 and buckets["restart_gap"] > 0  # the preemption saved the step it stopped at
-    assert read_status(run).goodput.attempts[0].ended_by == "preempted"
-    losses = _losses(run)
-    for s, loss in reference.items():
-        assert losses[s] == pytest.approx(loss, rel=1e-6, abs=1e-7), s
-
-
 def _trained_rows(run: Path) -> dict[int, list[int]]:
     rows: dict[int, list[int]] = {}
     for trace in sorted((run / "logs").glob("samples-rank-*.jsonl")):
@@ -171,15 +148,17 @@ def test_world_size_change_on_resume_skips_and_repeats_no_sample(tmp_path):
         assert sorted(got) == sorted(expected.tolist()), step
 
 
-def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path, reference):
-    # Ctrl-C signals the whole process group (launcher, torchrun, workers): was a SignalException traceback from
-    # torchrun and a KeyboardInterrupt traceback per worker and from the launcher, exit 1, the run marked failed
+def test_ctrl_c_then_sigterm_each_checkpoint_the_step_they_stop_at_exit_75_and_the_run_resumes_exactly(
+        tmp_path, reference):
+    """Ctrl-C signals the whole process group (launcher, torchrun, workers): was a SignalException traceback from
+    torchrun and a KeyboardInterrupt traceback per worker and from the launcher, exit 1, the run marked failed. Its
+    resume then gets SIGTERM (the launcher only, as `shardline cancel` and schedulers send it). No periodic
+    checkpoint in between: each stop commits the step it stopped at, and the third attempt finishes the run."""
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "shardline.cli", "train", *_sets(runs), "--nproc", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+    started = time.time()
+    proc = _start(runs, "checkpoint.every_steps=100", "launch.grace_seconds=60")
     try:
-        run = _wait_for_step(runs, 5, proc, committed=4)
+        run = _wait_for_step(runs, 5, proc)
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -187,20 +166,38 @@ def test_ctrl_c_checkpoints_says_one_line_exits_75_and_the_run_resumes(tmp_path,
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    # step 4 was committed (every_steps=4) before the signal: the stop must commit the step it stopped at
-    preempted = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][0]
-    step = preempted["step"]
-    assert 5 <= step < STEPS and preempted["signal"] == "SIGINT", preempted
-    assert (run / "checkpoints" / f"step-{step:08d}" / "COMMITTED").exists()
+    first = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][0]
+    assert 5 <= first["step"] < STEPS and first["signal"] == "SIGINT", first
+    assert (run / "checkpoints" / f"step-{first['step']:08d}" / "COMMITTED").exists()
     [stopped] = [line for line in out.splitlines() if line.startswith("stopped: ")]
-    assert f"resume with `shardline train {run}`" in stopped and f"checkpoint of step {step} is committed" in stopped
+    assert f"resume with `shardline train {run}`" in stopped
+    assert f"checkpoint of step {first['step']} is committed" in stopped
     assert json.loads((run / "manifest.json").read_text())["status"] == "preempted"
+
+    proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", "train", str(run)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), start_new_session=True)
+    try:
+        _wait_for_step(runs, first["step"] + 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    second = [e for e in read_metrics(run, "event") if e["event"] == "preempted"][1]
+    assert first["step"] + 2 <= second["step"] < STEPS and second["signal"] == "SIGTERM", second
+    assert second["grace_used_s"] < 60 and (run / "checkpoints" / f"step-{second['step']:08d}" / "COMMITTED").exists()
+
     again = run_cli("train", str(run), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    [resumed] = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
-    assert resumed["step"] == step and resumed["rng_restored"], resumed
+    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [first["step"], second["step"]] and all(e["rng_restored"] for e in resumes)
     steps = [r["step"] for r in read_metrics(run, "train")]
-    assert sorted(steps) == list(range(1, STEPS + 1)), steps  # from the stop step on: no step trained twice
+    assert sorted(steps) == list(range(1, STEPS + 1)), steps  # from each stop step on: no step trained twice
+    buckets = _check_goodput(run, 3, time.time() - started)
+    assert buckets["wasted"] == 0 and buckets["restart_gap"] > 0  # each stop saved the step it stopped at
+    assert [a.ended_by for a in read_status(run).goodput.attempts[:2]] == ["preempted", "preempted"]
     losses = _losses(run)
     for s, loss in reference.items():
         assert losses[s] == pytest.approx(loss, rel=1e-6, abs=1e-7), s
