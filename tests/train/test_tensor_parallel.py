@@ -24,9 +24,9 @@ from shardline.rundir import create_run, read_spec
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
-from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides, workers
 from tests.oracle import unpacked_loss
-from tests.train.test_preemption import _losses, _start, _wait_for_step, _workers
+from tests.train.test_preemption import _losses, _start, _wait_for_step
 
 STEPS = 8
 COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "checkpoint.every_steps=4", "train.lr=1e-2",
@@ -111,7 +111,7 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
     runs = tmp_path / "tp"
     proc = _start(runs, *COMMON, "parallel.tp=2", "launch.max_restarts=1", nproc=4)
     run = _wait_for_step(runs, 6, proc, committed=4)
-    os.kill(_workers(run)[-1], signal.SIGKILL)
+    os.kill(workers(run)[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-6000:]
     setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
