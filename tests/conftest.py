@@ -155,21 +155,27 @@ def stopped(pid: int) -> bool:
         return False
 
 
-def kill_the_stopped_worker(runs: Path, proc: subprocess.Popen, after_step: int = 0) -> Path:
-    """kill -9 of the worker a `SHARDLINE_FAULT=…:action=stop` drill stopped, once the run under `runs` has recorded
-    `after_step`: the rank dies at exactly the drill's point. Returns the run directory."""
+def the_stopped_worker(runs: Path, proc: subprocess.Popen, after_step: int = 0) -> tuple[Path, int]:
+    """The run under `runs` and the worker a `SHARDLINE_FAULT=…:action=stop` drill stopped, once the run has recorded
+    `after_step`."""
     deadline = time.monotonic() + 300
     while True:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "the drill never stopped a worker"
         run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
         victim = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
-        recorded = (run / "metrics.jsonl").exists() and any(
-            r["step"] >= after_step for r in read_metrics(run, "train")) if victim else False
-        if victim and (recorded or after_step == 0):
-            os.kill(victim, signal.SIGKILL)
-            return run
+        if victim and (after_step == 0 or (run / "metrics.jsonl").exists() and any(
+                r["step"] >= after_step for r in read_metrics(run, "train"))):
+            return run, victim
         time.sleep(0.05)
+
+
+def kill_the_stopped_worker(runs: Path, proc: subprocess.Popen, after_step: int = 0) -> Path:
+    """kill -9 of the worker a drill stopped (`the_stopped_worker`): the rank dies at exactly the drill's point.
+    Returns the run directory."""
+    run, victim = the_stopped_worker(runs, proc, after_step)
+    os.kill(victim, signal.SIGKILL)
+    return run
 
 
 def read_metrics(run_dir: Path, kind: str) -> list[dict]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardline.checkpointing.manager import CheckpointStore, step_name
-from tests.conftest import REPO, cli_in_background, only_run, read_metrics, small_overrides, stopped, workers
+from tests.conftest import REPO, cli_in_background, only_run, read_metrics, small_overrides, the_stopped_worker
 from tests.faults.conftest import MATRIX
 
 pytestmark = pytest.mark.slow
@@ -79,12 +79,7 @@ def test_kill_9_of_a_rank_inside_a_checkpoint_write_keeps_the_last_good_one(tmp_
     runs = tmp_path / "runs"
     # rank 1 stops itself inside the save of step 8: its shard files are on disk, the save is not finished
     with cli_in_background(*_args(runs), fault=f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop") as proc:
-        deadline, victim = time.monotonic() + 300, None
-        while victim is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "the drill never reached the write"
-            run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
-            victim = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
-            time.sleep(0.05)
+        run, victim = the_stopped_worker(runs, proc)
         in_flight = run / "checkpoints" / step_name(2 * EVERY)
         assert list(in_flight.glob("__1_*.distcp")), "the kill must land inside the write"
         assert not (in_flight / ".metadata").exists() and not (in_flight / "COMMITTED").exists()

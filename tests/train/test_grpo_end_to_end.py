@@ -32,8 +32,7 @@ from tests.conftest import (
     read_metrics,
     run_cli,
     small_overrides,
-    stopped,
-    workers,
+    the_stopped_worker,
 )
 
 GRPO = ["train.objective=grpo", "train.grpo.num_generations=4", "train.global_batch_size=16",
@@ -112,12 +111,8 @@ def test_a_full_fine_tune_with_a_kl_and_two_steps_per_sampling_stopped_between_t
             "launch.grace_seconds=60"]
     with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
                            fault="train_step:rank=0:step=1:action=stop") as proc:
-        deadline, worker = time.monotonic() + 300, None
-        while worker is None:  # the rank stops itself before step 1
-            assert proc.poll() is None and time.monotonic() < deadline, "the drill never stopped the rank"
-            run = next((p.parent for p in runs.glob("*/spec.yaml")), None)
-            worker = next((pid for pid in workers(run) if stopped(pid)), None) if run else None
-            time.sleep(0.05)
+        run, worker = the_stopped_worker(runs, proc)  # the rank stops itself before step 1
+        deadline = time.monotonic() + 300
         proc.send_signal(signal.SIGTERM)
         while not _pending(worker, signal.SIGTERM):  # forwarded by the launcher; delivered when the rank goes on
             assert proc.poll() is None and time.monotonic() < deadline, "the SIGTERM never reached the rank"
