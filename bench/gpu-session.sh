@@ -42,7 +42,7 @@ for phase in "$@"; do
 case "$phase" in
 protocol-a)
   step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
-  step protocol-a 540 python3 bench/protocols.py A --baseline hf --out "$out"
+  step protocol-a 420 python3 bench/protocols.py A --baseline hf --out "$out"
   ;;
 checks)
   step versions 30 bash -c 'nvidia-smi; python3 -c "

@@ -8,6 +8,7 @@
      per-block torch.compile, 10 steps of which the first 5 are excluded.
 
     python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR] [--baseline hf]
+                              [--set KEY=VALUE]...
 
 `full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
 protocol on a 4-layer model at 1/32 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
@@ -190,25 +191,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a real checkpoint directory instead of Llama-3.1-8B's shapes")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--baseline", choices=["hf"], help="also train HF Trainer on the same model and rows")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one change to the protocol's spec (a variant: parallel.compile=true, say)")
     parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)  # RUN_DIR: the baseline, in a child
     args = parser.parse_args(argv)
     if args.hf_worker:
         print(json.dumps(hf_worker(args.hf_worker, args.protocol)))
         return 0
     sets = protocol_sets(args.protocol, args.size, args.nproc, args.model)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected KEY=VALUE")
+        sets[key] = value
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="shardline-protocol-") as tmp:
         overrides = {**sets, "run.dir": f"{tmp}/runs"}
         cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(args.nproc),
                *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
         started = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env())
+        # The run's own output goes to a log beside the result, as it comes: a run stopped at a time limit leaves it.
+        with open(args.out / f"protocol-{args.protocol}-shardline.log", "w") as log:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
         if proc.returncode != 0:
-            print(proc.stdout[-4000:] + proc.stderr[-4000:], file=sys.stderr)
+            print((args.out / f"protocol-{args.protocol}-shardline.log").read_text()[-8000:], file=sys.stderr)
             return proc.returncode
         run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
         result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
                   "versions": versions()}
+        # shardline's numbers are written before the baseline starts, so a baseline cut short does not lose them.
+        (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
         if args.baseline:
             child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run)], cwd=REPO,
                                    capture_output=True, text=True, env=child_env())

@@ -16,9 +16,10 @@ pytestmark = pytest.mark.slow  # one training launch per protocol
 
 @pytest.mark.parametrize("protocol", ["A", "B"])
 def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protocol):
-    baseline = ["--baseline", "hf"] if protocol == "A" else []  # B's HF run compiles the whole model: minutes
+    # B's HF run compiles the whole model (minutes); B runs a variant instead (--set: a changed learning rate)
+    extra = ["--baseline", "hf"] if protocol == "A" else ["--set", "train.lr=0.0005"]
     res = subprocess.run([sys.executable, "bench/protocols.py", protocol, "--size", "small", "--out", str(tmp_path),
-                          *baseline], cwd=REPO, capture_output=True, text=True, timeout=900)
+                          *extra], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads((tmp_path / f"protocol-{protocol}.json").read_text())
     sets = out["overrides"]
@@ -42,4 +43,8 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protoco
     else:
         assert (seq, sets["parallel.activation_checkpointing"], sets["parallel.compile"]) == (256, "selective", "true")
         assert params["frozen"] == 0
+        # the variant reached the trainer: its first step (no warm-up) logs the changed rate, in the run's own log
+        assert sets["train.lr"] == "0.0005"
+        log = (tmp_path / "protocol-B-shardline.log").read_text()
+        assert "step     1/10" in log and "lr 5.00e-04" in log.split("step     1/10")[1].splitlines()[0]
     assert f"protocol {protocol} (small, world 1)" in res.stdout
