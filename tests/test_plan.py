@@ -120,10 +120,14 @@ def test_local_config_json_and_unknown_hub_names(tmp_path):
     ["train.precision=bf16"],
     ["train.precision=bf16", "model.lora.enabled=true", "model.lora.dropout=0.1", LORA_ALL],
     ["train.precision=fp32", "model.arch.num_kv_heads=4", "model.attn_implementation=eager"],
+    # compiled blocks: inductor recomputes act(gate) and the RMSNorms' fp32 copies (a LoRA and a full fine-tune)
+    ["train.precision=bf16", "model.lora.enabled=true", LORA_ALL, "parallel.compile=true"],
+    ["train.precision=fp32", "parallel.compile=true"],
 ])
 def test_block_activation_formula_equals_what_autograd_saves(ctx, session_dir, prepared, overrides):
     """Bytes saved for backward inside one decoder block, counted by storage, versus the formula."""
     spec = small_spec(session_dir, "train.peak_tflops=1", *overrides)
+    torch._dynamo.reset()  # past its recompile limit dynamo would run a compiled block eagerly, and save as eager
     trainer = Trainer(spec, ctx, prepared, session_dir / "runs" / "plan", Console(quiet=True))
     layer = decoder_layers(trainer.model)[1]
     # Storages by address, held so that no address is freed and reused while counting.
@@ -148,10 +152,12 @@ def test_block_activation_formula_equals_what_autograd_saves(ctx, session_dir, p
         token_loss_sum(trainer.model, batch)
     c = 2 if spec.train.precision == "bf16" else 4
     per_token = block_saved_bytes(model_shape(spec.model), c, spec.model.lora, spec.model.attn_implementation,
-                                  spec.train.seq_len, "cpu")
+                                  spec.train.seq_len, "cpu", spec.parallel.compile)
     # Per-document SDPA saves an output and a logsumexp per document; the count of those small storages
     # seen by address varies by a few between runs (unexplained), hence 3% there and 1% elsewhere.
-    tolerance = 0.03 if spec.model.attn_implementation == "sdpa" else 0.01
+    # Compiled blocks vary more (4,136 planned against 4,160-4,267 bytes a token measured in fp32): 5% there,
+    # against the 22% that compile takes off.
+    tolerance = 0.05 if spec.parallel.compile else 0.03 if spec.model.attn_implementation == "sdpa" else 0.01
     assert sum(s.nbytes() for s in saved.values()) == pytest.approx(per_token * batch.input_ids.numel(), rel=tolerance)
 
 
@@ -160,26 +166,28 @@ def _preset(name: str, *overrides: str):
 
 
 def test_presets_give_sensible_numbers():
-    lora = plan_memory(_preset("llama-3.1-8b-lora"), "h100")  # no AC: 23 GiB of activations
-    assert lora.fits and 30 * GiB < lora.total_bytes < 45 * GiB
+    lora = plan_memory(_preset("llama-3.1-8b-lora"), "h100")  # no AC, compiled: 17.6 GiB of activations
+    assert lora.fits and 25 * GiB < lora.total_bytes < 45 * GiB
+    eager = plan_memory(_preset("llama-3.1-8b-lora", "parallel.compile=false"), "h100")  # 23.1 GiB eager
+    assert 1.15 < eager.activations / lora.activations < 1.35  # act(gate) and the norms' fp32 copies
     # the frozen base in bf16 (2 B/param), the 13.6M adapter weights as fp32 masters, over 8 shards
     assert lora.params == pytest.approx((2 * 8.03e9 + 4 * 13.6e6) / 8, rel=0.01) and lora.optimizer < 0.1 * GiB
 
-    full_ac = "parallel.activation_checkpointing=full"
-    hsdp = plan_memory(_preset("llama-3.1-70b-fsdp", "parallel.dp_replicate=2", full_ac), "h100")  # 2 × 8 shards
+    full_ac = ("parallel.activation_checkpointing=full", "parallel.activation_checkpointing_every=1")
+    hsdp = plan_memory(_preset("llama-3.1-70b-fsdp", "parallel.dp_replicate=2", *full_ac), "h100")  # 2 × 8 shards
     assert hsdp.params + hsdp.grads + hsdp.optimizer == pytest.approx(16 * 70.55e9 / 8, rel=0.01)  # 16 B/param / 8
     assert not hsdp.fits and plan_memory(_preset("llama-3.1-70b-fsdp"), "b200").fits
     # Fully sharded over the same 16 GPUs the fp32 master + AdamW state is 66 GiB per H100: FSDP's buffers
     # and the activations push it over 80 GB even with full AC; with full AC it fits on H200s, or on 32 H100s.
-    full16 = ["parallel.dp_replicate=1", "parallel.dp_shard=16", full_ac]
+    full16 = ["parallel.dp_replicate=1", "parallel.dp_shard=16", *full_ac]
     assert not plan_memory(_preset("llama-3.1-70b-fsdp", *full16), "h100").fits
     assert plan_memory(_preset("llama-3.1-70b-fsdp", *full16), "h200").fits
-    assert plan_memory(_preset("llama-3.1-70b-fsdp", "launch.nnodes=4", full_ac), "h100").fits
+    assert plan_memory(_preset("llama-3.1-70b-fsdp", "launch.nnodes=4", *full_ac), "h100").fits
 
 
 def test_activation_levers_order_and_scale():
     base = ["launch.nnodes=1", "parallel.dp_replicate=1", "train.global_batch_size=64",
-            "model.attn_implementation=sdpa"]
+            "model.attn_implementation=sdpa", "parallel.compile=false", "parallel.activation_checkpointing_every=1"]
     acts = {ac: plan_memory(_preset("llama-3.1-70b-fsdp", *base, f"parallel.activation_checkpointing={ac}"),
                             "h200").saved_activations for ac in ("none", "selective", "full")}
     assert acts["none"] > 2 * acts["selective"] > 2 * acts["full"]

@@ -23,7 +23,8 @@ I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
   the packed-sequence mask B×T×T in c per block; GQA heads are repeated when a mask is used; a frozen
   linear does not save its input). AC `full` keeps only block inputs (c·d), `selective` the matmul and
   attention outputs; a checkpointed block is recomputed once in backward (+1 block). Every k-th block
-  only with `activation_checkpointing_every`.
+  only with `activation_checkpointing_every`. A compiled block (`parallel.compile`) keeps each RMSNorm's input in
+  c, not fp32, and not act(gate): inductor recomputes them in backward.
 - logits and loss: 12·N·V (fp32 log-softmax output, its gradient and the logits gradient); with
   `train.loss_chunk_tokens` = k the same for one chunk, 12·min(N, k)·V, plus the loss-bearing hidden states
   the chunks read and their gradient, 2·c·N·d.
@@ -277,8 +278,11 @@ def nf4_dequantize_bytes(numel: int, c: int) -> int:
     return (8 + 3 * c) * numel
 
 
-def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len: int, kind: str = "cuda") -> float:
-    """Bytes one decoder block saves for backward, per token, without activation checkpointing."""
+def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len: int, kind: str = "cuda",
+                      compiled: bool = False) -> float:
+    """Bytes one decoder block saves for backward, per token, without activation checkpointing. A compiled block
+    (`parallel.compile`) saves less: inductor's partitioner recomputes the cheap pointwise ops in the backward, so
+    each RMSNorm keeps one compute-dtype tensor (not its fp32 copy) and the MLP keeps gate and up, not act(gate)."""
     d, i, h = s.hidden, s.intermediate, s.heads
     q, kv = h * s.hd, s.kv_heads * s.hd
     targets = set(lora_targets(s, lora))
@@ -299,8 +303,9 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     kv_saved = q if (attn == "eager" and kv < q) else kv
     fused = s.family.fused
     # RMSNorms (2, Gemma's 4): fp32 input, normalized (weight grad), rsqrt; QK-norm the same over q and k
-    b = s.norms_per_block * (4 * d + (c * d if full else 0) + 4) / s.tp  # sequence parallel: 1/tp of the tokens
-    b += (4 + (c if full else 0)) * (q + kv) + 4 * (h + s.kv_heads) if s.family.qk_norm else 0
+    norm = c if compiled else 4 + (c if full else 0)  # bytes per normalized element
+    b = s.norms_per_block * (norm * d + 4) / s.tp  # sequence parallel: 1/tp of the tokens
+    b += norm * (q + kv) + 4 * (h + s.kv_heads) if s.family.qk_norm else 0
     b += inputs(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"), d)
     # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
     b += inputs(("o_proj",), q, shared=attn == "flash_attention_2")
@@ -308,7 +313,8 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
         b += c * (q + 2 * kv_saved) + h * seq_len * (4 + (c if c < 4 else 0))
     else:  # SDPA / flash: q, k, v, output and logsumexp
         b += c * (2 * q + 2 * kv_saved) + 4 * h
-    b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d) + 3 * c * i  # gate, act(gate), up
+    b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d)
+    b += (2 if compiled else 3) * c * i  # gate, up and (eager) act(gate)
     b += inputs(("down_proj",), i)
     b += sum(c * lora.r for m in targets if m in block_linears(s))  # lora_A outputs
     return b
@@ -378,7 +384,7 @@ def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[f
     """(bytes saved at the start of backward, one block's saved bytes, checkpointed blocks)."""
     p, t, lora = spec.parallel, spec.train, spec.model.lora
     n, d = t.micro_batch_size * t.seq_len // p.cp, shape.hidden
-    block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind) * n
+    block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind, p.compile) * n
     # context parallel: attention saves the keys and values it gathered from the other ranks of the row
     block += 2 * c * shape.kv_heads * shape.hd * t.micro_batch_size * (t.seq_len - t.seq_len // p.cp)
     n_ckpt = 0 if p.activation_checkpointing == "none" else math.ceil(shape.layers / p.activation_checkpointing_every)

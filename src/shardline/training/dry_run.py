@@ -168,13 +168,16 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
                         "plan it without --dry-run (shardline plan SPEC models cp)")
     precision = planned_precision(spec.train.precision, device)
     c = 2 if precision == "bf16" else 4
+    # The plans beside the simulation are of what it runs: eager blocks (`shardline plan` counts a compiled
+    # block's smaller saved activations)
+    eager = spec.model_copy(update={"parallel": spec.parallel.model_copy(update={"compile": False})})
     result: dict = {"world": spec.world_size, "rank": rank, "dp_replicate": spec.parallel.dp_replicate,
                     "dp_shard": spec.parallel.dp_shard or spec.world_size // (spec.parallel.dp_replicate
                                                                               * spec.parallel.tp),
                     "tp": spec.parallel.tp,
                     "precision": precision, "torch": torch.__version__, "kernels": KERNELS,
-                    "planned": _planned(spec, device, c),
-                    "planned_cpu_kernels": _planned(spec, Device("CPU kernels", device.memory_bytes, "cpu"), c)}
+                    "planned": _planned(eager, device, c),
+                    "planned_cpu_kernels": _planned(eager, Device("CPU kernels", device.memory_bytes, "cpu"), c)}
     start = time.perf_counter()
     with fake_process_group(spec.world_size, rank):
         progress(f"building and sharding on the meta device (world {spec.world_size}, rank {rank})")
