@@ -283,3 +283,43 @@ def test_masks_built_before_the_forward_keep_the_buckets_loss_and_a_compiled_blo
     crossing = (40, 24, 17, 30, 64, 5, 9, 33, 34)  # a document crosses a row boundary: the buckets stay
     spans = DocumentSpans(torch.tensor([0, *crossing]).cumsum(0).int(), crossing, (True,) * len(crossing))
     assert dense_masks(spans, rows, seq, torch.device("cpu"), (None,)) is None
+
+
+def test_rows_of_one_document_each_run_plain_causal_sdpa_equal_to_the_buckets_and_a_compiled_block_whole():
+    """Rows that each hold one whole document (pre-training style data, the peers' protocols) need no mask and no
+    span offsets: `token_loss_sum` passes `WHOLE_ROWS` and each layer runs one causal SDPA call over the rows. The
+    loss and gradients equal the per-document buckets', and dynamo compiles each block without a graph break."""
+    from torch._dynamo.utils import counters
+
+    from shardline.model.document_attention import WHOLE_ROWS, whole_rows
+
+    ours, arch = _model("sdpa")
+    batch = make_batch(_rows([SEQ] * 4, seed=7), np.arange(4))
+    rows, seq = batch.input_ids.shape
+    assert (rows, seq) == (4, SEQ) and whole_rows(batch.spans, rows)
+    padded = make_batch(_rows([SEQ - 4, SEQ, SEQ, SEQ], seed=7), np.arange(4))  # a padding tail is a span
+    packed = make_batch(_rows([40, 24, SEQ, SEQ, SEQ], seed=7), np.arange(4))  # a row of two documents
+    assert not whole_rows(padded.spans, 4) and not whole_rows(packed.spans, 4)
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+              **batch.spans.model_kwargs(torch.device("cpu"))}
+    results = {}
+    for path in ("buckets", "rows"):
+        ours.zero_grad()
+        logits = ours(**inputs, **({WHOLE_ROWS: True} if path == "rows" else {})).logits
+        logits.float().pow(2).mean().backward()
+        results[path] = (logits.detach(), [p.grad.clone() for p in ours.parameters()])
+    torch.testing.assert_close(results["rows"][0], results["buckets"][0], atol=1e-5, rtol=1e-4)
+    for rows_grad, buckets_grad in zip(results["rows"][1], results["buckets"][1], strict=True):
+        torch.testing.assert_close(rows_grad, buckets_grad, atol=1e-5, rtol=1e-4)
+
+    for layer in ours.model.layers:
+        layer.compile(backend="eager")  # dynamo's graphs and breaks, without inductor's codegen
+    breaks = {}
+    for path, data in (("rows", batch), ("packed", packed)):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            loss = token_loss_sum(ours, data)  # the trainer's forward: it passes WHOLE_ROWS where it holds
+        breaks[path] = sum(counters["graph_break"].values())
+        assert torch.isfinite(loss)
+    assert breaks["rows"] == 0 and breaks["packed"] >= arch.num_layers, breaks

@@ -97,6 +97,18 @@ the attention function then reads no span offsets on the host, so a compiled blo
 whole attention in its graph instead of breaking it at every layer."""
 
 
+WHOLE_ROWS = "document_rows"
+"""The model keyword saying that every row is one document, all of it real (`whole_rows`): attention is then plain
+causal SDPA over each row, with no mask, no gather and no span offsets read on the host, so a compiled block stays
+one graph. Long single-document rows (pre-training style data, NeMo's and torchtitan's protocols) take it."""
+
+
+def whole_rows(spans: DocumentSpans, rows: int) -> bool:
+    """Whether each of `rows` rows holds one document and no padding (a row boundary always starts a span, and a
+    padding tail is a span of its own)."""
+    return len(spans.lengths) == rows and all(spans.real)
+
+
 def dense_masks(spans: DocumentSpans, rows: int, seq: int, device: torch.device,
                 windows: tuple[int | None, ...]) -> dict[int, torch.Tensor] | None:
     """The dense path's masks of these spans for each layer window (key 0: no window), on `device`; None when a
@@ -252,6 +264,10 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                         "per-document attention does not compute", "set model.attn_implementation=eager (or "
                         "flash_attention_2 on a GPU) for this model")
     gqa = key.shape[1] != query.shape[1]
+    if softcap is None and kwargs.get(WHOLE_ROWS) and not (window and window < query.shape[2]):
+        with sdpa_kernel(backends) if (backends := sdpa_backends(query.shape[2], query.device)) else nullcontext():
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     if softcap is None and (masks := kwargs.get(DENSE_MASKS)) is not None:  # built before the forward
         return _dense(query, key, value, masks[int(window) if window else 0], scaling, gqa), None
     bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake

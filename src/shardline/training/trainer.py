@@ -34,7 +34,7 @@ from shardline.failures import PHASES
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model, causal_lm
-from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask
+from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask, whole_rows
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
     FORMULA,
@@ -644,6 +644,10 @@ class Trainer:
         rows, seq = batch.input_ids.shape
         if self.cp_mesh is not None:
             return rows * seq * seq if self.ctx.device.type != "cuda" else batch.spans.executed_causal_pairs()
+        window = self.flops.window
+        if self.spec.model.attn_implementation == "sdpa" and whole_rows(batch.spans, rows) and not (
+                window and window < seq):
+            return batch.spans.executed_causal_pairs()  # one causal call per row (document_attention.WHOLE_ROWS)
         if self.spec.model.attn_implementation == "eager" or (
                 self.spec.model.attn_implementation == "sdpa" and uses_dense_mask(seq, self.ctx.device)):
             return rows * seq * seq
