@@ -323,3 +323,33 @@ def test_rows_of_one_document_each_run_plain_causal_sdpa_equal_to_the_buckets_an
         breaks[path] = sum(counters["graph_break"].values())
         assert torch.isfinite(loss)
     assert breaks["rows"] == 0 and breaks["packed"] >= arch.num_layers, breaks
+
+
+def test_attention_dropout_on_packed_rows_masks_documents_as_transformers_does():
+    """With spans the model gets a placeholder mask and transformers builds none (no packed-sequence check on the
+    host, no [B, 1, T, T] mask per forward); attention dropout, the one path that needs a mask, builds the same
+    block-diagonal mask itself. Same weights, same seed: the loss equals transformers' own SDPA path, which finds the
+    documents from the positions, and differs from the loss without dropout."""
+    import copy
+
+    import torch.nn.functional as F
+
+    ours, _ = _model("sdpa")
+    theirs = copy.deepcopy(ours)
+    theirs.set_attn_implementation("sdpa")
+    for model in (ours, theirs):
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.25
+        model.train()
+    batch = make_batch(_rows([40, 24, 17, 30, 17, 64, 5, 9, 33, 17], seed=5), np.arange(4))
+    losses = {}
+    for name, model in (("ours", ours), ("theirs", theirs)):
+        torch.manual_seed(3)
+        if name == "ours":
+            losses[name] = token_loss_sum(model, batch)
+        else:
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            losses[name] = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), reduction="sum")
+    torch.testing.assert_close(losses["ours"], losses["theirs"], atol=1e-4, rtol=1e-5)
+    ours.eval()
+    assert abs(token_loss_sum(ours, batch).item() - losses["ours"].item()) > 1e-3  # the dropout acted

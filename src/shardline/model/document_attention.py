@@ -97,6 +97,14 @@ the attention function then reads no span offsets on the host, so a compiled blo
 whole attention in its graph instead of breaking it at every layer."""
 
 
+def mask_placeholder(rows: int, device: torch.device) -> torch.Tensor:
+    """The `attention_mask` for a forward with spans: [rows, 1, 1, 1], which transformers passes through untouched
+    (a 4D mask counts as prepared). With spans this attention never reads a mask, so transformers' own is never
+    built: its packed-sequence check reads `position_ids` on the host (a device sync per forward) and its
+    [rows, 1, T, T] block mask would take 1 GiB a forward at 32,768 tokens."""
+    return torch.ones(rows, 1, 1, 1, dtype=torch.bool, device=device)
+
+
 WHOLE_ROWS = "document_rows"
 """The model keyword saying that every row is one document, all of it real (`whole_rows`): attention is then plain
 causal SDPA over each row, with no mask, no gather and no span offsets read on the host, so a compiled block stays
@@ -256,13 +264,18 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
             keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         out = _capped_attention(query, key, value, keep, scaling, float(softcap))
         return out.transpose(1, 2).contiguous(), None
-    if cu is None or query.shape[2] == 1 or dropout > 0.0:
+    if cu is None or query.shape[2] == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if kwargs.get("s_aux") is not None:
         raise SpecError("model.attn_implementation", f"{type(module).__name__} adds attention sinks, which "
                         "per-document attention does not compute", "set model.attn_implementation=eager (or "
                         "flash_attention_2 on a GPU) for this model")
+    if dropout > 0.0:  # attention dropout: one call over whole rows with the block-diagonal mask, as transformers
+        bounds = cu.tolist()  # would build it from the positions (`mask_placeholder` kept it from doing so)
+        lengths = tuple(end - start for start, end in zip(bounds, bounds[1:], strict=False))
+        mask = _block_mask(lengths, query.shape[0], query.shape[2], query.device, int(window) if window else None)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     if softcap is None and kwargs.get(WHOLE_ROWS) and not (window and window < query.shape[2]):
         with sdpa_kernel(backends) if (backends := sdpa_backends(query.shape[2], query.device)) else nullcontext():

@@ -24,7 +24,15 @@ from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
 from shardline.model.build import causal_lm
-from shardline.model.document_attention import DENSE_MASKS, NAME, WHOLE_ROWS, dense_masks, uses_dense_mask, whole_rows
+from shardline.model.document_attention import (
+    DENSE_MASKS,
+    NAME,
+    WHOLE_ROWS,
+    dense_masks,
+    mask_placeholder,
+    uses_dense_mask,
+    whole_rows,
+)
 from shardline.model.families import is_tested, layer_windows
 from shardline.parallel.context import context_parallel_batch, shard_batch
 from shardline.parallel.fsdp import data_parallel_rank
@@ -75,6 +83,8 @@ def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduct
         spans[DENSE_MASKS] = masks
     if spans and attention == NAME and whole_rows(batch.spans, rows):  # likewise: plain causal rows
         spans[WHOLE_ROWS] = True
+    if spans and attention == NAME:  # the attention reads the spans, not a mask: transformers builds none
+        spans["attention_mask"] = mask_placeholder(rows, device)
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction, temperature,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
