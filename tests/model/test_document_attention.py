@@ -32,6 +32,22 @@ def _rows(lengths: list[int], seed: int = 0):
     return pack(docs, SEQ, pad_id=0)
 
 
+def _assert_same_logits_and_gradients(model, batch, keywords: dict) -> None:
+    """The model's logits and every gradient with `keywords` passed equal those of the per-document buckets."""
+    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
+              **batch.spans.model_kwargs(torch.device("cpu"))}
+    results = []
+    for extra in ({}, keywords):
+        model.zero_grad()
+        logits = model(**inputs, **extra).logits
+        logits.float().pow(2).mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (buckets, bucket_grads), (other, other_grads) = results
+    torch.testing.assert_close(other, buckets, atol=1e-5, rtol=1e-4)
+    for got, expected in zip(other_grads, bucket_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_sdpa_means_per_document_sdpa_and_matches_eager_with_the_block_mask_in_loss_and_gradients():
     ours, _ = _model("sdpa")
     eager, _ = _model("eager")
@@ -258,17 +274,9 @@ def test_masks_built_before_the_forward_keep_the_buckets_loss_and_a_compiled_blo
     rows, seq = batch.input_ids.shape
     masks = dense_masks(batch.spans, rows, seq, torch.device("cpu"), layer_windows(ours.config))
     assert masks is not None and set(masks) == {0}
+    _assert_same_logits_and_gradients(ours, batch, {DENSE_MASKS: masks})
     inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
               **batch.spans.model_kwargs(torch.device("cpu"))}
-    results = {}
-    for path in ("buckets", "dense"):
-        ours.zero_grad()
-        logits = ours(**inputs, **({DENSE_MASKS: masks} if path == "dense" else {})).logits
-        logits.float().pow(2).mean().backward()
-        results[path] = (logits.detach(), [p.grad.clone() for p in ours.parameters()])
-    torch.testing.assert_close(results["dense"][0], results["buckets"][0], atol=1e-5, rtol=1e-4)
-    for dense, buckets in zip(results["dense"][1], results["buckets"][1], strict=True):
-        torch.testing.assert_close(dense, buckets, atol=1e-5, rtol=1e-4)
 
     for layer in ours.model.layers:
         layer.compile(backend="eager")  # dynamo's graphs and breaks, without inductor's codegen
@@ -300,17 +308,7 @@ def test_rows_of_one_document_each_run_plain_causal_sdpa_equal_to_the_buckets_an
     padded = make_batch(_rows([SEQ - 4, SEQ, SEQ, SEQ], seed=7), np.arange(4))  # a padding tail is a span
     packed = make_batch(_rows([40, 24, SEQ, SEQ, SEQ], seed=7), np.arange(4))  # a row of two documents
     assert not whole_rows(padded.spans, 4) and not whole_rows(packed.spans, 4)
-    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids,
-              **batch.spans.model_kwargs(torch.device("cpu"))}
-    results = {}
-    for path in ("buckets", "rows"):
-        ours.zero_grad()
-        logits = ours(**inputs, **({WHOLE_ROWS: True} if path == "rows" else {})).logits
-        logits.float().pow(2).mean().backward()
-        results[path] = (logits.detach(), [p.grad.clone() for p in ours.parameters()])
-    torch.testing.assert_close(results["rows"][0], results["buckets"][0], atol=1e-5, rtol=1e-4)
-    for rows_grad, buckets_grad in zip(results["rows"][1], results["buckets"][1], strict=True):
-        torch.testing.assert_close(rows_grad, buckets_grad, atol=1e-5, rtol=1e-4)
+    _assert_same_logits_and_gradients(ours, batch, {WHOLE_ROWS: True})
 
     for layer in ours.model.layers:
         layer.compile(backend="eager")  # dynamo's graphs and breaks, without inductor's codegen
