@@ -52,7 +52,8 @@ def test_the_nf4_base_is_counted_at_torchaos_bytes_whole_on_every_rank(preset):
 def test_the_dry_run_simulates_a_qlora_step_and_the_plan_holds_it():
     """tiny with hidden 128 (its q/o/MLP projections quantize): the real sharding code leaves the NF4 weights outside
     FSDP, FSDP's shards equal the plan's exactly, and the simulated step's peak (torch's tracker over fake tensors,
-    NF4 weights and their dequantization included) lies below the plan, by its measured 2.6 % within 2 points."""
+    NF4 weights and their dequantization included) lies below the plan, by its measured 5.1 % within 2 points (2.6 %
+    while the step still built transformers' unread [B, 1, T, T] mask)."""
     from shardline.api import dry_run
 
     spec = load_spec("tiny", ["model.lora.enabled=true", "model.lora.quantize_base=nf4", "model.arch.hidden_size=128",
@@ -63,4 +64,4 @@ def test_the_dry_run_simulates_a_qlora_step_and_the_plan_holds_it():
         assert result["sharding"][key] == pytest.approx(result["planned_cpu_kernels"][key], rel=1e-9), key
     gap = result["planned_cpu_kernels"]["peak"] / result["step"]["peak_bytes"] - 1
     assert result["step"]["breakdown"]["NF4 Param"] > 0  # resident all step, outside the tracker's FSDP view
-    assert 0.006 <= gap <= 0.046, gap
+    assert 0.031 <= gap <= 0.071, gap

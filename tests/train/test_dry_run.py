@@ -33,11 +33,13 @@ from tests.conftest import REPO
 # therefore a fixed number, set by where the planner is deliberately conservative (it puts all saved activations,
 # the fp32 logits and their gradient, and the gathered block at one moment; the tracker sees the loss's chunks
 # and the blocks' buffers come and go). Measured on torch 2.13.0 (planned / simulated − 1; the 70B presets after
-# their AC became selective on every 2nd block and none with TP, the lightest that fits with compiled blocks):
+# their AC became selective on every 2nd block and none with TP, the lightest that fits with compiled blocks; tiny
+# and the 32k preset after the step stopped building transformers' [B, 1, T, T] mask, which the plan never counted
+# and the attention never read: 0.0227 and 0.1893 before):
 PLANNED_OVER_SIMULATED = {
-    "tiny": 0.0227, "llama-3.1-8b-lora": 0.0513, "llama-3.1-70b-fsdp": 0.2025, "qwen3-8b-lora": 0.0420,
+    "tiny": 0.0466, "llama-3.1-8b-lora": 0.0513, "llama-3.1-70b-fsdp": 0.2025, "qwen3-8b-lora": 0.0420,
     "mistral-7b-lora": 0.1044, "gemma-3-12b-lora": 0.0323, "llama-3.1-70b-fsdp-tp8": 0.1627,
-    "llama-3.1-8b-32k": 0.1893,
+    "llama-3.1-8b-32k": 0.2802,
 }
 # Each case is held to its own gap within 2 points of the simulated peak: room for torch to change a kernel's
 # temporaries, not for a term of the plan to go missing or double (the smallest term that matters, tiny's 16 MiB
