@@ -351,3 +351,26 @@ def test_attention_dropout_on_packed_rows_masks_documents_as_transformers_does()
     torch.testing.assert_close(losses["ours"], losses["theirs"], atol=1e-4, rtol=1e-5)
     ours.eval()
     assert abs(token_loss_sum(ours, batch).item() - losses["ours"].item()) > 1e-3  # the dropout acted
+
+
+def test_where_short_rows_take_dense_masks_whole_document_rows_build_none(monkeypatch):
+    """On CUDA, rows of ≤ 1024 tokens get block-diagonal masks built before the forward; rows of one whole document
+    need none (one causal call per row), unless a layer's window is shorter than the row. The device rule is
+    forced here; the masks the forward would get are recorded."""
+    from shardline.training import evaluate
+
+    built = []
+    monkeypatch.setattr(evaluate, "uses_dense_mask", lambda seq, device: True)
+    monkeypatch.setattr(evaluate, "dense_masks", lambda *args: built.append(args) or None)
+    ours, _ = _model("sdpa")
+    whole = make_batch(_rows([SEQ] * 4, seed=7), np.arange(4))
+    packed = make_batch(_rows([40, 24, 17, 30, 17, 64, 5, 9, 33, 17], seed=5), np.arange(4))
+    with torch.no_grad():
+        token_loss_sum(ours, whole)
+        assert built == []
+        token_loss_sum(ours, packed)
+        assert len(built) == 1
+        ours.config.sliding_window = SEQ // 2  # as Mistral's: each layer's window (layer_windows) now cuts the row
+        ours.config.layer_types = ["sliding_attention"] * len(ours.model.layers)
+        token_loss_sum(ours, whole)
+    assert len(built) == 2 and built[1][-1] == (SEQ // 2,) * len(ours.model.layers)
