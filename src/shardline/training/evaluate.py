@@ -77,14 +77,14 @@ def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduct
         device if "flash" in attention else torch.device("cpu"))
     rows, seq = batch.input_ids.shape
     lm = causal_lm(model)
-    windows = layer_windows(lm.config)
     whole = bool(spans) and attention == NAME and whole_rows(batch.spans, rows)  # plain causal rows: no mask,
     if whole:  # and no span offsets read on the host, so a compiled block does not break
         spans[WHOLE_ROWS] = True
-    masks = (dense_masks(batch.spans, rows, seq, device, windows) if spans and attention == NAME
-             and uses_dense_mask(seq, device) and not (whole and not any(w and w < seq for w in windows)) else None)
-    if masks is not None:  # likewise (on whole rows only the layers with a shorter window need one)
-        spans[DENSE_MASKS] = masks
+    if spans and attention == NAME and uses_dense_mask(seq, device):  # likewise, with masks built before the
+        windows = layer_windows(lm.config)  # forward (on whole rows only layers with a shorter window need them)
+        needed = not whole or any(w and w < seq for w in windows)
+        if needed and (masks := dense_masks(batch.spans, rows, seq, device, windows)) is not None:
+            spans[DENSE_MASKS] = masks
     if spans and attention == NAME:  # the attention reads the spans, not a mask: transformers builds none
         spans["attention_mask"] = mask_placeholder(rows, device)
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
