@@ -163,13 +163,13 @@ def test_short_rows_on_a_gpu_take_one_masked_call_equal_to_the_per_document_buck
 
     assert uses_dense_mask(DENSE_MAX_SEQ, torch.device("cuda")) and not uses_dense_mask(64, torch.device("cpu"))
     assert not uses_dense_mask(DENSE_MAX_SEQ + 1, torch.device("cuda"))
-    lengths = [40, 24, 17, 30, 17, 64, 5, 9, 33, 17]  # 4 rows of 64, no document crossing a row
+    lengths = (40, 24, 17, 30, 17, 64, 5, 9, 33, 17)  # 4 rows of 64, no document crossing a row
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, heads, SEQ, 16, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2))
     grads = []
     for path in ("buckets", "dense"):
         if path == "dense":
-            mask = _block_mask(tuple(lengths), 4, SEQ, torch.device("cpu"), window)
+            mask = _block_mask(lengths, 4, SEQ, torch.device("cpu"), window)
             out = _dense(q, k, v, mask, 0.25, True)
         else:
             out = _per_document(q, k, v, lengths, 0.25, True, window)

@@ -207,7 +207,7 @@ def prepare(spans: DocumentSpans, device: torch.device, windows: tuple[int | Non
 
 
 @torch.compiler.disable  # data-dependent spans: compiled blocks run around this
-def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: list[int],
+def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
                   scaling: float | None, gqa: bool, window: int | None = None,
                   softcap: float | None = None) -> torch.Tensor:
     b, h, t, d = query.shape
@@ -215,7 +215,7 @@ def _per_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     # [B, H, T, D] → [H, B·T (+ room to round the last span up), D]: documents are contiguous spans.
     q, k, v = (F.pad(x.transpose(0, 1).reshape(x.shape[1], n_tokens, d), (0, 0, 0, LENGTH_BUCKET - 1))
                for x in (query, key, value))
-    plan = _plan(tuple(lengths), query.device, window)
+    plan = _plan(lengths, query.device, window)
     outputs = []
     for bucket in plan.buckets:
         # [H, docs·span, D] → [docs, H, span, D]: one batch of equal-length causal sequences.
@@ -248,6 +248,13 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     return out.transpose(1, 2).contiguous()
 
 
+def _lengths(cu: torch.Tensor) -> tuple[int, ...]:
+    """The span lengths of the varlen offsets. They stay on the CPU: no device sync (and no tensor op: a dry run's
+    fake step reads them too)."""
+    bounds = cu.tolist()
+    return tuple(end - start for start, end in zip(bounds, bounds[1:], strict=False))
+
+
 def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
@@ -272,9 +279,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                         "per-document attention does not compute", "set model.attn_implementation=eager (or "
                         "flash_attention_2 on a GPU) for this model")
     if dropout > 0.0:  # attention dropout: one call over whole rows with the block-diagonal mask, as transformers
-        bounds = cu.tolist()  # would build it from the positions (`mask_placeholder` kept it from doing so)
-        lengths = tuple(end - start for start, end in zip(bounds, bounds[1:], strict=False))
-        mask = _block_mask(lengths, query.shape[0], query.shape[2], query.device, int(window) if window else None)
+        # would build it from the positions (`mask_placeholder` kept it from doing so)
+        mask = _block_mask(_lengths(cu), query.shape[0], query.shape[2], query.device, int(window) if window else None)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     if softcap is None and kwargs.get(WHOLE_ROWS) and not (window and window < query.shape[2]):
@@ -283,10 +289,9 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
         return out.transpose(1, 2).contiguous(), None
     if softcap is None and (masks := kwargs.get(DENSE_MASKS)) is not None:  # built before the forward
         return _dense(query, key, value, masks[int(window) if window else 0], scaling, gqa), None
-    bounds = cu.tolist()  # spans stay on the CPU for this path: no device sync (and no tensor op: a dry run's fake
-    lengths = [end - start for start, end in zip(bounds, bounds[1:], strict=False)]  # step reads them too)
+    lengths = _lengths(cu)
     if softcap is None and uses_dense_mask(query.shape[2], query.device):
-        mask = _block_mask(tuple(lengths), query.shape[0], query.shape[2], query.device,
+        mask = _block_mask(lengths, query.shape[0], query.shape[2], query.device,
                            int(window) if window else None)
         if mask is not None:
             return _dense(query, key, value, mask, scaling, gqa), None

@@ -77,16 +77,16 @@ def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduct
         device if "flash" in attention else torch.device("cpu"))
     rows, seq = batch.input_ids.shape
     lm = causal_lm(model)
-    whole = bool(spans) and attention == NAME and whole_rows(batch.spans, rows)  # plain causal rows: no mask,
-    if whole:  # and no span offsets read on the host, so a compiled block does not break
-        spans[WHOLE_ROWS] = True
-    if spans and attention == NAME and uses_dense_mask(seq, device):  # likewise, with masks built before the
-        windows = layer_windows(lm.config)  # forward (on whole rows only layers with a shorter window need them)
-        needed = not whole or any(w and w < seq for w in windows)
-        if needed and (masks := dense_masks(batch.spans, rows, seq, device, windows)) is not None:
-            spans[DENSE_MASKS] = masks
-    if spans and attention == NAME:  # the attention reads the spans, not a mask: transformers builds none
-        spans["attention_mask"] = mask_placeholder(rows, device)
+    if spans and attention == NAME:
+        spans["attention_mask"] = mask_placeholder(rows, device)  # the attention reads spans: transformers builds none
+        # Plain causal rows, or masks built before the forward (on whole rows only for layers with a shorter window):
+        # the attention then reads no span offsets on the host, so a compiled block does not break
+        whole = spans[WHOLE_ROWS] = whole_rows(batch.spans, rows)
+        if uses_dense_mask(seq, device):
+            windows = layer_windows(lm.config)
+            needed = not whole or any(w and w < seq for w in windows)
+            if needed and (masks := dense_masks(batch.spans, rows, seq, device, windows)) is not None:
+                spans[DENSE_MASKS] = masks
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction, temperature,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)
