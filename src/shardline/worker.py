@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.console import Console
 
-from shardline.data.prepare import PreparedData, prepare
+from shardline.data.prepare import PreparedData, prepare, prepared_by_launcher
 from shardline.environment import check_environment
 from shardline.errors import (
     EXIT_BAD_INPUT,
@@ -53,7 +53,12 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def prepare_once_per_node(spec: JobSpec, ctx: DistContext) -> PreparedData:
-    """Local rank 0 of each node prepares (a file lock dedupes nodes sharing a filesystem); others wait."""
+    """Local rank 0 of each node prepares (a file lock dedupes nodes sharing a filesystem); others wait. Under the
+    local launcher, which prepared before starting the workers, every rank opens its copy directly."""
+    handed = prepared_by_launcher()
+    if handed is not None:
+        logging.getLogger("shardline.worker").info("data: the launcher's prepared copy %s", handed.root)
+        return handed
     if ctx.local_rank == 0:
         prepare(spec)
     dist.barrier()

@@ -195,3 +195,18 @@ def test_data_path_url_names_the_field(tmp_path):
     with pytest.raises(SpecError) as err:
         prepare(small_spec(tmp_path, "data.path=s3://bucket/train.jsonl"))
     assert err.value.where == "data.path" and "s3://" in err.value.problem and "mount" in err.value.fix
+
+
+def test_workers_open_the_launchers_prepared_copy_only_while_it_is_complete(session_dir, prepared, monkeypatch):
+    """The local launcher hands its prepared directory to the workers (they skip regenerating the sources); a copy
+    damaged since, or no hand-over at all (a cluster pod), falls back to preparing."""
+    monkeypatch.delenv(prepare_mod.PREPARED_DATA_ENV, raising=False)
+    assert prepare_mod.prepared_by_launcher() is None
+    monkeypatch.setenv(prepare_mod.PREPARED_DATA_ENV, str(prepared.root))
+    assert prepare_mod.prepared_by_launcher() == prepared
+    copy = session_dir / "handed" / prepared.version
+    shutil.copytree(prepared.root, copy)
+    monkeypatch.setenv(prepare_mod.PREPARED_DATA_ENV, str(copy))
+    assert prepare_mod.prepared_by_launcher().root == copy
+    (copy / "meta.json").unlink()
+    assert prepare_mod.prepared_by_launcher() is None

@@ -42,6 +42,9 @@ def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "finished" and manifest["world_size"] == 2
     assert (run / "logs" / "rank-1.log").read_text().count("[rank 1]") > 0
+    for rank in (0, 1):  # the workers opened the launcher's prepared copy, not preparing (or regenerating) again
+        log = (run / "logs" / f"rank-{rank}.log").read_text()
+        assert "data: the launcher's prepared copy " in log and f"/{manifest['dataset_version']}\n" in log
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["mean_mfu"] > 0 and summary["grace_needed_s"] > 0
     assert manifest["versions"]["peft"] and manifest["spec"]["train"]["max_steps"] == 30

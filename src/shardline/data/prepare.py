@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from shardline.data import PREPARED_DATA_ENV
 from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
 from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
 from shardline.data.example import Example
@@ -128,6 +129,16 @@ def prepare(spec: JobSpec, progress: Progress | None = None) -> PreparedData:
             shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return PreparedData(final)
+
+
+def prepared_by_launcher() -> PreparedData | None:
+    """The directory the local launcher prepared for this run's spec before starting the workers
+    (`PREPARED_DATA_ENV`), while it is still complete; None elsewhere (cluster pods, a deleted or damaged copy:
+    the worker prepares as usual)."""
+    handed = os.environ.get(PREPARED_DATA_ENV)
+    if not handed or incomplete(Path(handed), Path(handed).name) is not None:
+        return None
+    return PreparedData(Path(handed))
 
 
 def incomplete(root: Path, version: str) -> str | None:

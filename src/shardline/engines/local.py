@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from shardline.data import PREPARED_DATA_ENV
 from shardline.engines.backend import JobState, LaunchRecord, RankState, save_record
 from shardline.engines.command import torchrun_policy_flags, worker_command
 from shardline.errors import (
@@ -51,6 +53,9 @@ from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.rules import require_torch_engine
 
+if TYPE_CHECKING:
+    from shardline.data.prepare import PreparedData
+
 LAUNCHER_LOG = "launcher.log"
 """A detached launcher's console (step lines, the failure message), in the run's logs/."""
 
@@ -65,17 +70,21 @@ def torchrun_command(spec: JobSpec, spec_path: Path, task: str = "train") -> lis
             *worker_command(spec_path, task)]
 
 
-def run_local(spec: JobSpec, spec_path: Path, task: str = "train", run_dir: Path | None = None) -> int:
+def run_local(spec: JobSpec, spec_path: Path, task: str = "train", run_dir: Path | None = None,
+              prepared: Path | None = None) -> int:
     """Run the worker group to completion and return the exit code (docs/architecture.md §7).
 
     SIGTERM/SIGUSR1 sent to this process are passed to torchrun, which forwards them to the workers
     and gives them `launch.grace_seconds` to checkpoint; a run that stopped that way exits 75. With `run_dir`,
-    torchrun's pid goes into the manifest, so a later command can tell whether the run still lives.
+    torchrun's pid goes into the manifest, so a later command can tell whether the run still lives. `prepared`: the
+    data directory this launcher prepared for the spec, which the workers open instead of preparing again.
     """
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if run_dir is not None:
         env[RECORD_PROCESSES_ENV] = "1"
+    if prepared is not None:
+        env[PREPARED_DATA_ENV] = str(prepared.resolve())
     proc: subprocess.Popen | None = None
     pending: list[int] = []
 
@@ -111,7 +120,8 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object], say: Callable[[str], None]) -> int:
+def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], PreparedData],
+              say: Callable[[str], None]) -> int:
     """Prepare the data, run the workers, and leave the manifest with the true final status whatever happened:
     the workers' own (finished, preempted, failed with their records), or the launcher's (bad input found
     here, an interrupt, workers that died without a word); then the report. Returns the exit code."""
@@ -125,9 +135,9 @@ def train_run(spec: JobSpec, run_dir: Path, prepare: Callable[[JobSpec], object]
     previous = signal.signal(signal.SIGTERM, cancelled)  # run_local forwards it to the workers once they run
     try:
         started = time.perf_counter()
-        prepare(spec)
+        data = prepare(spec)
         update_attempt(run_dir, prepare_s=round(time.perf_counter() - started, 3))  # a goodput bucket
-        code = run_local(spec, run_dir / "spec.yaml", "train", run_dir=run_dir)
+        code = run_local(spec, run_dir / "spec.yaml", "train", run_dir=run_dir, prepared=data.root)
     except ShardlineError as e:
         mark_failed(run_dir, str(e), EXIT_BAD_INPUT, type(e).__name__, "setup")
         raise
