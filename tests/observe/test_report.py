@@ -74,7 +74,8 @@ def _train_with_fake_workers(monkeypatch, session_dir, name: str, worker, *extra
     import shardline.engines.local as local
     from tests.conftest import small_overrides
 
-    monkeypatch.setattr(local, "run_local", lambda spec, spec_path, task, run_dir=None: worker(spec_path.parent))
+    monkeypatch.setattr(local, "run_local",
+                        lambda spec, spec_path, task, run_dir=None, prepared=None: worker(spec_path.parent))
     args = [a for o in [*small_overrides(session_dir / "runs"), f"run.name={name}", "parallel.nproc_per_node=1",
                                   *extra]
             for a in ("--set", o)]
