@@ -117,3 +117,21 @@ def test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded(tmp_path,
         assert wrapper.main(argv) == code, status
     # `shardline eval RUN` stopped by a signal was interrupted, although the training run it reads is finished
     assert wrapper.main([*argv, "--task", "eval"]) == 128 + signal.SIGINT
+
+
+def test_workers_get_this_launchs_prepared_data_and_never_an_inherited_one(tmp_path, monkeypatch):
+    """The hand-over names the directory this launcher prepared for this spec; a value inherited from an enclosing
+    run (a `shardline eval` started from inside a worker, a shell that exported it) must not reach the workers."""
+    import shardline.engines.local as local
+    from shardline.data import PREPARED_DATA_ENV
+    from tests.conftest import small_spec
+
+    seen = tmp_path / "seen"
+    monkeypatch.setattr(local, "torchrun_command", lambda spec, path, task: [
+        "sh", "-c", f'printf "%s" "${{{PREPARED_DATA_ENV}:-unset}}" > "$0"', str(seen)])
+    monkeypatch.setenv(PREPARED_DATA_ENV, str(tmp_path / "another-runs-data"))
+    spec = small_spec(tmp_path)
+    assert local.run_local(spec, tmp_path / "spec.yaml", "eval") == 0
+    assert seen.read_text() == "unset"
+    assert local.run_local(spec, tmp_path / "spec.yaml", "train", prepared=tmp_path / "mine") == 0
+    assert seen.read_text() == str((tmp_path / "mine").resolve())

@@ -83,6 +83,7 @@ def run_local(spec: JobSpec, spec_path: Path, task: str = "train", run_dir: Path
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if run_dir is not None:
         env[RECORD_PROCESSES_ENV] = "1"
+    env.pop(PREPARED_DATA_ENV, None)  # one inherited from an enclosing run names that run's data, not this spec's
     if prepared is not None:
         env[PREPARED_DATA_ENV] = str(prepared.resolve())
     proc: subprocess.Popen | None = None
