@@ -4,7 +4,8 @@
 # (bench/RESULTS-gpu.md says how to fetch them). Each step has its own time limit and log; one failing step
 # does not stop the others.
 # Usage: bench/gpu-session.sh OUT PHASE... with PHASE one of
-#   protocol-a  NeMo AutoModel's 8B LoRA protocol through the real trainer (bench/protocols.py A): run it first
+#   protocol-a  NeMo AutoModel's 8B LoRA protocol through the real trainer (bench/protocols.py A) and HF Trainer +
+#               peft with checkpointing (it needs it on 80 GB) on the same rows: run it first
 #   protocol-a-compiled  the same with per-block compile, shardline alone (~4 min; its own call after protocol-a)
 #   checks      versions, gpucheck, the embedded default on CUDA, netcheck (1 rank; 2 ranks sharing the GPU)
 #   bench       bench/gpu.py attention, train, compile (Llama-3.1-8B layer shapes)
@@ -43,7 +44,7 @@ for phase in "$@"; do
 case "$phase" in
 protocol-a)
   step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
-  step protocol-a 420 python3 bench/protocols.py A --baseline hf --out "$out"
+  step protocol-a 420 python3 bench/protocols.py A --baseline hf-checkpointed --out "$out"
   ;;
 protocol-a-compiled)
   step protocol-a-compiled 330 python3 bench/protocols.py A --set parallel.compile=true --out "$out/compiled"

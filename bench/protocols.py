@@ -7,7 +7,8 @@
   B  torchtitan's Llama-3-8B full training: FSDP, local batch 2 × 8192, selective activation checkpointing,
      per-block torch.compile, 10 steps of which the first 5 are excluded.
 
-    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR] [--baseline hf]
+    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR]
+                              [--baseline hf|hf-checkpointed]
                               [--set KEY=VALUE]...
 
 `full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
@@ -19,7 +20,9 @@ number protocol A compares; its TFLOP/s formula is not reproduced here. Numbers 
 run on the same machine (bench/RESULTS-gpu.md): `--baseline hf` trains HF `Trainer` (+ peft's LoRA for A) on
 the same model, initial weights and rows in shardline's order, one process, and reports both rates, the ratio and
 both first losses (equal in fp32: the same work). HF has no selective checkpointing: for B it checkpoints whole
-blocks and compiles the whole model (`torch_compile`).
+blocks and compiles the whole model (`torch_compile`); `--baseline hf-checkpointed` checkpoints whole blocks for A
+too (HF Trainer + peft does not fit protocol A on an 80 GB H100 without it). A baseline that fails (out of memory,
+say) is recorded in the result with its last error line, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def summarize(run: Path, sets: dict, started: float) -> dict:
     }
 
 
-def hf_worker(run: Path, protocol: str) -> dict:
+def hf_worker(run: Path, protocol: str, checkpointing: bool) -> dict:
     """HF Trainer (+ peft for A) on the run's model, initial weights and rows in its step order (in this process)."""
     import numpy as np
     import torch
@@ -166,11 +169,13 @@ def hf_worker(run: Path, protocol: str) -> dict:
             lr_scheduler_type="constant", weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm or 0.0,
             bf16=t.precision == "bf16", use_cpu=not torch.cuda.is_available(), logging_steps=1, save_strategy="no",
             report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0, disable_tqdm=True,
-            gradient_checkpointing=protocol == "B", torch_compile=protocol == "B")
+            gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+            torch_compile=protocol == "B")
         Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()]).train()
     wall = stamps[-1] - stamps[WARMUP_STEPS - 1]
     timed = int(tokens[WARMUP_STEPS * t.global_batch_size:].numel())
     return {"tokens_per_s_per_device": round(timed / wall, 1), "first_loss": losses[0],
+            "gradient_checkpointing": checkpointing,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available()
             else None}
 
@@ -190,13 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--model", help="a real checkpoint directory instead of Llama-3.1-8B's shapes")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--baseline", choices=["hf"], help="also train HF Trainer on the same model and rows")
+    parser.add_argument("--baseline", choices=["hf", "hf-checkpointed"],
+                        help="also train HF Trainer on the same model and rows (hf-checkpointed: with whole-block "
+                             "gradient checkpointing; B always checkpoints)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one change to the protocol's spec (a variant: parallel.compile=true, say)")
     parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)  # RUN_DIR: the baseline, in a child
     args = parser.parse_args(argv)
+    checkpointing = args.protocol == "B" or args.baseline == "hf-checkpointed"
     if args.hf_worker:
-        print(json.dumps(hf_worker(args.hf_worker, args.protocol)))
+        print(json.dumps(hf_worker(args.hf_worker, args.protocol, checkpointing)))
         return 0
     sets = protocol_sets(args.protocol, args.size, args.nproc, args.model)
     for item in args.set:
@@ -222,11 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         # shardline's numbers are written before the baseline starts, so a baseline cut short does not lose them.
         (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
         if args.baseline:
-            child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run)], cwd=REPO,
-                                   capture_output=True, text=True, env=child_env())
+            child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run),
+                                    "--baseline", args.baseline], cwd=REPO, capture_output=True, text=True,
+                                   env=child_env())
             if child.returncode != 0:
                 print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
-                return child.returncode
+                error = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1]
+                result["hf_trainer"] = {"failed": error[:500], "gradient_checkpointing": checkpointing}
+                (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
+                print(f"HF Trainer baseline failed: {error[:500]}", file=sys.stderr)
+                return 1
             hf = json.loads(child.stdout.strip().splitlines()[-1])
             result["hf_trainer"] = hf
             result["ratio_vs_hf_trainer"] = round(result["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"], 3)
