@@ -202,6 +202,69 @@ def test_on_a_gpu_packed_attention_runs_no_cudnn_kernel_on_short_documents():
     assert [n for n in names if "flash_attention" in n or "efficient_attention" in n], sorted(names)
 
 
+def _each_document_alone(q, k, v, lengths, window):
+    """fp32 causal SDPA on each document of the flattened rows by itself (banded by `window`); [B, T, H, D]."""
+    import torch.nn.functional as F
+
+    b, h, t, d = q.shape
+    flat = [x.float().transpose(0, 1).reshape(x.shape[1], b * t, d) for x in (q, k, v)]
+    outs, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (x[:, start:start + n].unsqueeze(0) for x in flat)
+        i = torch.arange(n, device=q.device)
+        keep = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < (window or n))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, enable_gqa=True)[0])
+        start += n
+    return torch.cat(outs, 1).reshape(h, b, t, d).permute(1, 2, 0, 3)
+
+
+def test_the_variable_length_flash_kernel_is_there_for_the_gpu_path_and_only_cuda_half_precision_takes_it():
+    # the pinned torch has the op with a window (torch 2.10's took is_causal only: the buckets stay there)
+    from shardline.model.document_attention import _varlen_kernel, uses_varlen
+
+    assert _varlen_kernel() is not None
+    assert not uses_varlen(torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16))  # CPU: the buckets
+    if torch.cuda.is_available():
+        assert uses_varlen(torch.zeros(1, 2, 4, 16, dtype=torch.bfloat16, device="cuda"))
+        assert not uses_varlen(torch.zeros(1, 2, 4, 16, device="cuda"))  # fp32: flash has no kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the variable-length flash kernel is "
+                    "CUDA-only")
+@pytest.mark.parametrize("window", [None, 300])
+def test_on_a_gpu_long_packed_rows_run_one_varlen_flash_call_equal_to_each_document_alone(window, monkeypatch):
+    from shardline.model import document_attention
+
+    calls = []
+    varlen = document_attention._varlen
+    monkeypatch.setattr(document_attention, "_varlen", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    for attempt, lengths in (("warm-up", [40, 24, 17, 30, 64, 5, 9, 33, 34]),  # crossing rows
+                             ("checked", [40, 24, 17, 30, 17, 64, 5, 9, 33, 17])):
+        lengths = [n * 32 for n in lengths]  # rows of 2048 tokens: longer than DENSE_MAX_SEQ
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        q, k, v = (torch.randn(4, heads, SEQ * 32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for heads in (8, 2, 2))
+        cotangent = torch.randn(4, SEQ * 32, 8, 64, device="cuda")
+        torch.cuda.synchronize()
+        if attempt == "checked":  # new lengths: the offsets' copy too must not wait for the device
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, _ = document_attention.document_sdpa(module, q, k, v, None, scaling=0.125, cu_seq_lens_q=cu,
+                                                      cu_seq_lens_k=cu, sliding_window=window)
+            grads = torch.autograd.grad((out.float() * cotangent).sum(), (q, k, v))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+        expected = _each_document_alone(*leaves, lengths, window)
+        expected_grads = torch.autograd.grad((expected * cotangent).sum(), leaves)
+        for got, want in zip((out, *grads), (expected, *expected_grads), strict=True):
+            assert got.shape == want.shape
+            assert ((got.float() - want).norm() / want.norm()).item() < 1e-2  # bf16 against fp32
+    assert len(calls) == 2
+
+
 def _mistral(attn: str, window: int):
     from transformers import MistralConfig, MistralForCausalLM
 

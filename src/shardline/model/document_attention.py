@@ -7,7 +7,9 @@ them), and CPU SDPA runs far slower with an explicit mask than with `is_causal`.
 
 `document_sdpa` runs SDPA per document, causal, with no mask (documents of one rounded length batched
 into one call): the work is Σ len² instead of T² per row and the fast causal kernels apply (CPU flash, CUDA
-flash/cuDNN/efficient). The documents come from
+flash/cuDNN/efficient). On CUDA in bf16/fp16, rows longer than `DENSE_MAX_SEQ` run one variable-length flash
+call per layer over all the batch's documents instead (torch's `varlen_attn`, the offsets as `cu_seqlens`). The
+documents come from
 `shardline.data.spans` (a document starts where its position is 0), passed to the model as the same
 varlen keywords flash-attention-2 reads (`cu_seq_lens_q`, …), so `flash_attention_2` on GPU takes the
 same spans with no work of its own. Without spans (generation, evaluation with padding) the
@@ -19,6 +21,9 @@ no path here computes, are a named error.
 from __future__ import annotations
 
 import functools
+import inspect
+import itertools
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -73,6 +78,59 @@ launches each cost more host time than the mask's wasted pairs cost the GPU (ben
 def uses_dense_mask(seq: int, device: torch.device) -> bool:
     """Whether packed rows of `seq` tokens run as whole rows with the block-diagonal mask (all T² pairs computed)."""
     return device.type == "cuda" and seq <= DENSE_MAX_SEQ
+
+
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+"""Dtypes torch's variable-length flash kernel takes (it has no fp32 kernel)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_kernel() -> tuple[Callable, frozenset[str]] | None:
+    """torch's `varlen_attn` and the keywords this torch's version takes; None where it has none (before 2.10) or
+    takes no window (2.10: `is_causal` instead)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    keywords = frozenset(inspect.signature(varlen_attn).parameters)
+    return (varlen_attn, keywords) if "window_size" in keywords else None
+
+
+def takes_varlen(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether packed rows longer than `DENSE_MAX_SEQ` run one variable-length flash call per layer (on layers
+    without soft-capping): CUDA, bf16 or fp16, head dims flash takes, and a torch that has the op."""
+    return (device.type == "cuda" and dtype in VARLEN_DTYPES and head_dim <= 256 and head_dim % 8 == 0
+            and _varlen_kernel() is not None)
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """`takes_varlen` for this [B, H, T, D] query."""
+    return takes_varlen(query.device, query.dtype, query.shape[-1])
+
+
+@functools.lru_cache(maxsize=8)
+def _device_offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The spans' int32 offsets on the device, copied once per batch from pinned memory without waiting for it."""
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return cu.pin_memory().to(device, non_blocking=True)
+
+
+@torch.compiler.disable  # data-dependent spans and maximum length: compiled blocks run around this
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: tuple[int, ...],
+            scaling: float | None, gqa: bool, window: int | None = None) -> torch.Tensor:
+    """Every document of the batch in one causal flash call (banded by a sliding window); [B, T, H, D]."""
+    kernel, keywords = _varlen_kernel()
+    b, h, t, d = query.shape
+    if gqa and "enable_gqa" not in keywords:  # this torch's op wants equal head counts
+        key, value = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (key, value))
+    # [B, H, T, D] → [B·T, H, D]: the documents are contiguous spans of the flattened rows
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
+    cu = _device_offsets(lengths, query.device)
+    longest = max(lengths)
+    extra = {"enable_gqa": True} if gqa and "enable_gqa" in keywords else {}
+    out = kernel(q, k, v, cu, cu, longest, longest, scale=scaling,
+                 window_size=(window - 1, 0) if window and window < longest else (-1, 0), **extra)
+    return out.reshape(b, t, h, d)
 
 
 @functools.lru_cache(maxsize=8)
@@ -295,6 +353,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                            int(window) if window else None)
         if mask is not None:
             return _dense(query, key, value, mask, scaling, gqa), None
+    if softcap is None and uses_varlen(query):  # long rows on a GPU: one flash call over every document
+        return _varlen(query, key, value, lengths, scaling, gqa, int(window) if window else None), None
     # Mistral, Qwen2, Gemma's local layers: the window is honoured, never dropped; Gemma 2's soft-capping too
     return _per_document(query, key, value, lengths, scaling, gqa, int(window) if window else None,
                          float(softcap) if softcap else None), None

@@ -34,7 +34,7 @@ from shardline.failures import PHASES
 from shardline.goodput import Goodput, compute_goodput, goodput_fields
 from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model, causal_lm
-from shardline.model.document_attention import LENGTH_BUCKET, uses_dense_mask, whole_rows
+from shardline.model.document_attention import LENGTH_BUCKET, takes_varlen, uses_dense_mask, whole_rows
 from shardline.model.families import family_of, layer_windows
 from shardline.model.flops import (
     FORMULA,
@@ -143,7 +143,9 @@ class Trainer:
         self.params = count_params(model)
         cfg = model.config
         self.family = family_of(cfg)
-        width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        width = cfg.num_attention_heads * self.head_dim
+        self.softcapped = getattr(cfg, "attn_logit_softcapping", None) is not None  # Gemma 2: always the buckets
         windows = layer_windows(cfg)
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
@@ -636,8 +638,9 @@ class Trainer:
         return ref.chosen, ref.rejected
 
     def _executed_pairs(self, batch) -> int:
-        """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`,
-        `flash_attention_2`), or all T² of each row (`eager`, and `sdpa` on short rows on a GPU: the dense block
+        """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`, its buckets
+        rounding each span up to 32 tokens, its varlen flash call on a GPU in bf16 not; `flash_attention_2`), or
+        all T² of each row (`eager`, and `sdpa` on short rows on a GPU: the dense block
         mask; context parallel off a GPU: each rank's T/cp queries against all T keys). Context parallel on a GPU
         counts the causal pairs of the documents: flex attention skips fully masked blocks and computes the rest,
         so this is a slight undercount there."""
@@ -651,9 +654,11 @@ class Trainer:
         if self.spec.model.attn_implementation == "eager" or (
                 self.spec.model.attn_implementation == "sdpa" and uses_dense_mask(seq, self.ctx.device)):
             return rows * seq * seq
-        if self.spec.model.attn_implementation == "sdpa":
-            return batch.spans.executed_causal_pairs(LENGTH_BUCKET)
-        return batch.spans.executed_causal_pairs()
+        dtype = torch.bfloat16 if self.spec.train.precision == "bf16" else torch.float32
+        if self.spec.model.attn_implementation == "sdpa" and (
+                self.softcapped or not takes_varlen(self.ctx.device, dtype, self.head_dim)):
+            return batch.spans.executed_causal_pairs(LENGTH_BUCKET)  # the buckets: spans rounded up
+        return batch.spans.executed_causal_pairs()  # flash (varlen): each span as it is
 
     def _trace_samples(self, indices: list) -> None:
         """Which rows each rank trained on at each step: an audit trail for exact resume."""
