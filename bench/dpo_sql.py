@@ -13,12 +13,14 @@ Prints one table: held-out pairs whose correct query the model finds more likely
 accuracy and margin, and SQL execution accuracy, before and after DPO.
 
     .venv/bin/python bench/dpo_sql.py [--dpo-steps 200] [--beta 0.1] [--lr 1e-4] [--sft-weight 0] [--tmp DIR]
+                                      [--data-set KEY=VALUE]...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -43,14 +45,27 @@ def records(run: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == kind]
 
 
-def sft_export(root: Path) -> tuple[str, Path]:
-    """The data cache setting and the SFT run under `root` (trained with no arguments' spec and exported to
-    `root/sft-export` unless there already)."""
+def sft_export(root: Path, sets: tuple[str, ...] = ()) -> tuple[str, Path]:
+    """The data cache setting and the SFT run under `root` (trained with no arguments' spec and `sets`, and exported
+    to `root/sft-export` unless there already)."""
     cache = f"data.cache_dir={root / 'prepared'}"
     if not (root / "sft-export").is_dir():
-        shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache)
+        shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache,
+                  *(a for kv in sets for a in ("--set", kv)))
         shardline("export", str(only_run(root / "sft")), "--out", str(root / "sft-export"))
     return cache, only_run(root / "sft")
+
+
+def gained_and_lost(before: dict, after: dict) -> tuple[int, int]:
+    """Test questions the second run's SQL solves that the first's did not, and the reverse (two eval.json)."""
+    pairs = list(zip(before["samples"], after["samples"], strict=True))
+    return (sum(not a["match"] and b["match"] for a, b in pairs), sum(a["match"] and not b["match"] for a, b in pairs))
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """McNemar's exact two-sided p: how often a fair coin splits `gained + lost` discordant questions this unevenly."""
+    n = gained + lost
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2**n) if n else 1.0
 
 
 def main() -> None:
@@ -59,16 +74,20 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--sft-weight", type=float, default=0.0, help="train.dpo.sft_weight")
+    ap.add_argument("--data-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a data or evaluation override for the SFT and the DPO run (repeatable), e.g. "
+                         "data.test_size=1000 with train.eval_examples=1000")
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="dpo-sql-"))
-    cache, sft = sft_export(root)
+    cache, sft = sft_export(root, tuple(args.data_set))
     out = root / f"dpo-w{args.sft_weight:g}-b{args.beta:g}-lr{args.lr:g}-s{args.dpo_steps}"
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=dpo",
               "--set", f"model.path={root / 'sft-export'}", "--set", f"train.max_steps={args.dpo_steps}",
               "--set", f"train.dpo.beta={args.beta}", "--set", f"train.lr={args.lr}",
               "--set", f"train.dpo.sft_weight={args.sft_weight}",
-              "--set", f"train.eval_every={max(1, args.dpo_steps // 4)}")
+              "--set", f"train.eval_every={max(1, args.dpo_steps // 4)}",
+              *[a for kv in args.data_set for a in ("--set", kv)])
     dpo = only_run(out)
     pref = [e for e in records(dpo, "eval") if "val_preference" in e]
     before, after = pref[0]["val_preference"], pref[-1]["val_preference"]
@@ -94,6 +113,9 @@ def main() -> None:
     print(f"| {'measure':<44} | after SFT | after DPO |\n|---|---|---|")
     for name, a, b in rows:
         print(f"| {name:<44} | {a:>9} | {b:>9} |")
+    gained, lost = gained_and_lost(sql_before, sql_after)
+    print(f"test questions DPO solves that SFT did not / the reverse: {gained} / {lost} "
+          f"(McNemar exact p {mcnemar_p(gained, lost):.2g})")
     print(f"runs under {root}")
 
 

@@ -8,10 +8,14 @@ reward raise SQL execution accuracy on the held-out test questions above the SFT
    training questions, G completions each sampled per step, rewarded by test-suite execution match (+0.1 for a
    query that runs); its SQL evaluation runs greedy on the same test questions as the SFT run's.
 
-Prints one table: SQL execution accuracy and exact match after SFT and after GRPO, and the training reward and
-solved share of the first and last ten steps.
+Prints one table: SQL execution accuracy and exact match after SFT and after GRPO (with the test questions each
+solves that the other does not, and McNemar's exact two-sided p of that difference), and the training reward and
+solved share of the first and last ten steps. `--data-set` changes both runs' data (more test questions:
+`--data-set data.test_size=1000 --data-set train.eval_examples=1000`; the test questions come first, so the SFT
+run then trains on other questions and is retrained in its own `--tmp`).
 
     .venv/bin/python bench/grpo_sql.py [--steps 100] [--generations 8] [--lr 1e-4] [--beta 0] [--tmp DIR]
+                                       [--set KEY=VALUE]... [--data-set KEY=VALUE]...
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from dpo_sql import only_run, records, sft_export, shardline
+from dpo_sql import gained_and_lost, mcnemar_p, only_run, records, sft_export, shardline
 
 
 def main() -> None:
@@ -37,10 +41,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another spec override for the GRPO run (repeatable), e.g. train.grpo.loss=dr_grpo")
+    ap.add_argument("--data-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a data or evaluation override for the SFT and the GRPO run (repeatable)")
     ap.add_argument("--tmp", type=Path, default=None, help="work directory; an SFT run already there is reused")
     args = ap.parse_args()
     root = args.tmp or Path(tempfile.mkdtemp(prefix="grpo-sql-"))
-    cache, sft = sft_export(root)
+    cache, sft = sft_export(root, tuple(args.data_set))
     out = root / (f"grpo-g{args.generations}-b{args.batch}-lr{args.lr:g}-w{args.warmup}-beta{args.beta:g}"
                   f"-t{args.temperature:g}-s{args.steps}" + "".join(f"-{kv.split('.')[-1]}" for kv in args.set))
     shardline("train", "--set", f"run.dir={out}", "--set", cache, "--set", "train.objective=grpo",
@@ -50,7 +56,8 @@ def main() -> None:
               "--set", f"train.lr={args.lr}", "--set", f"train.grpo.beta={args.beta}",
               "--set", f"train.grpo.temperature={args.temperature}",
               "--set", f"train.grpo.max_new_tokens={args.max_new_tokens}", "--set", f"train.warmup_steps={args.warmup}",
-              "--set", f"train.eval_every={max(1, args.steps // 4)}", *[a for kv in args.set for a in ("--set", kv)])
+              "--set", f"train.eval_every={max(1, args.steps // 4)}",
+              *[a for kv in [*args.data_set, *args.set] for a in ("--set", kv)])
     grpo = only_run(out)
     steps = [r["grpo"] for r in records(grpo, "train") if r.get("grpo")]
     first, last = steps[:10], steps[-10:]
@@ -64,10 +71,9 @@ def main() -> None:
     print("| measure | after SFT | after GRPO |\n|---|---|---|")
     print(f"| SQL execution accuracy (test questions, greedy) | {100 * sql_before['sql_execution_accuracy']:.1f}% | "
           f"{100 * sql_after['sql_execution_accuracy']:.1f}% |")
-    pairs = list(zip(sql_before["samples"], sql_after["samples"], strict=True))
-    gained = sum(not a["match"] and b["match"] for a, b in pairs)
-    lost = sum(a["match"] and not b["match"] for a, b in pairs)
-    print(f"| test questions GRPO solves that SFT did not / the reverse (paired) | – | {gained} / {lost} |")
+    gained, lost = gained_and_lost(sql_before, sql_after)
+    print(f"| test questions GRPO solves that SFT did not / the reverse (paired; McNemar exact p "
+          f"{mcnemar_p(gained, lost):.2g}) | – | {gained} / {lost} |")
     print(f"| SQL exact match | {100 * sql_before['sql_exact_match']:.1f}% | "
           f"{100 * sql_after['sql_exact_match']:.1f}% |")
     print(f"| training reward, mean of steps 1-10 → last 10 (sampled) | {mean(first, 'reward'):.3f} | "

@@ -87,6 +87,24 @@ def test_random_init_equals_the_plain_export_build_bit_for_bit(ctx, tmp_path, ov
     torch.testing.assert_close(_logits(sharded), _logits(plain), atol=1e-5, rtol=1e-5)
 
 
+def test_random_init_is_the_same_on_one_thread_and_on_many(tmp_path):
+    # the parameters are filled on torch's intra-op thread count (the cores of a 1-process run: an 8B init is ~8e9
+    # draws): each block has its own generator, so the values never depend on how many threads drew them
+    spec = small_spec(tmp_path, "model.lora.enabled=true", "model.lora.r=4")
+    threads = torch.get_num_threads()
+    models = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            models.append(build_plain(spec, 500, IDS))
+    finally:
+        torch.set_num_threads(threads)
+    one, many = (dict(m.named_parameters()) for m in models)
+    assert one.keys() == many.keys() and len(one) > 10
+    for name, value in one.items():
+        assert torch.equal(value, many[name]), name
+
+
 def test_random_init_follows_hf_and_peft_and_depends_on_init_seed(tmp_path):
     spec = small_spec(tmp_path, "model.lora.enabled=true", "model.lora.r=4")
     model = build_plain(spec, 500, IDS)

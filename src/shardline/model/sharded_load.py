@@ -29,6 +29,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -97,14 +98,30 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
         else:
             random = [p for p in params if _is_lora(p.name)]
             _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path, quantized, device)
-        for p in random:
-            _fill_random(p, spec.init_seed, std)
+        _fill_all_random(random, spec.init_seed, std)
         if spec.path is None:
             for p, attr in quantized:
                 dense = replace(p, param=torch.empty(p.param.shape, dtype=p.param.dtype, device=device))
                 _fill_random(dense, spec.init_seed, std)
                 _set_nf4(p, attr, dense.param)
         _init_buffers(model)
+
+
+def _fill_all_random(params: list[_Param], seed: int, std: float) -> None:
+    """`_fill_random` each parameter, on as many threads as torch's intra-op budget (1 per rank under torchrun with
+    several processes; the cores of a single-process run): each block has its own generator, so the values are the
+    same on any number of threads, and the draws release the GIL (an 8B model is ~8·10⁹ draws on one core)."""
+    threads = min(torch.get_num_threads(), len(params))
+    if threads <= 1:
+        for p in params:
+            _fill_random(p, seed, std)
+        return
+    def fill(p: _Param) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            _fill_random(p, seed, std)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fill, params))  # raises what a fill raised
 
 
 def _detach_nf4(model: nn.Module) -> list[tuple[_Param, str]]:
