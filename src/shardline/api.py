@@ -156,8 +156,9 @@ class DryRun:
 
     @property
     def simulated_peak(self) -> int | None:
+        """The simulated step's peak, or GRPO's sampling's where that is higher."""
         step = self.result.get("step")
-        return None if step is None else step["peak_bytes"]
+        return None if step is None else max(step["peak_bytes"], self.result.get("sampling", {}).get("peak_bytes", 0))
 
     def rows(self) -> list[tuple[str, int, int | None, float | None]]:
         """(what, simulated, planned for the simulated kernels, planned for the device) per rank, in bytes."""
@@ -165,8 +166,10 @@ class DryRun:
         rows = [(label, shards[key], cpu[key], dev[key]) for key, label in (
             ("params", "parameters (fp32, padded)"), ("grads", "gradients (fp32)"), ("optimizer", "AdamW state"),
             ("gather_buffers", "gather buffers"))]
-        if self.simulated_peak is not None:
-            rows.append(("step peak", self.simulated_peak, cpu["peak"], dev["peak"]))
+        if (step := self.result.get("step")) is not None:
+            rows.append(("step peak", step["peak_bytes"], cpu["step_peak"], dev["step_peak"]))
+        if (sampling := self.result.get("sampling")) is not None:
+            rows.append(("GRPO sampling peak", sampling["peak_bytes"], cpu["sampling_peak"], dev["sampling_peak"]))
         return rows
 
     def difference(self) -> float | None:

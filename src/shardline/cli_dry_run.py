@@ -48,6 +48,10 @@ def print_dry_run(run: DryRun, console: Console) -> None:
         expected = step["flops_expected"]
         console.print(f"FLOPs of this rank's step: {step['flops']:.4g} counted (no SDPA: the CPU kernel is not "
                       f"counted), {expected:.4g} by model/flops.py ({_pct(expected, step['flops'])})", highlight=False)
+    sampling = r.get("sampling")
+    if sampling is not None:
+        console.print(f"GRPO sampling simulated at its last decoded token: {sampling['sequences']} sequences per rank, "
+                      f"a KV cache of {sampling['tokens']} positions", highlight=False)
     console.print(f"{UNSEEN}; the plan adds {gib(r['planned']['unseen'])} GiB for runtime and allocator",
                   highlight=False)
 

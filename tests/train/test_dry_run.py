@@ -17,11 +17,11 @@ import sys
 import pytest
 import torch
 
-from shardline.api import dry_run
+from shardline.api import DryRun, dry_run
 from shardline.cli import main
 from shardline.cli_dry_run import cannot_judge
 from shardline.errors import SpecError
-from shardline.planning.memory import plan_memory
+from shardline.planning.memory import kv_cache_bytes, model_shape, plan_memory
 from shardline.spec.resolve import load_spec, preset_names
 from shardline.training.dry_run import at_world
 from shardline.training.fake_world import PRIVATE_APIS, _import
@@ -40,6 +40,10 @@ PLANNED_OVER_SIMULATED = {
     "tiny": 0.0466, "llama-3.1-8b-lora": 0.0513, "llama-3.1-70b-fsdp": 0.2025, "qwen3-8b-lora": 0.0420,
     "mistral-7b-lora": 0.1044, "gemma-3-12b-lora": 0.0323, "llama-3.1-70b-fsdp-tp8": 0.1627,
     "llama-3.1-8b-32k": 0.2802,
+    # GRPO's sampling moment (the last decoded token over a KV cache of seq_len positions), 8 sequences per rank: the
+    # plan counts the root twice (its all-gather buffer beside its unsharded parameters) and one layer's keys and
+    # values twice (DynamicCache's append); the tracker sees both at their largest only at tiny's peak
+    "tiny-grpo-sampling": 0.0291, "llama-3.1-8b-lora-grpo-sampling": 0.0033,
 }
 # Each case is held to its own gap within 2 points of the simulated peak: room for torch to change a kernel's
 # temporaries, not for a term of the plan to go missing or double (the smallest term that matters, tiny's 16 MiB
@@ -50,7 +54,11 @@ FAMILY_PRESETS = ("qwen3-8b-lora", "mistral-7b-lora", "gemma-3-12b-lora")  # ste
 LONG_PRESETS = ("llama-3.1-70b-fsdp-tp8", "llama-3.1-8b-32k")  # tensor parallel, long context: the same
 DEPTH = 4  # decoder blocks of the step simulations of the hub presets
 WORLDS = (8, 64, 256)
-CASES = ([{"preset": "tiny", "step": True}]
+GRPO_CASES = {"tiny-grpo-sampling": {"preset": "tiny", "step": True,  # bf16 on every CPU: fake tensors compute nothing
+                                     "values": {"train.objective": "grpo", "train.precision": "bf16"}},
+              "llama-3.1-8b-lora-grpo-sampling": {"preset": "llama-3.1-8b-lora", "layers": DEPTH, "step": True,
+                                                  "values": {"train.objective": "grpo"}}}
+CASES = ([{"preset": "tiny", "step": True}, *GRPO_CASES.values()]
          + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS, *LONG_PRESETS)]
          + [{"preset": "llama-3.1-70b-fsdp-tp8", "step": False},
             {"preset": "llama-3.1-8b-lora", "step": False, "values": {"parallel.tp": 2}}]
@@ -97,6 +105,26 @@ def _check_gap(preset: str, planned: float, simulated: float) -> None:
 def test_tiny_simulated_step_is_within_bounds_of_the_plan(results):
     r = result(results, preset="tiny", step=True)
     _check_gap("tiny", r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
+
+
+@pytest.mark.parametrize("name", GRPO_CASES)
+def test_grpo_sampling_simulated_at_its_last_token_is_within_bounds_of_the_plans_sampling_moment(results, name):
+    case = GRPO_CASES[name]
+    r = result(results, **case)
+    spec = load_spec(case["preset"], [f"{k}={v}" for k, v in case["values"].items()])
+    sampling = r["sampling"]
+    assert (sampling["sequences"], sampling["tokens"]) == (spec.train.global_batch_size // spec.world_size,
+                                                         spec.train.seq_len)
+    shape = model_shape(spec.model)
+    kv = kv_cache_bytes(shape, 2, sampling["sequences"], sampling["tokens"])  # bf16 keys and values, every layer
+    if case.get("layers"):
+        kv = kv * case["layers"] // shape.layers
+    assert sampling["breakdown"]["Activation"] >= kv  # the cache the forward appended to is in the tracked peak
+    _check_gap(name, r["planned_cpu_kernels"]["sampling_peak"], sampling["peak_bytes"])
+    run = DryRun(r)
+    assert run.simulated_peak == max(r["step"]["peak_bytes"], sampling["peak_bytes"])
+    assert ("GRPO sampling peak", sampling["peak_bytes"], r["planned_cpu_kernels"]["sampling_peak"],
+            r["planned"]["sampling_peak"]) in run.rows()
 
 
 @pytest.mark.parametrize("preset", [*HUB, *FAMILY_PRESETS, *LONG_PRESETS])

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -354,6 +354,8 @@ class MemoryPlan:
     """The decoder family the shape was read as (`shardline.model.families`)."""
     kv_cache: int = 0
     """GRPO: the keys and values of this rank's sampled sequences, when sampling is the peak moment."""
+    moment_bytes: dict[str, int] = field(default_factory=dict)
+    """Every moment's bytes (`phase` is the largest), without the allocator's and the runtime's."""
 
     @property
     def total_bytes(self) -> int:
@@ -457,7 +459,12 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     }
     if t.objective == "grpo":  # sampling: every weight gathered in turn, this rank's sequences' keys and values
         sequences = t.global_batch_size // spec.world_size
-        moments["GRPO sampling"] = dict(gather_buffers=gathers, kv_cache=kv_cache_bytes(shape, c, sequences, t.seq_len),
+        kv = kv_cache_bytes(shape, c, sequences, t.seq_len)
+        # the dry run's sampling (`training/step_memory.py`) also holds: one layer's keys and values twice while
+        # DynamicCache appends the new token (torch.cat), and the root's all-gather buffer beside its unsharded
+        # parameters while they are copied out
+        moments["GRPO sampling"] = dict(gather_buffers=gathers + c * pb.root, kv_cache=kv,
+                                        temporaries=kv // shape.layers,
                                         logits=(c + 8) * sequences * shape.head_vocab)  # last position; fp32 softmax
     host = 0
     if p.offload and dev.kind == "cuda":
@@ -467,6 +474,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
             m["grads"] = 0
         moments["optimizer step"]["temporaries"] = 0
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    moment_bytes = {name: int(params + opt + sum(m.values())) for name, m in moments.items()}
     parts = {k: int(x) for k, x in parts.items()}
     parts = {"grads": 0, "gather_buffers": 0, "activations": 0, "logits": 0, "kv_cache": 0, "temporaries": 0} | parts
     allocator = 0
@@ -481,7 +489,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
         params=int(params), optimizer=int(opt), **parts,
         allocator=allocator, runtime=dev.runtime_bytes, phase=phase, device=dev, capacity_bytes=capacity,
         host_offload_bytes=int(host), total_params=real.total, trainable_params=real.trainable, dp_shard=shard,
-        saved_activations=int(saved), family=shape.family,
+        saved_activations=int(saved), family=shape.family, moment_bytes=moment_bytes,
     )
 
 

@@ -1,5 +1,6 @@
 """`shardline plan --dry-run`: the spec's real model, sharded by shardline's own code at the spec's world size, as
-one rank of a fake process group on this CPU; then, unless `step=False`, one training step on fake tensors.
+one rank of a fake process group on this CPU; then, unless `step=False`, one training step on fake tensors (and
+GRPO's sampling at its peak).
 
 Its own process (`python -m shardline.training.dry_run SPEC.yaml …`, started by `shardline.api.dry_run`): the fake
 process group is process-global. Prints progress on stderr and the result as JSON on stdout.
@@ -37,7 +38,7 @@ from shardline.planning.memory import (
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.fake_world import fake_process_group
-from shardline.training.step_memory import simulate_step
+from shardline.training.step_memory import Sampling, simulate_step
 
 KERNELS = ("CPU kernels: per-document SDPA (CPU flash) for sdpa and flash_attention_2, CPU dropout, "
            "unfused (foreach) AdamW")
@@ -138,7 +139,10 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
     nf4 = nf4_block_weights(shape, spec.model.lora)  # a QLoRA base's NF4 weights: outside FSDP, not in these rows
     shard = plan.dp_shard
     seen = sum(getattr(plan, f) for f in COMPONENTS if f not in ("allocator", "runtime"))
-    return {"device": plan.device.name, "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
+    training = {name: b for name, b in plan.moment_bytes.items() if name != "GRPO sampling"}
+    return {"device": plan.device.name, "step_peak": max(training.values()),
+            "sampling_peak": plan.moment_bytes.get("GRPO sampling"),
+            "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
             "grads": 4 * pb.trainable / shard, "optimizer": 8 * pb.trainable / shard,
             "gather_buffers": compute_bytes * (pb.root + 2 * (pb.block - sum(nf4))),
             "peak": seen, "phase": plan.phase, "unseen": plan.allocator + plan.runtime,
@@ -186,9 +190,15 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
         result["sharding_seconds"] = round(time.perf_counter() - start, 2)
         if step:
             micro_batches = 2 if spec.grad_accum_steps > 1 else 1
-            mem = simulate_step(model, spec.train, model.config.vocab_size, micro_batches, progress)
+            t = spec.train
+            sampling = Sampling(t.global_batch_size // spec.world_size, t.seq_len,
+                                torch.bfloat16 if precision == "bf16" else torch.float32)
+            mem, sampled = simulate_step(model, t, model.config.vocab_size, micro_batches, progress,
+                                         sampling if t.objective == "grpo" else None)
             result["step"] = asdict(mem) | {"micro_batches": micro_batches,
                                             "flops_expected": _flops(model, spec, micro_batches)}
+            if sampled is not None:  # the planner's sampling moment: this rank's completions at seq_len
+                result["sampling"] = asdict(sampled) | {"sequences": sampling.sequences, "tokens": sampling.tokens}
             result["step_seconds"] = round(time.perf_counter() - start - result["sharding_seconds"], 2)
     return result
 

@@ -1,5 +1,5 @@
 """One simulated training step of a sharded model on fake tensors: its per-rank memory peak, the phase where it
-happens, and the FLOPs its kernels execute.
+happens, and the FLOPs its kernels execute; for GRPO, its sampling's peak too.
 
 The step is the trainer's: `token_loss_sum` (forward with the document spans, summed cross-entropy in fp32),
 backward, gradient clipping, AdamW, zero_grad; on micro-batches of random tokens, one document per row (two
@@ -7,7 +7,9 @@ micro-batches when the spec accumulates gradients). A first step runs untracked:
 every later step finds it) and lets DTensor cache its shape propagation, which the tracker would otherwise count
 as memory. CPU kernels run: shardline's per-document SDPA on the CPU flash kernel (FlopCounterMode counts no
 FLOPs for it), CPU dropout (a noise tensor in the compute dtype where CUDA keeps a bool mask) and unfused
-(foreach) AdamW.
+(foreach) AdamW. GRPO's sampling peaks at the last token `generate` decodes: a no-grad forward of one token per
+sequence over a KV cache as long as the row (transformers' `DynamicCache`, as `generate` keeps it), every block's
+weights gathered in turn, and the fp32 softmax of the last position's logits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import DynamicCache
 
 from shardline.data.loader import Batch
 from shardline.data.spans import document_spans
@@ -72,19 +75,57 @@ def _total(snapshot: dict) -> int:
     return sum(s.get("Total", 0) for s in snapshot.values())
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What GRPO's sampling holds on a rank: `sequences` sequences of `tokens` tokens, keys and values in `dtype`."""
+
+    sequences: int
+    tokens: int
+    dtype: torch.dtype
+
+
 def simulate_step(model: nn.Module, spec: TrainSpec, vocab: int, micro_batches: int,
-                  progress: Callable[[str], None] = lambda _: None) -> StepMemory:
-    """Run the step twice on `model` (sharded on the meta device), its storage fake."""
+                  progress: Callable[[str], None] = lambda _: None,
+                  sampling: Sampling | None = None) -> tuple[StepMemory, StepMemory | None]:
+    """Run the step twice on `model` (sharded on the meta device), its storage fake; then, given `sampling`, the
+    last decoded token of GRPO's sampling."""
     batches = [one_document_rows(spec, vocab) for _ in range(micro_batches)]
     document_attention.prepare(batches[0].spans, CPU, layer_windows(causal_lm(model).config))
     with fake_tensor_mode():
         model.to_empty(device=CPU)
         reallocate_nf4(model, CPU)
-        return _run(model, spec, batches, progress)
+        optimizer = build_optimizer(model, spec, CPU)
+        step = _run(model, optimizer, spec, batches, progress)
+        return step, None if sampling is None else _sample(model, optimizer, sampling, progress)
 
 
-def _run(model: nn.Module, spec: TrainSpec, batches: list[Batch], progress: Callable[[str], None]) -> StepMemory:
-    optimizer = build_optimizer(model, spec, CPU)
+def _sample(model: nn.Module, optimizer: torch.optim.Optimizer, sampling: Sampling,
+            progress: Callable[[str], None]) -> StepMemory:
+    lm = causal_lm(model)
+    config = lm.config
+    n, kv_heads = sampling.sequences, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    progress(f"GRPO sampling: the last token of {n} sequences over a KV cache of {sampling.tokens} positions")
+    tracker = mem_tracker_class()(lm, optimizer)  # AdamW's state stays resident while the rank samples
+    with tracker, torch.no_grad():
+        cache = DynamicCache(config=config)
+        for layer in range(config.num_hidden_layers):  # the positions decoded before the last one
+            keys = torch.zeros(n, kv_heads, sampling.tokens - 1, head_dim, dtype=sampling.dtype)
+            cache.update(keys, torch.zeros_like(keys), layer)
+        logits = lm(input_ids=torch.zeros(n, 1, dtype=torch.long), past_key_values=cache, use_cache=True,
+                    attention_mask=torch.ones(n, sampling.tokens, dtype=torch.long), logits_to_keep=1,
+                    position_ids=torch.full((n, 1), sampling.tokens - 1)).logits
+        torch.softmax(logits[:, -1].float(), dim=-1)  # generate's sampling distribution
+    snapshot = tracker.get_tracker_snapshot("peak")
+    breakdown = _breakdown(snapshot)
+    nf4 = nf4_stored_bytes(model)
+    if nf4:
+        breakdown["NF4 Param"] = nf4
+    return StepMemory(_total(snapshot) + nf4, "GRPO sampling (last decoded token)", breakdown, 0)
+
+
+def _run(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
+         progress: Callable[[str], None]) -> StepMemory:
     progress("warm-up step (untracked, FLOPs counted)")
     with FlopCounterMode(display=False) as counter:
         _step(model, optimizer, spec, batches, lambda _: None)
