@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -102,26 +103,30 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
         if spec.path is None:
             for p, attr in quantized:
                 dense = replace(p, param=torch.empty(p.param.shape, dtype=p.param.dtype, device=device))
-                _fill_random(dense, spec.init_seed, std)
+                _fill_all_random([dense], spec.init_seed, std)
                 _set_nf4(p, attr, dense.param)
         _init_buffers(model)
 
 
 def _fill_all_random(params: list[_Param], seed: int, std: float) -> None:
-    """`_fill_random` each parameter, on as many threads as torch's intra-op budget (1 per rank under torchrun with
-    several processes; the cores of a single-process run): each block has its own generator, so the values are the
-    same on any number of threads, and the draws release the GIL (an 8B model is ~8·10⁹ draws on one core)."""
-    threads = min(torch.get_num_threads(), len(params))
-    if threads <= 1:
-        for p in params:
-            _fill_random(p, seed, std)
-        return
-    def fill(p: _Param) -> None:
-        with torch.no_grad():  # grad mode is per thread
-            _fill_random(p, seed, std)
+    """Fill every parameter's slice with its blocks of the deterministic init, the blocks spread over as many threads
+    as torch's intra-op budget (1 per rank under torchrun with several processes; the cores of a single-process
+    run). Each block has its own generator, so the values are the same on any number of threads; the draws release
+    the GIL (an 8B model is ~8·10⁹ of them, ~30 s on one core)."""
+    jobs = [job for p in params for job in _fill_random(p, seed, std)]
+    threads = min(torch.get_num_threads(), len(jobs))
+    scratch = threading.local()
 
+    def run(job: Callable[[Scratch], None]) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            job(scratch)
+
+    if threads <= 1:
+        for job in jobs:
+            run(job)
+        return
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(fill, params))  # raises what a fill raised
+        list(pool.map(run, jobs))  # raises what a job raised
 
 
 def _detach_nf4(model: nn.Module) -> list[tuple[_Param, str]]:
@@ -198,26 +203,44 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()[:8], "little")
 
 
-def _fill_random(p: _Param, seed: int, std: float) -> None:
-    """Fill this rank's slice of `p` with the blocks of the deterministic init that overlap it."""
+Scratch = threading.local
+"""A thread's reusable fp32 buffer for drawing blocks (`.values`), so a block costs no fresh allocation."""
+
+
+def _scratch(scratch: Scratch, n: int) -> torch.Tensor:
+    if getattr(scratch, "values", None) is None or scratch.values.numel() < n:
+        scratch.values = torch.empty(max(n, INIT_BLOCK_ELEMENTS))
+    return scratch.values[:n]
+
+
+def _fill_random(p: _Param, seed: int, std: float) -> list[Callable[[Scratch], None]]:
+    """The work that fills this rank's slice of `p` with the blocks of the deterministic init that overlap it: one
+    job per block (any order, any thread), or one fill for a constant."""
     dst, region = _local(p.param)
     init = _init_of(p, std)
     if dst.numel() == 0:
-        return
+        return []
     if isinstance(init, float):
-        dst.fill_(init)
-        return
+        return [lambda _: dst.fill_(init)]
     shape, rows, rest = tuple(p.param.shape), region[0], region[1:]
-    per_block = max(1, INIT_BLOCK_ELEMENTS // math.prod(shape[1:]))
-    for block in range(rows.start // per_block, -(-rows.stop // per_block)):
+    row = math.prod(shape[1:])
+    per_block = max(1, INIT_BLOCK_ELEMENTS // row)
+    pad = getattr(p.module, "padding_idx", None) if isinstance(p.module, nn.Embedding) else None
+
+    def block_job(block: int) -> Callable[[Scratch], None]:
         lo, hi = block * per_block, min((block + 1) * per_block, shape[0])
-        generator = torch.Generator().manual_seed(_block_seed(seed, p.name, block))
-        values = init(torch.empty((hi - lo, *shape[1:])), generator)
-        a, b = max(lo, rows.start), min(hi, rows.stop)
-        dst[a - rows.start : b - rows.start].copy_(values[(slice(a - lo, b - lo), *rest)])
-    pad = getattr(p.module, "padding_idx", None)
-    if isinstance(p.module, nn.Embedding) and pad is not None and rows.start <= pad < rows.stop:
-        dst[pad - rows.start].zero_()  # HF zeroes the padding embedding
+
+        def job(scratch: Scratch) -> None:
+            generator = torch.Generator().manual_seed(_block_seed(seed, p.name, block))
+            values = init(_scratch(scratch, (hi - lo) * row).view(hi - lo, *shape[1:]), generator)
+            a, b = max(lo, rows.start), min(hi, rows.stop)
+            dst[a - rows.start : b - rows.start].copy_(values[(slice(a - lo, b - lo), *rest)])
+            if pad is not None and a <= pad < b:
+                dst[pad - rows.start].zero_()  # HF zeroes the padding embedding
+
+        return job
+
+    return [block_job(block) for block in range(rows.start // per_block, -(-rows.stop // per_block))]
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
