@@ -5,7 +5,7 @@
 # does not stop the others.
 # Usage: bench/gpu-session.sh OUT PHASE... with PHASE one of
 #   protocol-a  NeMo AutoModel's 8B LoRA protocol through the real trainer (bench/protocols.py A) and HF Trainer +
-#               peft with checkpointing (it needs it on 80 GB) on the same rows: run it first
+#               peft with checkpointing (it needs it on 80 GB) on the same rows: run it first (~8 min expected)
 #   protocol-a-compiled  the same with per-block compile, shardline alone (~4 min; its own call after protocol-a)
 #   checks      versions, gpucheck, the embedded default on CUDA, netcheck (1 rank; 2 ranks sharing the GPU)
 #   bench       bench/gpu.py attention, train, compile (Llama-3.1-8B layer shapes)
@@ -18,6 +18,7 @@
 #   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
 #               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
 #   gap-check   after the fixes: the GPU tests of packed attention, shardline vs HF same rows again
+#   varlen      the GPU tests of packed attention; bench/packed_attention.py (buckets, varlen, dense mask; ~1 min)
 set -uo pipefail
 out=$1
 shift
@@ -44,7 +45,7 @@ for phase in "$@"; do
 case "$phase" in
 protocol-a)
   step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
-  step protocol-a 420 python3 bench/protocols.py A --baseline hf-checkpointed --out "$out"
+  step protocol-a 540 python3 bench/protocols.py A --baseline hf-checkpointed --out "$out"
   ;;
 protocol-a-compiled)
   step protocol-a-compiled 330 python3 bench/protocols.py A --set parallel.compile=true --out "$out/compiled"
@@ -99,6 +100,10 @@ contenders)
     --set model.arch.hidden_size=2048 --set model.arch.intermediate_size=5504 --set model.arch.num_layers=16 \
     --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 --set train.micro_batch_size=16 \
     --set train.global_batch_size=16
+  ;;
+varlen)
+  step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py -k "gpu or varlen"
+  step packed-attention 90 python3 bench/packed_attention.py
   ;;
 gap-check)
   step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py
