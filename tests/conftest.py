@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -63,6 +64,15 @@ def _time_by_module(terminalreporter) -> None:
         terminalreporter.write_line(f"{sum(times):8.1f} s  {len(times):4d} tests  {module}")
     terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  in all ({total / 60:.1f} min; "
                                 f"budget {SUITE_BUDGET_MIN} min on the slow class)")
+
+
+def bench_module(name: str):
+    """`bench/NAME.py` imported as a module (registered in sys.modules: dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def small_overrides(run_dir: Path) -> list[str]:

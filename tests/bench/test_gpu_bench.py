@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, bench_module
 
 SCRIPT = REPO / "bench" / "gpu.py"
 GIB = 2**30
@@ -20,14 +19,6 @@ GIB = 2**30
 def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-
-
-def load_module():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +74,7 @@ def test_without_a_gpu_it_exits_2_and_says_it_needs_one():
 
 
 def test_default_layers_fill_an_h100_and_more_of_an_h200():
-    gpu = load_module()
+    gpu = bench_module("gpu")
 
     def layers(free_gib: float, total_gib: float, ac: str = "none") -> int:
         run = gpu.Run(gpu.LLAMA_8B, 8192, 1, ac, 10, 3, torch.device("cpu"))
@@ -96,7 +87,7 @@ def test_default_layers_fill_an_h100_and_more_of_an_h200():
 
 
 def test_auto_layers_back_off_when_a_step_runs_out_of_memory(monkeypatch):
-    gpu = load_module()
+    gpu = bench_module("gpu")
     built: list[int] = []
 
     def build(run, layers):

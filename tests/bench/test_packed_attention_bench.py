@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, bench_module
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -24,12 +24,7 @@ def test_the_cpu_smoke_times_the_buckets_and_the_dense_mask_over_rows_the_docume
 
 
 def test_documents_fill_each_row_exactly_within_the_lengths_asked_for():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from packed_attention import document_lengths
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    lengths = document_lengths(4, 4096, 64, 2048)
+    lengths = bench_module("packed_attention").document_lengths(4, 4096, 64, 2048)
     ends, total = set(), 0
     for n in lengths:
         total += n

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def dpo_sql():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import dpo_sql
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return dpo_sql
+    return bench_module("dpo_sql")
 
 
 def test_gained_and_lost_pair_the_same_test_questions(dpo_sql):
