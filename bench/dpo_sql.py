@@ -51,9 +51,14 @@ def sft_export(root: Path, sets: tuple[str, ...] = ()) -> tuple[str, Path]:
     cache = f"data.cache_dir={root / 'prepared'}"
     if not (root / "sft-export").is_dir():
         shardline("train", "--set", f"run.dir={root / 'sft'}", "--set", cache,
-                  *(a for kv in sets for a in ("--set", kv)))
+                  *set_args(sets))
         shardline("export", str(only_run(root / "sft")), "--out", str(root / "sft-export"))
     return cache, only_run(root / "sft")
+
+
+def set_args(pairs) -> list[str]:
+    """`--set KEY=VALUE` for each pair, as `shardline train` takes them."""
+    return [arg for kv in pairs for arg in ("--set", kv)]
 
 
 def gained_and_lost(before: dict, after: dict) -> tuple[int, int]:
@@ -87,7 +92,7 @@ def main() -> None:
               "--set", f"train.dpo.beta={args.beta}", "--set", f"train.lr={args.lr}",
               "--set", f"train.dpo.sft_weight={args.sft_weight}",
               "--set", f"train.eval_every={max(1, args.dpo_steps // 4)}",
-              *[a for kv in args.data_set for a in ("--set", kv)])
+              *set_args(args.data_set))
     dpo = only_run(out)
     pref = [e for e in records(dpo, "eval") if "val_preference" in e]
     before, after = pref[0]["val_preference"], pref[-1]["val_preference"]

@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from dpo_sql import gained_and_lost, mcnemar_p, only_run, records, sft_export, shardline
+from dpo_sql import gained_and_lost, mcnemar_p, only_run, records, set_args, sft_export, shardline
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
               "--set", f"train.grpo.temperature={args.temperature}",
               "--set", f"train.grpo.max_new_tokens={args.max_new_tokens}", "--set", f"train.warmup_steps={args.warmup}",
               "--set", f"train.eval_every={max(1, args.steps // 4)}",
-              *[a for kv in [*args.data_set, *args.set] for a in ("--set", kv)])
+              *set_args([*args.data_set, *args.set]))
     grpo = only_run(out)
     steps = [r["grpo"] for r in records(grpo, "train") if r.get("grpo")]
     first, last = steps[:10], steps[-10:]

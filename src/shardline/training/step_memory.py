@@ -117,11 +117,8 @@ def _sample(model: nn.Module, optimizer: torch.optim.Optimizer, sampling: Sampli
                     position_ids=torch.full((n, 1), sampling.tokens - 1)).logits
         torch.softmax(logits[:, -1].float(), dim=-1)  # generate's sampling distribution
     snapshot = tracker.get_tracker_snapshot("peak")
-    breakdown = _breakdown(snapshot)
-    nf4 = nf4_stored_bytes(model)
-    if nf4:
-        breakdown["NF4 Param"] = nf4
-    return StepMemory(_total(snapshot) + nf4, "GRPO sampling (last decoded token)", breakdown, 0)
+    peak, breakdown = _with_nf4(model, _total(snapshot), _breakdown(snapshot))
+    return StepMemory(peak, "GRPO sampling (last decoded token)", breakdown, 0)
 
 
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
@@ -145,11 +142,16 @@ def _run(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, ba
     peak_snap = tracker.get_tracker_snapshot("peak")
     peak = _total(peak_snap)
     stage = next(name for name, value in reached if value >= peak)
-    breakdown = _breakdown(peak_snap)
-    # QLoRA's NF4 weights are outside FSDP, allocated before the tracker starts: resident all step, it never sees them
+    total, breakdown = _with_nf4(model, peak, _breakdown(peak_snap))
+    return StepMemory(total, _where(tracker, stage, peak), breakdown, counter.get_total_flops())
+
+
+def _with_nf4(model: nn.Module, peak: int, breakdown: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """The tracked peak and its parts with QLoRA's NF4 weights added: they are outside FSDP, allocated before the
+    tracker starts, and resident throughout, so it never sees them."""
     if nf4 := nf4_stored_bytes(model):
         breakdown["NF4 Param"] = nf4
-    return StepMemory(peak + nf4, _where(tracker, stage, peak), breakdown, counter.get_total_flops())
+    return peak + nf4, breakdown
 
 
 def _breakdown(snapshot: dict) -> dict[str, int]:

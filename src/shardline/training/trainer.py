@@ -143,9 +143,14 @@ class Trainer:
         self.params = count_params(model)
         cfg = model.config
         self.family = family_of(cfg)
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        width = cfg.num_attention_heads * self.head_dim
-        self.softcapped = getattr(cfg, "attn_logit_softcapping", None) is not None  # Gemma 2: always the buckets
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        width = cfg.num_attention_heads * head_dim
+        # sdpa's packed rows: per-document buckets (spans rounded up) unless one varlen flash call takes them; Gemma
+        # 2's soft-capped layers always take the buckets
+        self.rounds_spans = spec.model.attn_implementation == "sdpa" and (
+            getattr(cfg, "attn_logit_softcapping", None) is not None
+            or not takes_varlen(ctx.device, torch.bfloat16 if spec.train.precision == "bf16" else torch.float32,
+                                head_dim))
         windows = layer_windows(cfg)
         self.flops_per_token = flops_per_token(self.params, cfg.num_hidden_layers, width, spec.train.seq_len, windows)
         self.flops = FlopsModel(self.params, cfg.num_hidden_layers, width, _recompute_fraction(spec), windows)
@@ -654,9 +659,7 @@ class Trainer:
         if self.spec.model.attn_implementation == "eager" or (
                 self.spec.model.attn_implementation == "sdpa" and uses_dense_mask(seq, self.ctx.device)):
             return rows * seq * seq
-        dtype = torch.bfloat16 if self.spec.train.precision == "bf16" else torch.float32
-        if self.spec.model.attn_implementation == "sdpa" and (
-                self.softcapped or not takes_varlen(self.ctx.device, dtype, self.head_dim)):
+        if self.rounds_spans:
             return batch.spans.executed_causal_pairs(LENGTH_BUCKET)  # the buckets: spans rounded up
         return batch.spans.executed_causal_pairs()  # flash (varlen): each span as it is
 
