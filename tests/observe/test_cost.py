@@ -146,8 +146,8 @@ def test_plan_prints_the_projected_cost_estimated_and_measured(tmp_path, capsys)
     code, out = _cli(capsys, "plan", "--set", "cost.usd_per_device_hour=3.6", "--set", "parallel.nproc_per_node=2",
                      "--from-run", str(run))
     assert code == 0
-    # 16 rows × 256 tokens / (1000 tok/s × 2 devices) = 2.048 s/step; 300 steps × 2 devices × $3.6/h = $1.2288
-    assert "300 steps × 2.05 s/step" in out and "measured: 1,000 tok/s/device" in out
-    assert "cost: $1.23 " in out, out
+    # 16 rows × 256 tokens / (1000 tok/s × 2 devices) = 2.048 s/step; 500 steps × 2 devices × $3.6/h = $2.048
+    assert "500 steps × 2.05 s/step" in out and "measured: 1,000 tok/s/device" in out
+    assert "cost: $2.05 " in out, out
     code, out = _cli(capsys, "plan", "--from-run", str(tmp_path))
     assert code == 2 and "--from-run" in out
