@@ -78,10 +78,14 @@ def main() -> None:
           f"{100 * sql_after['sql_exact_match']:.1f}% |")
     print(f"| training reward, mean of steps 1-10 → last 10 (sampled) | {mean(first, 'reward'):.3f} | "
           f"{mean(last, 'reward'):.3f} |")
-    print(f"| training completions solved, steps 1-10 → last 10 | {100 * mean(first, 'solved'):.1f}% | "
-          f"{100 * mean(last, 'solved'):.1f}% |")
-    print(f"| groups with no reward spread (no signal) | {100 * mean(first, 'zero_std'):.1f}% | "
-          f"{100 * mean(last, 'zero_std'):.1f}% |")
+    if "solved" in steps[0]:  # the task's own check (a user's reward says nothing of solving)
+        print(f"| training completions solved, steps 1-10 → last 10 | {100 * mean(first, 'solved'):.1f}% | "
+              f"{100 * mean(last, 'solved'):.1f}% |")
+    if "sampled_zero_std" in steps[0]:  # train.grpo.oversample: before the selection
+        print(f"| sampled groups with no reward spread, steps 1-10 → last 10 | "
+              f"{100 * mean(first, 'sampled_zero_std'):.1f}% | {100 * mean(last, 'sampled_zero_std'):.1f}% |")
+    print(f"| trained groups with no reward spread (no signal), steps 1-10 → last 10 | "
+          f"{100 * mean(first, 'zero_std'):.1f}% | {100 * mean(last, 'zero_std'):.1f}% |")
     print(f"| seconds per step sampling / scoring | {mean(steps, 'generation_s'):.2f} | "
           f"{mean(steps, 'reward_s'):.2f} |")
     print(f"runs under {root}")

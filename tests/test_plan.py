@@ -347,6 +347,10 @@ def test_grpo_plan_counts_the_sampling_and_says_when_generation_dominates():
     reused = load_spec("llama-3.1-8b-lora", ["train.objective=grpo", "train.grpo.num_iterations=2"])
     assert rollout_estimate(reused, 989.0, match_device("NVIDIA H100 80GB HBM3")).seconds == pytest.approx(
         r.seconds / 2)  # one sampling serves two steps
+    oversampled = load_spec("llama-3.1-8b-lora", ["train.objective=grpo", "train.grpo.oversample=4"])
+    four = rollout_estimate(oversampled, 989.0, match_device("NVIDIA H100 80GB HBM3"))
+    assert four.seconds == pytest.approx(4 * r.seconds) and four.kv_cache_bytes == r.kv_cache_bytes  # 4 calls
+    assert "GRPO sampling: 4 × " in "\n".join(plan_cost_lines(oversampled, "cuda", "NVIDIA H100 80GB HBM3"))
 
 
 def test_grpo_memory_plan_peaks_while_sampling_when_the_kv_cache_outgrows_the_training_step():

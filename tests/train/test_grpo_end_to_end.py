@@ -2,9 +2,10 @@
 a user's reward function (`module:function` in the working directory), since a random model's SQL earns the
 built-in reward nothing and so moves nothing:
 
-- 2 ranks, 4 groups of G=4 completions per step: every step's completions sampled, scored and trained (the reward
-  and loss records, the goodput's generation and scoring buckets, the report's GRPO plot), the SQL evaluation after
-  it;
+- 2 ranks, 4 groups of G=4 completions per step, oversampled twice (`train.grpo.oversample`: each rank samples 4
+  groups and trains the 2 whose rewards spread most): every step's completions sampled, scored, selected and trained
+  (the reward and loss records, the goodput's generation and scoring buckets, the report's GRPO plot), the SQL
+  evaluation after it;
 - a kill -9 of a rank after step 3 (the last checkpoint step 2's): torchrun restarts the ranks, which sample and train
   step 3 again — the same completions (seeded per step and rank), so the same rewards and losses exactly; `shardline
   eval` of the run runs where the reward function does not import (an evaluation samples nothing);
@@ -55,7 +56,7 @@ def _records(run) -> dict[int, dict]:
 def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly(tmp_path):
     (tmp_path / "grpo_rewards.py").write_text(REWARD)
     runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), *GRPO, "launch.max_restarts=1"]
+    sets = [*small_overrides(runs), *GRPO, "launch.max_restarts=1", "train.grpo.oversample=2"]
     # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last
     # committed checkpoint, so torchrun's restart samples and trains step 3 again, then step 4
     with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
@@ -78,6 +79,7 @@ def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly
         assert 0 < g["reward"] < 1 and g["zero_std"] < 1  # the samples differ: advantages, and a gradient
         assert r["grad_norm"] > 0 and g["kl"] == 0.0 and g["clipped"] == 0.0  # beta 0; one step per sample
         assert "solved" not in g  # a user's reward says nothing of solving
+        assert g["zero_std"] <= g["sampled_zero_std"] < 1  # the kept groups spread at least as often
     assert "reward" in out
     assert "sql_execution_accuracy" in json.loads((run / "eval.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
@@ -155,12 +157,13 @@ def _rollouts(run, rank: int) -> list[dict]:
 def _check_rollouts(run, module_dir) -> None:
     """Each rank's logged completions, rewards and advantages: the rewards are the user's function of the logged
     completions, and the advantages are each group's normalised rewards over both ranks' completions (rank 0's
-    groups first) — the rewards and advantages line up with the completions the ranks trained on."""
+    groups first) — the rewards and advantages line up with the completions the ranks trained on; the groups kept
+    are the 2 of each rank's 4 sampled whose rewards spread most."""
     import importlib.util
 
     import torch
 
-    from shardline.training.grpo import group_advantages
+    from shardline.training.grpo import group_advantages, most_informative
 
     loaded = importlib.util.spec_from_file_location("grpo_rewards_check", module_dir / "grpo_rewards.py")
     module = importlib.util.module_from_spec(loaded)
@@ -173,6 +176,10 @@ def _check_rollouts(run, module_dir) -> None:
             expected = module.letters(prompts=logged["completions"], completions=logged["completions"],
                                       answer=["SELECT"] * 8)
             assert logged["rewards"] == pytest.approx(expected)
+            kept = most_informative(logged["sampled_rewards"], 4, 2)
+            assert logged["rewards"] == [logged["sampled_rewards"][r] for r in kept]
+            assert logged["prompts"] == [logged["sampled_prompts"][r // 4] for r in kept[::4]]
+            assert len(logged["sampled_prompts"]) == 4 and len(set(logged["sampled_prompts"])) == 4
             rewards += logged["rewards"]
         advantages, _ = group_advantages(torch.tensor(rewards), 4, "group")
         assert steps[0]["advantages"] + steps[1]["advantages"] == pytest.approx(advantages.tolist(), abs=1e-5)

@@ -153,3 +153,16 @@ def test_group_advantages_equal_trls(scale, tmp_path):
         expected = expected / (std + 1e-4)
     torch.testing.assert_close(ours, expected)
     assert float(group_std[4:8].abs().max()) == 0.0
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_rewards_spread_most():
+    """`train.grpo.oversample`: DAPO keeps the groups whose rewards are not all equal (verl's `filter_groups`: std >
+    0); at a fixed cost per step the groups with the largest spread are kept, equal spreads the first sampled."""
+    from shardline.training.grpo import most_informative, without_spread
+
+    groups = [[1.1] * 4, [1.1, 1.1, 1.1, 0.1], [0.0] * 4, [1.1, 0.1, 0.0, 1.1], [0.1, 1.1, 1.1, 1.1]]
+    rewards = [r for group in groups for r in group]
+    assert without_spread(rewards, 4) == 8  # groups 0 and 2
+    assert most_informative(rewards, 4, 2) == [*range(4, 8), *range(12, 16)]  # group 3, then 1 before its equal 4
+    assert most_informative(rewards, 4, 4) == [*range(0, 8), *range(12, 20)]  # every spread group, then group 0
+    assert most_informative(rewards, 4, 5) == list(range(20))

@@ -82,6 +82,8 @@ GRPO_GAUGES: dict[str, str] = {
     "reward": "GRPO: mean reward of the latest step's sampled completions.",
     "solved": "GRPO: share of the latest step's completions the task's check passed (0-1), where it has one.",
     "zero_std": "GRPO: share of the latest step's completions whose group's rewards were all equal (no signal).",
+    "sampled_zero_std": "GRPO: share of the latest step's sampled completions whose group had no reward spread, "
+                        "before train.grpo.oversample kept the groups that spread most.",
     "completion_length": "GRPO: mean tokens per sampled completion in the latest step.",
     "truncated": "GRPO: share of the latest step's completions cut at train.grpo.max_new_tokens.",
     "kl": "GRPO: mean per-token KL to the reference in the latest step (0 with train.grpo.beta=0).",

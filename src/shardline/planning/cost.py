@@ -123,7 +123,8 @@ def _sampling_lines(spec: JobSpec, peak: float, gpu, train_s: float) -> tuple[fl
     r = rollout_estimate(spec, peak, gpu)
     share = r.seconds / (r.seconds + train_s)
     verdict = "generation dominates the step" if share > 0.5 else "training dominates the step"
-    return r.seconds, (f"GRPO sampling: {r.sequences} sequences per rank × {spec.train.grpo.max_new_tokens} new "
+    calls = f"{spec.train.grpo.oversample} × " if spec.train.grpo.oversample > 1 else ""
+    return r.seconds, (f"GRPO sampling: {calls}{r.sequences} sequences per rank × {spec.train.grpo.max_new_tokens} new "
                        f"tokens, KV cache up to {r.kv_cache_bytes / 2**30:.3g} GiB per rank; ≥ {r.seconds:.3g} s/step "
                        f"({r.bound}-bound decode) vs {train_s:.3g} s/step training: {verdict} ({100 * share:.0f}%)")
 

@@ -1,11 +1,12 @@
 """What GRPO's sampling costs per step (`train.objective: grpo`): the KV cache it holds and the time it takes.
 
 Each rank samples `global_batch_size / world` sequences of up to `seq_len` tokens (a prompt of at most
-`seq_len − max_new_tokens`, then `max_new_tokens` decoded one at a time). A decode step reads every weight once
-(FSDP gathers them for each forward) and does 2 FLOPs per parameter per sequence, so it takes at least the longer of
-the weights over the memory bandwidth and those FLOPs at `cost.assumed_mfu` of the peak; the prompts' prefill is
-compute-bound. This is a lower bound: kernel launches, the gathers' network time and the sampling's own work add to
-it, and on a CPU (no bandwidth in the catalogue) only the FLOPs are counted.
+`seq_len − max_new_tokens`, then `max_new_tokens` decoded one at a time), `oversample` times when oversampled. A
+decode step reads every weight once (FSDP gathers them for each forward) and does 2 FLOPs per parameter per
+sequence, so it takes at least the longer of the weights over the memory bandwidth and those FLOPs at
+`cost.assumed_mfu` of the peak; the prompts' prefill is compute-bound. This is a lower bound: kernel launches, the
+gathers' network time and the sampling's own work add to it, and on a CPU (no bandwidth in the catalogue) only the
+FLOPs are counted.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from shardline.spec import JobSpec
 @dataclass(frozen=True)
 class RolloutEstimate:
     sequences: int
-    """Sequences each rank samples per step."""
+    """Sequences each rank samples per `generate` call (`oversample` calls per sampling)."""
     kv_cache_bytes: int
     """Per rank, at the longest (every sequence at `seq_len` tokens)."""
     seconds: float
-    """Sampling seconds per step (a lower bound; one sampling serves `train.grpo.num_iterations` steps)."""
+    """Sampling seconds per step (a lower bound; one sampling, of `oversample` calls, serves
+    `train.grpo.num_iterations` steps)."""
     bound: str
     """What bounds a decode step: `memory` or `compute`."""
 
@@ -42,5 +44,6 @@ def rollout_estimate(spec: JobSpec, peak_tflops: float, device: Accelerator | No
     memory = (params * weight_bytes + kv / 2) / (device.hbm_gbps * 1e9) if device is not None else 0.0
     prefill = 2 * params * sequences * (t.seq_len - g.max_new_tokens) / rate
     decode = max(compute, memory)
-    return RolloutEstimate(sequences, int(kv), (g.max_new_tokens * decode + prefill) / g.num_iterations,
+    per_sampling = g.oversample * (g.max_new_tokens * decode + prefill)  # one prompt share per generate call
+    return RolloutEstimate(sequences, int(kv), per_sampling / g.num_iterations,
                            "memory" if memory > compute else "compute")

@@ -245,6 +245,12 @@ class GrpoSpec(Section):
     the batch is sampled every μ steps. Checkpoints fall on sampling steps only (`checkpoint.every_steps` and
     `train.max_steps` are multiples of μ; a time-based save or a stop signal waits for the next one), so a resume
     samples exactly what the lost steps trained on."""
+    oversample: int = Field(1, ge=1)
+    """Dynamic sampling (DAPO's, at a fixed cost per step): each rank samples `oversample` × its prompts' groups and
+    trains on the ones whose rewards spread most (ties: the first sampled). A group whose completions all scored
+    alike has no advantage and teaches nothing; a model that solves most prompts, or fails them alike, makes most
+    groups so. Sampling and scoring cost `oversample` × as much, one prompt share per `generate` call (the sampling
+    memory does not grow). 1: train every group sampled."""
     epsilon: float = Field(0.2, gt=0)
     """The ratio π/π_old is clipped to [1 − epsilon, 1 + epsilon_high] (PPO's clip)."""
     epsilon_high: float | None = Field(None, gt=0)

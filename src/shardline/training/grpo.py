@@ -22,11 +22,13 @@ import torch
 from shardline.spec import GrpoSpec
 
 METRICS = ("completions", "reward", "reward_std", "zero_std", "solved", "scored", "completion_tokens",
-           "truncated", "kl", "clipped")
+           "truncated", "kl", "clipped", "sampled", "sampled_zero_std")
 """The summed per-completion quantities a step reduces over ranks, `completions` first: `reward_std` sums each
 completion's group std (a mean of group stds), `zero_std` counts completions whose group had no reward spread (no
 learning signal), `solved` the completions the task's own check passed among the `scored` ones it judged,
-`truncated` those cut at `max_new_tokens`, `kl` and `clipped` per-token sums over `completion_tokens`."""
+`truncated` those cut at `max_new_tokens`, `kl` and `clipped` per-token sums over `completion_tokens`;
+`sampled` and `sampled_zero_std` count the completions sampled, and those without spread, before
+`oversample`'s selection kept `completions` of them."""
 
 
 def group_advantages(rewards: torch.Tensor, generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +42,20 @@ def group_advantages(rewards: torch.Tensor, generations: int, scale: str) -> tup
     if scale != "none":
         advantages = advantages / (std + 1e-4)
     return advantages, group_std
+
+
+def most_informative(rewards: list[float], generations: int, keep: int) -> list[int]:
+    """Dynamic sampling (`GrpoSpec.oversample`): the completions (indices, in sampled order) of the `keep` groups,
+    each `generations` consecutive rewards, whose rewards spread most; equal spreads keep the first sampled."""
+    spread = torch.tensor(rewards, dtype=torch.float64).view(-1, generations).std(dim=1).tolist()
+    groups = sorted(sorted(range(len(spread)), key=lambda i: (-spread[i], i))[:keep])
+    return [k * generations + j for k in groups for j in range(generations)]
+
+
+def without_spread(rewards: list[float], generations: int) -> int:
+    """Completions whose group's rewards are all equal (no advantage: no learning signal)."""
+    grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, generations)
+    return int((grouped.std(dim=1) < 1e-6).sum()) * generations
 
 
 @dataclass
@@ -111,4 +127,6 @@ def mean_metrics(sums: torch.Tensor) -> dict[str, float]:
     out["clipped"] = values["clipped"] / tokens
     if values["scored"]:
         out["solved"] = values["solved"] / values["scored"]
+    if values["sampled"] > values["completions"]:  # oversampled: the share the selection had to replace
+        out["sampled_zero_std"] = values["sampled_zero_std"] / values["sampled"]
     return out

@@ -60,10 +60,13 @@ class Completions:
     ids: list[list[int]]
     ended: list[bool]
 
+    def rows(self, kept: list[int]) -> Completions:
+        return Completions([self.ids[r] for r in kept], [self.ended[r] for r in kept])
 
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of a step's sampling on a data-parallel rank."""
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+def sampling_seed(seed: int, step: int, rank: int, share: int = 0) -> int:
+    """The seed of a step's sampling on a data-parallel rank (of its `share`-th prompt share, when oversampled)."""
+    return int(np.random.SeedSequence([seed, step, rank, *([share] if share else [])]).generate_state(1)[0])
 
 
 @torch.no_grad()

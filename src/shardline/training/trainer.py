@@ -64,7 +64,7 @@ from shardline.spec import JobSpec
 from shardline.spec.objective import dpo_reference, frozen_reference_copy
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
-from shardline.tasks import get_task
+from shardline.tasks import Rewards, get_task
 from shardline.training.evaluate import (
     generation_eval,
     rank_part,
@@ -76,7 +76,14 @@ from shardline.training.evaluate import (
     validation_loss_sums,
 )
 from shardline.training.grpo import METRICS as GRPO_METRICS
-from shardline.training.grpo import Normalisers, group_advantages, reduce_loss, token_terms
+from shardline.training.grpo import (
+    Normalisers,
+    group_advantages,
+    most_informative,
+    reduce_loss,
+    token_terms,
+    without_spread,
+)
 from shardline.training.grpo import mean_metrics as grpo_means
 from shardline.training.heap import HeapTrimmer
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
@@ -97,6 +104,7 @@ from shardline.training.preference import (
 from shardline.training.profiling import StepProfiler
 from shardline.training.rewards import reward_function
 from shardline.training.rollout import (
+    Completions,
     SampledBatch,
     decoded,
     prompt_pool,
@@ -502,7 +510,7 @@ class Trainer:
                                  "prompts too long)", "use rows with prompts, raise train.seq_len or lower "
                                  "train.grpo.max_new_tokens")
         self.reward = reward_function(t.grpo.reward, self.task, self.spec.data)
-        prompts = t.global_batch_size // t.grpo.num_generations
+        prompts = t.global_batch_size // t.grpo.num_generations * t.grpo.oversample  # candidates, when oversampled
         self.sampler = StepSampler(len(self.prompts.examples), t.seed, prompts, prompts // self.dp_world,
                                    self.dp_world)
         if self.prompts.too_long:
@@ -530,16 +538,22 @@ class Trainer:
         return self._sampled
 
     def _rollout(self, index) -> SampledBatch:
-        """This rank's share of the step's prompts, G completions each sampled and scored; every completion's
-        advantage (rewards gathered from every rank: a group's, or the batch's, statistics)."""
+        """This rank's share of the step's prompts, G completions each sampled and scored (`oversample` × the share,
+        of which the groups whose rewards spread most are kept); every completion's advantage (rewards gathered
+        from every rank: a group's, or the batch's, statistics)."""
         t, g, ctx = self.spec.train, self.spec.train.grpo, self.ctx
         started = time.perf_counter()
-        prompts = [self.prompts.ids[i] for i in index]
+        index = [int(i) for i in index]
+        share = len(index) // g.oversample
+        completions = Completions([], [])
         with record_function("shardline.generate"):
-            completions = sample_completions(
-                self.model, prompts, [self.prompts.stops[i] for i in index], g.num_generations, g.temperature,
-                g.top_p, g.max_new_tokens, self.data.meta["pad_id"], ctx.device, ctx.world > 1,
-                sampling_seed(t.seed, self.step, self.dp_rank))
+            for k in range(g.oversample):  # one prompt share per call: the sampling memory the plan counts
+                part = index[k * share:(k + 1) * share]
+                found = sample_completions(
+                    self.model, [self.prompts.ids[i] for i in part], [self.prompts.stops[i] for i in part],
+                    g.num_generations, g.temperature, g.top_p, g.max_new_tokens, self.data.meta["pad_id"],
+                    ctx.device, ctx.world > 1, sampling_seed(t.seed, self.step, self.dp_rank, k))
+                completions = Completions(completions.ids + found.ids, completions.ended + found.ended)
         generated = time.perf_counter()
         with record_function("shardline.reward"):
             repeated = [i for i in index for _ in range(g.num_generations)]
@@ -547,6 +561,13 @@ class Trainer:
             rewards = self.reward([self.prompts.examples[i] for i in repeated],
                                   decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]), texts)
         scored = time.perf_counter()
+        sampled = {"sampled": len(texts), "sampled_zero_std": without_spread(rewards.values, g.num_generations)}
+        candidates = {"sampled_prompts": index, "sampled_rewards": rewards.values} if g.oversample > 1 else {}
+        if g.oversample > 1:  # dynamic sampling: the groups that teach most
+            kept = most_informative(rewards.values, g.num_generations, share)
+            index = [index[r // g.num_generations] for r in kept[::g.num_generations]]
+            repeated, texts, completions = [repeated[r] for r in kept], [texts[r] for r in kept], completions.rows(kept)
+            rewards = Rewards([rewards.values[r] for r in kept], rewards.solved and [rewards.solved[r] for r in kept])
         local = torch.tensor(rewards.values, dtype=torch.float32, device=ctx.device)
         everyone = [torch.empty_like(local) for _ in range(ctx.world)]
         dist.all_gather(everyone, local)
@@ -555,12 +576,12 @@ class Trainer:
         with (self.run_dir / "logs" / f"rollouts-rank-{ctx.rank}.jsonl").open("a") as f:  # what was sampled, scored
             f.write(json.dumps({"step": self.step + 1, "prompts": [int(i) for i in index], "completions": texts,
                                 "ended": completions.ended, "rewards": rewards.values,
-                                "advantages": [round(a, 6) for a in advantages[mine].tolist()]}) + "\n")
+                                "advantages": [round(a, 6) for a in advantages[mine].tolist()], **candidates}) + "\n")
         solved = rewards.solved or []
         found = {"completions": len(rewards.values), "reward": sum(rewards.values),
                  "reward_std": float(group_std[mine].sum()), "zero_std": float((group_std[mine] < 1e-6).sum()),
                  "solved": sum(solved), "scored": len(solved), "completion_tokens": sum(map(len, completions.ids)),
-                 "truncated": sum(not e for e in completions.ended)}  # kl and clipped: summed in the backward
+                 "truncated": sum(not e for e in completions.ended), **sampled}  # kl, clipped: in the backward
         sums = torch.tensor([float(found.get(name, 0.0)) for name in GRPO_METRICS], dtype=torch.float64,
                             device=ctx.device)
         batches = rollout_batches([self.prompts.ids[i] for i in repeated], completions.ids, t.micro_batch_size,
