@@ -34,3 +34,11 @@ def test_a_new_writer_after_a_torn_last_line_keeps_its_first_record(tmp_path):
     assert [r.get("event") for r in records] == ["setup", "setup"] and records[1]["attempt"] == 2
     MetricsWriter(path, Console(quiet=True)).write("event", {"event": "resume"})  # a clean file stays clean
     assert path.read_text().count("\n\n") == 0 and len(read_jsonl(path)) == 3
+
+
+def test_the_summary_says_a_rising_loss_rose():
+    """A continued run can end above its first step's loss: "61% higher", not "-61% lower"."""
+    from shardline.training.metrics import loss_trend
+
+    assert loss_trend(7.705, 0.022) == "loss 7.705 → 0.022 (100% lower)"
+    assert loss_trend(0.013, 0.021) == "loss 0.013 → 0.021 (62% higher)"

@@ -62,6 +62,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def loss_trend(first: float, last: float) -> str:
+    """The run's loss from its first step to its last, as the summary line says it."""
+    change = 1 - last / first if first else 0.0
+    return f"loss {first:.3f} → {last:.3f} ({100 * abs(change):.0f}% {'lower' if change >= 0 else 'higher'})"
+
+
 def end_torn_line(path: Path) -> None:
     """Terminate a last line left unterminated by a writer that was killed mid-write, so this writer's first
     record starts a line of its own (appended to the torn one, it would be lost with it)."""

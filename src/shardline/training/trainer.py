@@ -86,7 +86,7 @@ from shardline.training.grpo import (
 )
 from shardline.training.grpo import mean_metrics as grpo_means
 from shardline.training.heap import HeapTrimmer
-from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
+from shardline.training.metrics import MetricsWriter, TrainRecord, loss_trend, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from shardline.training.preference import (
     METRICS,
@@ -562,8 +562,9 @@ class Trainer:
                                   decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]), texts)
         scored = time.perf_counter()
         sampled = {"sampled": len(texts), "sampled_zero_std": without_spread(rewards.values, g.num_generations)}
-        candidates = {"sampled_prompts": index, "sampled_rewards": rewards.values} if g.oversample > 1 else {}
+        candidates = {}  # the rollout log's record of what the selection chose from
         if g.oversample > 1:  # dynamic sampling: the groups that teach most
+            candidates = {"sampled_prompts": index, "sampled_rewards": rewards.values}
             kept = most_informative(rewards.values, g.num_generations, share)
             index = [index[r // g.num_generations] for r in kept[::g.num_generations]]
             repeated, texts, completions = [repeated[r] for r in kept], [texts[r] for r in kept], completions.rows(kept)
@@ -913,8 +914,7 @@ class Trainer:
                 first, last = records[0].grpo, records[-1].grpo
                 trend = f"reward {first['reward']:.3f} → {last['reward']:.3f} (mean of each step's completions)"
             else:
-                drop = 1 - records[-1].loss / records[0].loss if records[0].loss else 0.0
-                trend = f"loss {records[0].loss:.3f} → {records[-1].loss:.3f} ({100 * drop:.0f}% lower)"
+                trend = loss_trend(records[0].loss, records[-1].loss)
             self._say(
                 f"done: {len(records)} steps in {wall:.1f}s · {trend} · val {val_loss:.3f} · "
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
