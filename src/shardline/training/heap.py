@@ -6,7 +6,8 @@ loss chunk), so freed holes are not always reused and the heap's resident size c
 0.92 GiB at step 200 and 1.41 GiB at step 900 (bench/RESULTS.md, 2026-11-27). Not a leak: with blocks from 64 KiB
 up mmapped instead the same run stays at 0.94-0.96 GiB, at 1.5× the step time. `malloc_trim(0)` returns every free
 page of the heap (not only its top) to the OS, keeping the fast layout; a trim every `TRIM_EVERY` steps costs a
-few page faults per step after it.
+few page faults per step after it. Every 10 steps rather than 50: the default run's peak after 150 steps 0.77 GiB
+against 0.86 (every step: 0.72), median step 0.77 s against 0.79 (bench/RESULTS.md, 2026-11-27, sixteenth session).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-TRIM_EVERY = 50
+TRIM_EVERY = 10
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
