@@ -61,6 +61,7 @@ class Completions:
     ended: list[bool]
 
     def rows(self, kept: list[int]) -> Completions:
+        """The completions at these indices, in their order."""
         return Completions([self.ids[r] for r in kept], [self.ended[r] for r in kept])
 
 
