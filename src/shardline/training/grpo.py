@@ -53,7 +53,8 @@ def most_informative(rewards: list[float], generations: int, keep: int) -> list[
 
 
 def without_spread(rewards: list[float], generations: int) -> int:
-    """Completions whose group's rewards are all equal (no advantage: no learning signal)."""
+    """Completions whose group's rewards are all equal (no advantage: no learning signal); a rank's groups are its
+    own, so its rewards alone count its share."""
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, generations)
     return int((grouped.std(dim=1) < 1e-6).sum()) * generations
 

@@ -575,12 +575,13 @@ class Trainer:
         advantages, group_std = group_advantages(torch.cat(everyone), g.num_generations, g.scale_rewards)
         mine = slice(self.dp_rank * local.numel(), (self.dp_rank + 1) * local.numel())
         with (self.run_dir / "logs" / f"rollouts-rank-{ctx.rank}.jsonl").open("a") as f:  # what was sampled, scored
-            f.write(json.dumps({"step": self.step + 1, "prompts": [int(i) for i in index], "completions": texts,
+            f.write(json.dumps({"step": self.step + 1, "prompts": index, "completions": texts,
                                 "ended": completions.ended, "rewards": rewards.values,
                                 "advantages": [round(a, 6) for a in advantages[mine].tolist()], **candidates}) + "\n")
         solved = rewards.solved or []
         found = {"completions": len(rewards.values), "reward": sum(rewards.values),
-                 "reward_std": float(group_std[mine].sum()), "zero_std": float((group_std[mine] < 1e-6).sum()),
+                 "reward_std": float(group_std[mine].sum()),
+                 "zero_std": without_spread(rewards.values, g.num_generations),
                  "solved": sum(solved), "scored": len(solved), "completion_tokens": sum(map(len, completions.ids)),
                  "truncated": sum(not e for e in completions.ended), **sampled}  # kl, clipped: in the backward
         sums = torch.tensor([float(found.get(name, 0.0)) for name in GRPO_METRICS], dtype=torch.float64,
