@@ -11,20 +11,19 @@ all-wrong group (a literal copied from the question, a missing column) so that t
 
 from __future__ import annotations
 
-import re
-
 from shardline.data.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks.text_to_sql.reward import sql_reward
+from shardline.tasks.text_to_sql.suite import normalised_tokens
 
 SIMILARITY_WEIGHT = 0.3
-TOKEN = re.compile(r"'[^']*'|\w+|[^\w\s]")
 
 
 def bigram_overlap(query: str, gold: str) -> float:
-    """Jaccard overlap of the two queries' token bigrams (case-insensitive outside string literals)."""
+    """Jaccard overlap of the two queries' token bigrams (exact match's tokens: case-insensitive outside quoted
+    literals and names)."""
     def bigrams(sql: str) -> set[tuple[str, str]]:
-        tokens = [t if t.startswith("'") else t.lower() for t in TOKEN.findall(sql)]
+        tokens = normalised_tokens(sql)
         return set(zip(tokens, tokens[1:], strict=False))
     a, b = bigrams(query), bigrams(gold)
     return len(a & b) / len(a | b) if a | b else 0.0

@@ -81,14 +81,18 @@ def _tokens(sql: str) -> list[tuple[str, str]]:
     return [(m.lastgroup or "", m.group()) for m in _TOKEN.finditer(sql) if m.lastgroup != "ws"]
 
 
+def normalised_tokens(sql: str) -> list[str]:
+    """The query's tokens without whitespace, comments and final ``;``, lower case outside quoted literals and
+    names."""
+    tokens = [text if kind in ("str", "qid") else text.lower() for kind, text in _tokens(sql)]
+    while tokens and tokens[-1] == ";":
+        tokens.pop()
+    return tokens
+
+
 def exact_match(pred: str, gold: str) -> bool:
     """The same tokens up to whitespace, comments, case outside quoted literals and names, and final ``;``."""
-    def normalised(sql: str) -> list[str]:
-        tokens = [text if kind in ("str", "qid") else text.lower() for kind, text in _tokens(sql)]
-        while tokens and tokens[-1] == ";":
-            tokens.pop()
-        return tokens
-    return normalised(pred) == normalised(gold)
+    return normalised_tokens(pred) == normalised_tokens(gold)
 
 
 def suite_match(databases: list[sqlite3.Connection], pred_sql: str, gold_sql: str) -> SuiteResult:
