@@ -71,8 +71,9 @@ def sdpa_backends(span: int, device: torch.device) -> list[SDPBackend] | None:
 DENSE_MAX_SEQ = 1024
 """On CUDA, rows of at most this many tokens run one SDPA call per layer with the dense block-diagonal mask
 (what transformers' `sdpa` does), not per-document buckets: at 16 × 512 tokens on an H200 the buckets' ~10
-launches each cost more host time than the mask's wasted pairs cost the GPU (bench/RESULTS-gpu.md). Measured at
-512 tokens only; longer rows keep the buckets, whose saving grows with the row (T² against Σ len²)."""
+launches each cost more host time than the mask's wasted pairs cost the GPU (bench/RESULTS-gpu.md). At 1024
+tokens (H100) one varlen flash call is 1.23× the mask on attention alone, but the mask keeps a compiled block one
+graph; longer rows take varlen or the buckets, whose saving grows with the row (T² against Σ len²)."""
 
 
 def uses_dense_mask(seq: int, device: torch.device) -> bool:
