@@ -18,7 +18,11 @@
 #   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
 #               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
 #   gap-check   after the fixes: the GPU tests of packed attention, shardline vs HF same rows again
-#   varlen      the GPU tests of packed attention; bench/packed_attention.py (buckets, varlen, dense mask; ~1 min)
+#   layers      the trainer's MFU against the bare HF layer stack on one workload (Llama-3.1-8B's layer shapes, 13
+#               layers, seq 8192 × 1, full fine-tune, no checkpointing): bench/gpu.py train + compile, then protocol B
+#               at that size eager and compiled (~7 min)
+#   varlen      the GPU tests of packed attention and of a whole step's synchronisations; bench/packed_attention.py
+#               (buckets, varlen, dense mask; ~1 min)
 set -uo pipefail
 out=$1
 shift
@@ -101,8 +105,18 @@ contenders)
     --set model.arch.num_heads=16 --set model.arch.num_kv_heads=16 --set train.micro_batch_size=16 \
     --set train.global_batch_size=16
   ;;
+layers)
+  step bare-stack 240 python3 bench/gpu.py --sections train,compile --layers 13 --steps 5 --warmup 2 \
+    --json "$out/gpu-13-layers.json"
+  same=(--set model.arch.num_layers=13 --set train.micro_batch_size=1 --set train.global_batch_size=1
+        --set parallel.activation_checkpointing=none)
+  step trainer-13-layers 150 python3 bench/protocols.py B "${same[@]}" --set parallel.compile=false \
+    --out "$out/trainer-13-layers"
+  step trainer-13-layers-compiled 180 python3 bench/protocols.py B "${same[@]}" --out "$out/trainer-13-layers-compiled"
+  ;;
 varlen)
-  step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py -k "gpu or varlen"
+  step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py \
+    tests/train/test_host_reads.py -k "gpu or varlen"
   step packed-attention 90 python3 bench/packed_attention.py
   ;;
 gap-check)

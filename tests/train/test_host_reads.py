@@ -3,9 +3,11 @@ the CPU; on a GPU each is a point where the host waits for the device and stops 
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
+import torch
 from rich.console import Console
 
 from shardline.data.loader import Batch
@@ -47,3 +49,28 @@ def test_a_training_step_reads_device_data_only_at_its_end(ctx, session_dir, pre
     assert trainer.sampler.accum == 2
     assert _by_file(reads.sites) == HOST_READS_PER_STEP, "\n".join(f"{n} × {op} at {where}" for (op, where), n in
                                                                   reads.sites.most_common())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch's synchronisation debug mode is "
+                    "CUDA's (the CPU test above finds the same points)")
+def test_on_a_gpu_a_whole_training_step_synchronises_only_where_the_cpu_count_says(ctx, session_dir, prepared):
+    """The same step on CUDA under `torch.cuda.set_sync_debug_mode("warn")`: every operation that makes the host
+    wait for the device (`.item()`, a device-to-host copy, a data-dependent shape, a stream synchronisation)
+    warns, and the step's count equals the budget the CPU test holds (the trainer's reads after its all-reduce)."""
+    spec = small_spec(session_dir, "train.peak_tflops=1")
+    trainer = Trainer(spec, ctx, prepared, session_dir / "runs" / "cuda-syncs", Console(quiet=True))
+    assert ctx.device.type == "cuda"
+    trainer.train_step()  # the first step builds the optimizer state
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = Counter(f"{w.filename.rsplit('/src/', 1)[-1]}:{w.lineno}" for w in caught
+                    if "synchronizing CUDA operation" in str(w.message))
+    assert trainer.sampler.accum == 2
+    assert sum(syncs.values()) == sum(HOST_READS_PER_STEP.values()), "\n".join(
+        f"{n} × at {where}" for where, n in syncs.most_common())
