@@ -5,8 +5,8 @@ data: `nonzero`, boolean indexing, `unique`) blocks until every queued kernel ha
 reports these on CUDA only; `HostReads` finds the same points on the CPU by following which tensors hold device
 data: parameters, buffers and their gradients, the batch as moved to the device (`mark`), whatever a collective
 touches (NCCL runs on the device), and every op's outputs when an input is one of those. A host read of such a
-tensor is a synchronisation point on a GPU; a read of a tensor built on the host (span indices, optimizer step
-counters on the CPU) is not, and is not counted."""
+tensor (a scalar read, a copy `.to("cpu")`, a data-dependent shape) is a synchronisation point on a GPU; a read
+of a tensor built on the host (span indices, optimizer step counters on the CPU) is not, and is not counted."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ class HostReads(TorchDispatchMode):
         device = any(self._on_device(t) for t in inputs)
         boolean_index = name == "aten.index.Tensor" and any(
             t is not None and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else []))
-        if device and name in HOST_READ_OPS and (name != "aten.index.Tensor" or boolean_index):
+        to_host = name == "aten._to_copy.default" and kwargs.get("device") == torch.device("cpu")  # `.to("cpu")`
+        if device and (to_host or name in HOST_READ_OPS and (name != "aten.index.Tensor" or boolean_index)):
             self.sites[(name.removeprefix("aten.").removesuffix(".default"), _caller())] += 1
         out = func(*args, **kwargs)
         if device or name.startswith("c10d."):  # a collective's tensors are on the device

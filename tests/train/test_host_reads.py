@@ -15,9 +15,13 @@ from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 from tests.host_reads import HostReads
 
-HOST_READS_PER_STEP = Counter({  # the trainer, once per step, after its one all-reduce: the first read waits for
-    ("_local_scalar_dense", "training/trainer.py"): 4,  # the step; the loss, tokens, work counts, gradient norm
+HOST_READS_PER_STEP = Counter({  # the trainer, once per step, after its last all-reduce: one copy to the host of
+    ("_to_copy", "training/trainer.py"): 1,  # the loss sum, the ranks' times, the token and work counts, the norm
 })  # and nothing per micro-batch: transformers' mask (a packed-sequence check that reads position_ids) is not built
+STRAGGLER_SYNCS_PER_STEP = 2
+"""On a GPU the step also waits for the device twice, on purpose, to time itself apart from its peers
+(`resilience.stragglers`): after the counts' all-reduce (the wait for slower peers) and before its own time is
+taken. Both are `torch.cuda.synchronize`, which the CPU count cannot see."""
 
 
 def _by_file(sites: Counter) -> Counter:
@@ -56,7 +60,7 @@ def test_a_training_step_reads_device_data_only_at_its_end(ctx, session_dir, pre
 def test_on_a_gpu_a_whole_training_step_synchronises_only_where_the_cpu_count_says(ctx, session_dir, prepared):
     """The same step on CUDA under `torch.cuda.set_sync_debug_mode("warn")`: every operation that makes the host
     wait for the device (`.item()`, a device-to-host copy, a data-dependent shape, a stream synchronisation)
-    warns, and the step's count equals the budget the CPU test holds (the trainer's reads after its all-reduce)."""
+    warns: the step's count is the CPU test's budget plus the straggler timing's two deliberate waits."""
     spec = small_spec(session_dir, "train.peak_tflops=1")
     trainer = Trainer(spec, ctx, prepared, session_dir / "runs" / "cuda-syncs", Console(quiet=True))
     assert ctx.device.type == "cuda"
@@ -72,5 +76,5 @@ def test_on_a_gpu_a_whole_training_step_synchronises_only_where_the_cpu_count_sa
     syncs = Counter(f"{w.filename.rsplit('/src/', 1)[-1]}:{w.lineno}" for w in caught
                     if "synchronizing CUDA operation" in str(w.message))
     assert trainer.sampler.accum == 2
-    assert sum(syncs.values()) == sum(HOST_READS_PER_STEP.values()), "\n".join(
+    assert sum(syncs.values()) == sum(HOST_READS_PER_STEP.values()) + STRAGGLER_SYNCS_PER_STEP, "\n".join(
         f"{n} × at {where}" for where, n in syncs.most_common())

@@ -436,8 +436,7 @@ class Trainer:
                                    sum(self._executed_pairs(b) for b in batches),
                                    *([sum(b.spans.window_pairs(window, causal) for b in batches)
                                       for causal in (False, True)] if (window := self.flops.window) else [])],
-                                  dtype=torch.float64,
-                                  device=ctx.device)
+                                  dtype=torch.float64).to(ctx.device, non_blocking=True)  # a blocking copy would sync
             arrived = time.perf_counter()
             dist.all_reduce(counts)
             if ctx.device.type == "cuda":  # NCCL returns before the peers arrive: wait here, so `waited` is it
@@ -449,10 +448,8 @@ class Trainer:
         fsdp_ranks = self.dp_world * self.spec.parallel.cp  # FSDP averages the gradients over these
         if self.dpo:
             preference = self._preference_step(batches, indices, fsdp_ranks)
-            loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the loss is a mean over pairs
             loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
         if sampled is not None:
-            loss_tokens = torch.ones((), dtype=torch.float64, device=ctx.device)  # the shares sum to the loss
             loss_sum += self._grpo_backward(sampled, batches, grpo, fsdp_ranks)
         for batch in batches if not (self.dpo or self.grpo) else ():
             with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
@@ -473,23 +470,28 @@ class Trainer:
             own = own_step_seconds(start, waited, ctx.device)
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
             dist.all_reduce(reduced)
-            # tensor-parallel peers computed the same sum, context-parallel peers a part each
-            loss = float(reduced[0] / self.spec.parallel.tp / loss_tokens)  # synchronises: the step is complete
-            stragglers = straggler_fields(reduced[1:].tolist())
+            # the step's one read of device data (on a GPU it waits for the step and the all-reduce): the loss sum,
+            # every rank's time, the counts and the gradient norm in one copy to the host
+            host = torch.cat([reduced, counts, grad_norm.reshape(1).to(reduced)]).to("cpu", copy=True).tolist()
+            step_sum, rank_seconds, counted, norm = host[0], host[1:len(reduced)], host[len(reduced):-1], host[-1]
+            # tensor-parallel peers computed the same sum, context-parallel peers a part each; DPO's sum is a mean
+            # over pairs and GRPO's shares sum to the loss, so neither is divided by the tokens
+            loss = step_sum / self.spec.parallel.tp / (1.0 if self.dpo or sampled is not None else max(counted[0], 1.0))
+            stragglers = straggler_fields(rank_seconds)
         if table := self.profiler.after_step(self.step + 1):
             self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
         step_time = time.perf_counter() - start
         self.step += 1
-        tokens_total = int(counts[1])
+        tokens_total = int(counted[1])
         self.consumed_tokens += tokens_total
         per_device = tokens_total / step_time / ctx.world
-        work = StepWork(*(int(c) for c in counts[1:].tolist()))
+        work = StepWork(*(int(c) for c in counted[1:]))
         per_device_peak = step_time * ctx.world * self.peak_tflops * 1e12
         tflops = self.flops.model(work) / step_time / ctx.world / 1e12
         return TrainRecord(
-            step=self.step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens=int(counts[0]),
+            step=self.step, loss=loss, lr=lr, grad_norm=norm, tokens=int(counted[0]),
             tokens_total=tokens_total, step_time_s=step_time, data_wait_s=data_wait,
-            tokens_per_s_per_device=per_device, loss_tokens_per_s_per_device=int(counts[0]) / step_time / ctx.world,
+            tokens_per_s_per_device=per_device, loss_tokens_per_s_per_device=int(counted[0]) / step_time / ctx.world,
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
