@@ -476,7 +476,7 @@ class Trainer:
             step_sum, rank_seconds, counted, norm = host[0], host[1:len(reduced)], host[len(reduced):-1], host[-1]
             # tensor-parallel peers computed the same sum, context-parallel peers a part each; DPO's sum is a mean
             # over pairs and GRPO's shares sum to the loss, so neither is divided by the tokens
-            loss = step_sum / self.spec.parallel.tp / (1.0 if self.dpo or sampled is not None else max(counted[0], 1.0))
+            loss = step_sum / self.spec.parallel.tp / (1.0 if self.dpo or self.grpo else max(counted[0], 1.0))
             stragglers = straggler_fields(rank_seconds)
         if table := self.profiler.after_step(self.step + 1):
             self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
