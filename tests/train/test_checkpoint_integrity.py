@@ -1,5 +1,6 @@
 """Checkpoints carry checksums and no code: damage is detected and skipped; a planted pickle never runs."""
 
+import hashlib
 import os
 import pickle
 import random
@@ -95,6 +96,85 @@ def test_a_planted_pickle_in_metadata_is_refused_and_never_runs(ctx, tmp_path, p
     meta.write_bytes(pickle.dumps(_Planted(str(marker))))
     with pytest.raises(ShardlineError, match="not a DCP checkpoint index"):
         t.checkpointer.load(1, {"model": {}})
+    assert not marker.exists()
+
+
+def _pickle_calling(module: str, name: str, *args: str) -> bytes:
+    """A protocol-4 pickle that names `module`/`name` (STACK_GLOBAL) and calls it with `args` (REDUCE): what
+    `pickle.dumps` never writes for a dotted name, written by hand as an attacker would."""
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+
+    call = pickle.MARK + b"".join(map(text, args)) + pickle.TUPLE + pickle.REDUCE if args else b""
+    return pickle.PROTO + b"\x04" + text(module) + text(name) + pickle.STACK_GLOBAL + call + pickle.STOP
+
+
+def _saved_metadata(tmp_path):
+    """A real one-process DCP save; returns the store and its `.metadata` path."""
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    dcp.save({"w": torch.ones(2, 3), "train": {"step": 3}}, storage_writer=store.writer(1))
+    return store, tmp_path / "ckpt" / step_name(1) / ".metadata"
+
+
+@pytest.mark.parametrize("payload", ["dotted_global", "module_global", "reduce_allowed_callable",
+                                     "build_on_a_type", "not_metadata"])
+def test_a_hostile_metadata_is_a_named_error_and_runs_nothing(tmp_path, payload):
+    store, meta = _saved_metadata(tmp_path)
+    marker = tmp_path / "owned"
+    payloads = {
+        # was: passed the module-wide allowlist, resolved to os.system through attributes and ran the command
+        "dotted_global": _pickle_calling("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"),
+        "module_global": _pickle_calling("os", "system", f"touch {marker}"),
+        # an allowlisted callable with arguments it was never meant to get: refused, not a KeyError traceback
+        "reduce_allowed_callable": _pickle_calling("torch.serialization", "_get_layout", "no-such-layout"),
+        # BUILD with slot state on a class sets class attributes for the whole process
+        "build_on_a_type": (pickle.PROTO + b"\x04" + _pickle_calling("pathlib", "PosixPath")[2:-1]
+                            + pickle.MARK + pickle.NONE + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + b"\x05owned"
+                            + pickle.NEWTRUE + pickle.SETITEM + pickle.TUPLE + pickle.BUILD + pickle.STOP),
+        "not_metadata": pickle.dumps({"state_dict_metadata": {}}),
+    }
+    meta.write_bytes(payloads[payload])
+    with pytest.raises(ShardlineError, match="is not a DCP checkpoint index") as e:
+        store.reader(1).read_metadata()
+    assert e.value.field == str(meta) and "resume from another checkpoint" in e.value.fix
+    assert not marker.exists()
+    import pathlib
+
+    assert not hasattr(pathlib.PosixPath, "owned")
+
+
+def test_a_real_metadata_still_reads_through_the_allowlist(tmp_path):
+    store, meta = _saved_metadata(tmp_path)
+    ours = store.reader(1).read_metadata()
+    theirs = dcp.FileSystemReader(str(meta.parent)).read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+
+
+def test_export_of_a_checkpoint_with_a_rewritten_metadata_and_checksums_is_a_named_error(ctx, tmp_path, prepared):
+    """Whoever can write the bucket can rewrite `commit.sha256` too: the unpickler is what stops them."""
+    from shardline.export import export_run
+    from shardline.rundir import create_run
+
+    spec, run_dir = create_run(small_spec(tmp_path, "train.precision=fp32", "checkpoint.async_save=false",
+                                          "run.id=hostile"))
+    trainer = Trainer(spec, ctx, prepared, run_dir, Console(quiet=True))
+    trainer.train_step()
+    trainer.save_checkpoint()
+    step_dir = run_dir / "checkpoints" / step_name(1)
+    marker = tmp_path / "owned"
+    (step_dir / ".metadata").write_bytes(
+        _pickle_calling("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}"))
+    digest = hashlib.sha256((step_dir / ".metadata").read_bytes()).hexdigest()
+    for path in step_dir.glob("*.sha256"):  # the attacker's own checksums: verification passes
+        lines = path.read_text().splitlines()
+        path.write_text("".join(f"{digest}  .metadata\n" if line.endswith("  .metadata") else f"{line}\n"
+                                for line in lines))
+    assert trainer.checkpointer.store.verify(1) == []
+    with pytest.raises(ShardlineError, match="is not a DCP checkpoint index"):
+        export_run(run_dir, tmp_path / "hf")  # was: ran the command, then AttributeError 'int' ... storage_meta
     assert not marker.exists()
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from shardline.errors import ShardlineError
@@ -33,16 +33,38 @@ CHECKSUM_SUFFIX = ".sha256"
 _HASH_CHUNK = 8 << 20
 FULL_BELOW_BYTES = 1 << 20  # a local filesystem with less room than this after a failed write is full
 
-# What a DCP `.metadata` pickle may name: DCP's own dataclasses, and the torch/pathlib values inside them.
-_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every global a DCP `.metadata` pickle may name, as exact `(module, name)` pairs mapped to the object itself:
+    DCP's own metadata dataclasses and the torch/pathlib values inside them. No dotted names, no module-wide
+    entries: pickle protocol 4 resolves `("allowed.module", "os.system")` through attributes, so the unpickler
+    returns these objects from the table and never imports or looks anything up."""
+    import collections
+    import pathlib
+
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    import torch.serialization
+
+    names = {
+        dcp_metadata: ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                       "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"),
+        dcp_filesystem: ("_StorageInfo",),
+        torch.serialization: ("_get_layout",),
+        torch: ("Size",),
+        pathlib: ("PosixPath", "PurePosixPath"),
+        collections: ("OrderedDict",),
+    }
+    table = {(module.__name__, name): getattr(module, name) for module, attrs in names.items() for name in attrs}
+    table.update({("torch", name): value for name, value in vars(torch).items()
+                  if isinstance(value, torch.dtype | torch.layout | torch.memory_format)})
+    return table
+
+
+_METADATA_GLOBALS = _metadata_globals()
+_METADATA_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, KeyError, IndexError,
+                    RecursionError, MemoryError, UnicodeDecodeError)
+"""What a damaged or hostile pickle can raise on the way to a refusal (a constructor called with wrong arguments,
+a layout name that is not one, a truncated stream, a deeply nested one)."""
 
 
 def sha256_stream(stream: Any) -> str:
@@ -69,12 +91,53 @@ def parse_checksums(text: str, source: str) -> dict[str, str]:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
-        return super().find_class(module, name)
+        try:
+            return _METADATA_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not checkpoint metadata")
+
+
+def _global_attributes() -> dict[tuple[str, str], dict[str, Any]]:
+    return {key: dict(vars(value)) for key, value in _METADATA_GLOBALS.items() if hasattr(value, "__dict__")}
+
+
+def _restore_global_attributes(before: dict[tuple[str, str], dict[str, Any]]) -> bool:
+    """Put back any attribute a pickle changed on an allowlisted class or function; whether there was one."""
+    changed = False
+    for key, attributes in before.items():
+        target = _METADATA_GLOBALS[key]
+        now = vars(target)
+        for name in set(now) - set(attributes):
+            delattr(target, name)
+            changed = True
+        for name, value in attributes.items():
+            if name not in now or now[name] is not value:
+                setattr(target, name, value)
+                changed = True
+    return changed
+
+
+def load_metadata(stream: Any, source: str) -> Metadata:
+    """A DCP `.metadata` index unpickled through the allowlist, checked to be one: anything else is a named error
+    saying which file and why (never a traceback, never code run)."""
+    before = _global_attributes()
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except _METADATA_ERRORS as e:
+        problem = f"is not a DCP checkpoint index ({type(e).__name__}: {str(e)[:200]})"
+    else:
+        problem = f"is not a DCP checkpoint index (it holds a {type(metadata).__name__})"
+        if isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict):
+            problem = ""
+    if _restore_global_attributes(before):  # BUILD on a class object sets class attributes: undone, refused
+        problem = "is not a DCP checkpoint index (it rewrites attributes of the types it names)"
+    if not problem:
+        return metadata
+    raise ShardlineError(source, problem, "the checkpoint was damaged or replaced: resume from another checkpoint "
+                         "(checkpoint.resume_from) and check who can write to the bucket")
 
 
 class _SafeMetadata:
@@ -83,12 +146,7 @@ class _SafeMetadata:
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-                raise ShardlineError(str(path), f"is not a DCP checkpoint index ({e})",
-                                     "the checkpoint was damaged or replaced: resume from another checkpoint "
-                                     "(checkpoint.resume_from) and check who can write to the bucket") from None
+            metadata = load_metadata(f, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
