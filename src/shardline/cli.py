@@ -160,14 +160,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from shardline.api import Spec
     from shardline.engines.local import run_local
     from shardline.environment import check_environment
+    from shardline.rundir import write_run_file
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "spec.yaml").is_file():
         raise SpecError(str(run_dir), "is not a run directory (no spec.yaml)", "pass runs/<run_id>")
     spec = Spec.load(run_dir, [f"parallel.nproc_per_node={args.nproc}"] if args.nproc else [])
     check_environment(spec, "eval")
-    eval_spec = run_dir / "eval-spec.yaml"
-    eval_spec.write_text(spec.to_yaml())
+    eval_spec = write_run_file(run_dir, "eval-spec.yaml", spec.to_yaml())  # never through a planted link
     return run_local(spec, eval_spec, "eval")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -16,9 +17,10 @@ from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from importlib.metadata import version as distribution_version
 from pathlib import Path
+from typing import NoReturn
 
 from shardline.clock import format_duration
-from shardline.errors import SpecError
+from shardline.errors import ShardlineError, SpecError
 from shardline.precision import PrecisionChoice, choose_precision, cuda_native_bf16
 from shardline.spec import JobSpec
 from shardline.spec.resolve import read_spec_file, spec_hash, spec_to_yaml
@@ -174,6 +176,80 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
         os.replace(tmp, run_dir / "manifest.json")
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_run_file(run_dir: Path, relative: str, data: str | bytes) -> Path:
+    """Create or replace `run_dir/relative` without following a link planted in the run directory (it lives on
+    shared storage, where anyone may leave `report/loss.png -> someone else's file`): every folder below `run_dir`
+    is opened without following links (created when missing), the bytes go to a new temporary name created
+    exclusively there (O_CREAT|O_EXCL|O_NOFOLLOW), are fsynced and renamed onto the final name, which replaces a
+    link rather than writing through it. A folder that is a link is a ShardlineError naming it. `run_dir` itself
+    is the caller's path and is followed."""
+    payload = data.encode() if isinstance(data, str) else data
+    fd, name = _open_folders(run_dir, relative)
+    try:
+        tmp = f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
+        try:
+            with os.fdopen(out, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(tmp, dir_fd=fd)
+            raise
+    finally:
+        os.close(fd)
+    return run_dir / relative
+
+
+def remove_run_file(run_dir: Path, relative: str) -> None:
+    """Remove `run_dir/relative` if it is there (a link is removed, never what it points to); the folders below
+    `run_dir` are opened as `write_run_file` opens them."""
+    fd, name = _open_folders(run_dir, relative)
+    try:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _open_folders(run_dir: Path, relative: str) -> tuple[int, str]:
+    """The open folder that holds `run_dir/relative` (its folders below `run_dir` created when missing, each opened
+    without following a link) and the file's name in it."""
+    *folders, name = Path(relative).parts
+    if not name or ".." in folders or name == ".." or Path(relative).is_absolute():
+        raise ValueError(f"not a plain path inside the run directory: {relative!r}")
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, folder in enumerate(folders):
+            with suppress(FileExistsError):
+                os.mkdir(folder, dir_fd=fd)
+            try:
+                inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:  # ELOOP: a link (O_NOFOLLOW); ENOTDIR: a file, or a link (with O_DIRECTORY)
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                _refuse_folder(fd, folder, run_dir.joinpath(*folders[: i + 1]))
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
+
+def _refuse_folder(parent: int, name: str, path: Path) -> NoReturn:
+    """A ShardlineError for a run directory's folder that is a link or not a folder."""
+    try:
+        what = f"a symbolic link to {os.readlink(name, dir_fd=parent)}"
+    except OSError:
+        what = "not a folder"
+    raise ShardlineError(str(path), f"is {what}: shardline writes a run's files only into the run's own folders, "
+                         "never through a link (run directories are shared storage)",
+                         f"remove it (`rm {path}`) and run the command again")
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import logging
 import statistics
@@ -21,6 +22,7 @@ from pathlib import Path
 from shardline.errors import ShardlineError
 from shardline.goodput import BUCKETS, Goodput, compute_goodput
 from shardline.jsonl import read_jsonl
+from shardline.rundir import remove_run_file, write_run_file
 
 log = logging.getLogger("shardline")
 GiB = 2**30
@@ -397,8 +399,6 @@ def write_report(run_dir: Path) -> Path:
         raise ShardlineError(str(run_dir), "has no metrics.jsonl", "pass a run directory that has trained")
     recs = read_records(metrics_file)
     goodput = compute_goodput(read_jsonl(metrics_file), _read_json(run_dir / "manifest.json"), now=time.time())
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
     figures = []
     plots = dict(PLOTS)
     if goodput is not None:
@@ -414,19 +414,17 @@ def write_report(run_dir: Path) -> Path:
     priced = any(r.get("cost_usd") is not None for r in recs.train)
     for name, (caption, plot) in plots.items():
         if name == "cost.png" and not priced:  # no price, no panel (the summary says how to set one)
-            (out / name).unlink(missing_ok=True)
+            remove_run_file(run_dir, f"report/{name}")
             continue
         fig = plot(recs)
         FigureCanvasAgg(fig)
-        fig.savefig(out / name)
-        data = base64.b64encode((out / name).read_bytes()).decode()
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_run_file(run_dir, f"report/{name}", png.getvalue())  # never through a link planted in report/
+        data = base64.b64encode(png.getvalue()).decode()
         figures.append(f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
                        f"<figcaption>{html.escape(caption)} ({name})</figcaption></figure>")
-    page = out / "index.html"
-    tmp = out / "index.html.tmp"
-    tmp.write_text(_page(run_dir, recs, figures, goodput))
-    tmp.replace(page)
-    return page
+    return write_run_file(run_dir, "report/index.html", _page(run_dir, recs, figures, goodput))
 
 
 def _page(run_dir: Path, recs: RunRecords, figures: list[str], goodput: Goodput | None) -> str:
