@@ -268,13 +268,37 @@ def _stored_keys(path: str) -> dict[str, Path]:
         root = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        return {key: root / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {file: _inside(root, file, index) for file in set(weight_map.values())}
+        return {key: files[file] for key, file in weight_map.items()}
     single = root / "model.safetensors"
     if single.is_file():
+        single = _inside(root, single.name, single)
         with safe_open(single, "pt") as f:
             return dict.fromkeys(f.keys(), single)
     raise SpecError("model.path", f"{path} has neither model.safetensors nor model.safetensors.index.json",
                     "save the checkpoint with save_pretrained(..., safe_serialization=True)")
+
+
+def _inside(root: Path, entry: object, named_in: Path) -> Path:
+    """`root/entry`, a weights file named by `named_in` (the index, or the file itself), refused with a SpecError
+    naming both unless it stays inside the model directory: a relative path without `..` that still lies inside
+    `root` once every link is resolved. A model directory comes from outside; an entry that leaves it would read
+    someone else's file. Hugging Face's cache is the one layout whose links leave the folder: the files of
+    `<repo>/snapshots/<revision>/` link to `<repo>/blobs/`, which counts as inside."""
+    real_root = root.resolve()
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    target = (root / str(entry)).resolve() if isinstance(entry, str) and entry else None
+    if target is None or Path(entry).is_absolute() or ".." in Path(entry).parts or \
+            not any(target.is_relative_to(a) for a in allowed):
+        raise SpecError(str(named_in), f"the weights file {entry!r} lies outside the model directory {real_root}"
+                        + (f" (it resolves to {target})" if target is not None else ""),
+                        "use a model directory whose weights files lie inside it (names relative to the directory, "
+                        "as save_pretrained writes them; no absolute paths, `..` or links out); copy the files in "
+                        "if they are yours")
+    return root / entry
 
 
 def _load_checkpoint(params: list[_Param], path: str, quantized: list[tuple[_Param, str]] = (),
