@@ -21,7 +21,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY scripts/ scripts/
 COPY src/ src/
 RUN if [ "$FLASH_ATTN" = true ]; then EXTRAS="$EXTRAS,flash"; fi \

@@ -20,17 +20,28 @@ from shardline.data.prepare import PreparedData, prepare
 from shardline.precision import cpu_bf16_feature
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
-from tests import skip_policy
+from tests import skip_policy, tiers
 from tests.skip_policy import pytest_make_collect_report, pytest_runtest_makereport, pytest_sessionfinish  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-SUITE_BUDGET_MIN = 40
-"""The README's test command must finish within this on the slow CPU class (2 cores, AVX2 only)."""
 LOADED_SLACK_S = 15.0
 """What a wall-clock bound adds above the timeout it tests: a process on a 2-core machine that runs the suite beside
 other work can be held off the CPU for seconds. A call that ignores its timeout never returns, so it still fails;
 a bound tighter than timeout + this is an ordering or a ratio instead."""
 _SECONDS: dict[str, float] = {}
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help=f"the fast tier only: -m '{tiers.FAST}' (tests/tiers.py), every module's unit tests")
+
+
+def pytest_configure(config) -> None:
+    tiers.configure(config)
+
+
+def pytest_unconfigure(config) -> None:
+    tiers.unconfigure()
 
 
 def pytest_report_header(config) -> str:
@@ -47,23 +58,55 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Where the suite's time goes, by module: the budget is spent by the few modules that launch real runs; then
-    the skips (tests/skip_policy.py: under CI=true or SHARDLINE_NO_SKIPS=1 only GPU-only tests may skip)."""
+    """Where the suite's time goes, by tier against its budget and by module: the budget is spent by the few modules
+    that launch real runs; then the skips (tests/skip_policy.py: under CI=true or SHARDLINE_NO_SKIPS=1 only GPU
+    tests may skip)."""
     if _SECONDS:
+        _time_by_tier(terminalreporter)
         _time_by_module(terminalreporter)
     skip_policy.pytest_terminal_summary(terminalreporter)
 
 
-def _time_by_module(terminalreporter) -> None:
-    by_module: dict[str, list[float]] = {}
+def _by_module(seconds: dict[str, float]) -> list[tuple[str, float, int]]:
+    modules: dict[str, list[float]] = {}
+    for nodeid, s in seconds.items():
+        modules.setdefault(nodeid.split("::")[0], []).append(s)
+    return sorted(((m, sum(t), len(t)) for m, t in modules.items()), key=lambda row: -row[1])
+
+
+def _time_by_tier(terminalreporter) -> None:
+    """The fast tier against its budget, the whole run against the full suite's; a warning naming the slowest
+    modules when one is passed (a warning, not a failure: the slower CPU class would make CI flaky)."""
+    write = terminalreporter.write_line
+    terminalreporter.section("time by tier (setup + call + teardown; budgets on the AVX512/AMX class, 2 cores)")
+    by_tier: dict[str, float] = {}
     for nodeid, seconds in _SECONDS.items():
-        by_module.setdefault(nodeid.split("::")[0], []).append(seconds)
+        by_tier[tiers.TIER_OF.get(nodeid, "fast")] = by_tier.get(tiers.TIER_OF.get(nodeid, "fast"), 0.0) + seconds
+    for name in ("fast", *tiers.SLOW_TIERS):
+        if name in by_tier:
+            count = sum(1 for n in _SECONDS if tiers.TIER_OF.get(n, "fast") == name)
+            write(f"{by_tier[name] / 60:8.1f} min  {count:4d} tests  {name}")
     total = sum(_SECONDS.values())
+    checks = [("fast", by_tier.get("fast", 0.0), {n: s for n, s in _SECONDS.items()
+                                                  if tiers.TIER_OF.get(n, "fast") == "fast"})]
+    if len(by_tier) > 1:
+        checks.append(("full", total, _SECONDS))
+    for name, seconds, members in checks:
+        budget = tiers.BUDGET_MINUTES[name]
+        verdict = "within" if seconds <= budget * 60 else "OVER"
+        write(f"{name} tier: {seconds / 60:.1f} min, {verdict} its budget of {budget} min")
+        if seconds > budget * 60:
+            slowest = ", ".join(f"{m} {s:.0f} s" for m, s, _ in _by_module(members)[:5])
+            terminalreporter.write_line(f"warning: the {name} tier is over its budget; slowest modules: {slowest}",
+                                        yellow=True, bold=True)
+
+
+def _time_by_module(terminalreporter) -> None:
     terminalreporter.section("time by module (setup + call + teardown)")
-    for module, times in sorted(by_module.items(), key=lambda kv: -sum(kv[1]))[:20]:
-        terminalreporter.write_line(f"{sum(times):8.1f} s  {len(times):4d} tests  {module}")
-    terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  in all ({total / 60:.1f} min; "
-                                f"budget {SUITE_BUDGET_MIN} min on the slow class)")
+    for module, seconds, count in _by_module(_SECONDS)[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {count:4d} tests  {module}")
+    total = sum(_SECONDS.values())
+    terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  in all ({total / 60:.1f} min)")
 
 
 def bench_module(name: str):

@@ -2,16 +2,18 @@
 
 The README calls Slurm, Ray, network namespaces, Prometheus and Chromium "tested on every commit on CPU"; a test of
 them that skips because a daemon, `promtool`, root or a package is missing would let a commit pass untested. So in
-strict mode every skip whose reason does not start with one of GPU_SKIP_REASONS becomes a failure (a skip in setup,
+strict mode every skip of a test without a GPU marker becomes a failure (a skip in setup,
 e.g. a `skipif` mark or a fixture's `pytest.skip`, is reported as an error) that names what is missing. A skip of a
 whole module at collection fails the session at its end (it is listed in the summary) instead of stopping it.
 
-GPU-only means the reason starts with:
-- "needs a CUDA GPU" — the test measures something only a GPU has (kernels, device sync, NCCL);
-- "this machine has a GPU" — the CPU-side counterpart (what happens without a GPU / without flash-attn), which
-  cannot happen on a GPU machine.
-Any other reason (a tool, a package, root, a daemon) is a gap in the machine: scripts/setup installs what the tests
-need (scripts/apt-packages.txt, the `test` extra). Registered by tests/conftest.py; usable alone as
+GPU-only means the test carries one of the GPU markers (tests/tiers.py: `needs_gpu`, `without_gpu` put them there
+with the skip):
+- `gpu` — the test measures something only a GPU has (kernels, device sync, NCCL);
+- `no_gpu` — the CPU-side counterpart (what happens without a GPU / without flash-attn), which cannot happen on a
+  GPU machine.
+The reason string does not decide: a `pytest.skip("needs a CUDA GPU")` in an unmarked test is a gap. Any other skip
+(a tool, a package, root, a daemon) is a gap in the machine: scripts/setup installs what the tests need
+(scripts/apt-packages.txt, the `test` extra). Registered by tests/conftest.py; usable alone as
 `pytest -p tests.skip_policy`.
 """
 
@@ -21,7 +23,7 @@ import os
 
 import pytest
 
-GPU_SKIP_REASONS = ("needs a CUDA GPU", "this machine has a GPU")
+GPU_MARKERS = ("gpu", "no_gpu")
 SWITCHES = "CI=true or SHARDLINE_NO_SKIPS=1"
 _SKIPS: dict[str, tuple[str, bool]] = {}  # nodeid -> (reason, GPU-only)
 _MODULE_SKIPS: dict[str, str] = {}  # collected file -> reason; strict mode fails the session for these
@@ -32,8 +34,8 @@ def strict() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1") or os.environ.get("SHARDLINE_NO_SKIPS") == "1"
 
 
-def gpu_only(reason: str) -> bool:
-    return reason.startswith(GPU_SKIP_REASONS)
+def gpu_only(item) -> bool:
+    return any(item.get_closest_marker(name) for name in GPU_MARKERS)
 
 
 def _reason(report) -> str:
@@ -44,8 +46,8 @@ def _reason(report) -> str:
 
 
 def _failure(reason: str) -> str:
-    return (f"skipped ({reason}); under {SWITCHES} only GPU-only skips may (reason starting with "
-            f"{' or '.join(map(repr, GPU_SKIP_REASONS))})\n"
+    return (f"skipped ({reason}); under {SWITCHES} only GPU-only skips may (tests marked "
+            f"{' or '.join(map(repr, GPU_MARKERS))}: tests/tiers.py needs_gpu / without_gpu)\n"
             "install what is missing (./scripts/setup: scripts/apt-packages.txt as root, the `test` extra) "
             "or run without the switch")
 
@@ -55,8 +57,8 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = _reason(report)
-        _SKIPS[report.nodeid] = (reason, gpu_only(reason))
-        if strict() and not gpu_only(reason):
+        _SKIPS[report.nodeid] = (reason, gpu_only(item))
+        if strict() and not gpu_only(item):
             report.outcome, report.longrepr = "failed", _failure(reason)
     return report
 
@@ -64,10 +66,8 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
     report = yield
-    if report.skipped:  # a module-level skip or importorskip: its tests were never collected
-        reason = _reason(report)
-        if not gpu_only(reason):
-            _MODULE_SKIPS[report.nodeid] = reason
+    if report.skipped:  # a module-level skip or importorskip: its tests were never collected, so nothing marks
+        _MODULE_SKIPS[report.nodeid] = _reason(report)  # them GPU-only
     return report
 
 

@@ -15,6 +15,7 @@ from shardline.failures import read_failures
 from shardline.rundir import create_run
 from shardline.spec.resolve import load_spec
 from tests.conftest import free_port, small_overrides
+from tests.tiers import without_gpu
 
 NEEDS_PACKAGES = ["model.attn_implementation=flash_attention_2", "observe.tensorboard=true",
                   "observe.wandb_project=sql-ft"]
@@ -60,8 +61,7 @@ def test_local_train_stops_before_creating_a_run_when_a_package_is_missing(packa
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
-                    reason="this machine has a GPU: flash-attn (CUDA only) is installed here")
+@without_gpu("flash-attn (CUDA only) is installed here", gpu_side=importlib.util.find_spec("flash_attn") is not None)
 def test_the_worker_refuses_to_start_without_flash_attn_and_records_why(tmp_path):
     spec, run_dir = create_run(load_spec("tiny", [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=1",
                                                   "model.attn_implementation=flash_attention_2"]))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, bench_module
+from tests.tiers import without_gpu
 
 SCRIPT = REPO / "bench" / "gpu.py"
 GIB = 2**30
@@ -66,7 +67,7 @@ def test_torchtitan_reference_figures_come_with_their_source_and_mfu(smoke):
     assert any("no FSDP" in note for note in smoke[0]["caveats"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@without_gpu("the refusal is the no-GPU side")
 def test_without_a_gpu_it_exits_2_and_says_it_needs_one():
     res = run_script("--steps", "2")
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]

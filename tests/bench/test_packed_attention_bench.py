@@ -5,10 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-import torch
-
 from tests.conftest import REPO, bench_module
+from tests.tiers import without_gpu
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -33,7 +31,7 @@ def test_documents_fill_each_row_exactly_within_the_lengths_asked_for():
     assert all(n < 2048 for n in lengths) and len(lengths) > 4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the refusal is the no-GPU side")
+@without_gpu("the refusal is the no-GPU side")
 def test_without_a_gpu_it_says_so_and_exits_2():
     res = run_script()
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr

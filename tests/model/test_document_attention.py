@@ -15,6 +15,7 @@ from shardline.model.document_attention import LENGTH_BUCKET, NAME
 from shardline.model.flops import count_params
 from shardline.spec.resolve import load_spec
 from shardline.training.evaluate import token_loss_sum
+from tests.tiers import needs_gpu
 
 VOCAB, SEQ = 256, 64
 
@@ -121,7 +122,7 @@ def test_a_batch_builds_its_span_indices_once_for_every_layer_and_the_backward()
     assert (info.misses, info.hits) == (1, a.num_layers - 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: device synchronisation is GPU-only")
+@needs_gpu("device synchronisation is GPU-only")
 @pytest.mark.parametrize("lengths", [[40, 24, 17, 30, 64, 5, 9, 33, 34],  # crossing rows: the buckets
                                      [40, 24, 17, 30, 17, 64, 5, 9, 33, 17]])  # row by row: the dense mask
 def test_on_a_gpu_packed_attention_never_waits_for_the_device(lengths):
@@ -180,7 +181,7 @@ def test_short_rows_on_a_gpu_take_one_masked_call_equal_to_the_per_document_buck
     assert _block_mask((40, 24, 17, 30, 64, 5, 9, 33, 34), 4, SEQ, torch.device("cpu")) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: which SDPA kernel runs is GPU-only")
+@needs_gpu("which SDPA kernel runs is GPU-only")
 def test_on_a_gpu_packed_attention_runs_no_cudnn_kernel_on_short_documents():
     # Found on an H200: cuDNN's SDPA cost ~1.4 ms of host time per bucketed call, and shardline's step ran 2x HF
     # Trainer's on the same rows with the GPU idle behind the host.
@@ -229,8 +230,7 @@ def test_the_variable_length_flash_kernel_is_there_for_the_gpu_path_and_only_cud
         assert not uses_varlen(torch.zeros(1, 2, 4, 16, device="cuda"))  # fp32: flash has no kernel
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the variable-length flash kernel is "
-                    "CUDA-only")
+@needs_gpu("the variable-length flash kernel is CUDA-only")
 @pytest.mark.parametrize("window", [None, 300])
 def test_on_a_gpu_long_packed_rows_run_one_varlen_flash_call_equal_to_each_document_alone(window, monkeypatch):
     from shardline.model import document_attention

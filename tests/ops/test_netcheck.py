@@ -11,6 +11,7 @@ from shardline.ops import netcheck
 from shardline.ops.netcheck import Record, bandwidths, element_count, evaluate, expected_busbw, measure, message_sizes
 from shardline.spec.resolve import load_spec
 from tests.conftest import run_cli
+from tests.tiers import needs_gpu
 
 
 def test_busbw_matches_hand_computed_nccl_tests_factors():
@@ -120,7 +121,7 @@ def test_one_rank_judges_no_bandwidth_but_still_checks_the_data(tmp_path):
     assert all(r["busbw_gbps"] == 0.0 and r["algbw_gbps"] > 0 and r["wrong"] == 0 for r in doc["records"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: NCCL ranks map to GPUs")
+@needs_gpu("NCCL ranks map to GPUs")
 def test_more_ranks_than_gpus_is_a_named_error():
     # Seen on a one-GPU H100: a second rank died in torch.cuda.set_device with "invalid device ordinal".
     res = run_cli("netcheck", "--nproc", str(torch.cuda.device_count() + 1), "--max-bytes", "1024", timeout=300)

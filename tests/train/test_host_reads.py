@@ -14,6 +14,7 @@ from shardline.data.loader import Batch
 from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 from tests.host_reads import HostReads
+from tests.tiers import needs_gpu
 
 HOST_READS_PER_STEP = Counter({  # the trainer, once per step, after its last all-reduce: one copy to the host of
     ("_to_copy", "training/trainer.py"): 1,  # the loss sum, the ranks' times, the token and work counts, the norm
@@ -55,8 +56,7 @@ def test_a_training_step_reads_device_data_only_at_its_end(ctx, session_dir, pre
                                                                   reads.sites.most_common())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch's synchronisation debug mode is "
-                    "CUDA's (the CPU test above finds the same points)")
+@needs_gpu("torch's synchronisation debug mode is CUDA's (the CPU test above finds the same points)")
 def test_on_a_gpu_a_whole_training_step_synchronises_only_where_the_cpu_count_says(ctx, session_dir, prepared):
     """The same step on CUDA under `torch.cuda.set_sync_debug_mode("warn")`: every operation that makes the host
     wait for the device (`.item()`, a device-to-host copy, a data-dependent shape, a stream synchronisation)
