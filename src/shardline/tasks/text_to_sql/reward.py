@@ -3,7 +3,6 @@ question's test suite (the metric the run is evaluated by), plus 0.1 for a query
 
 from __future__ import annotations
 
-import sqlite3
 from functools import lru_cache
 
 from shardline.data.example import Example
@@ -25,25 +24,25 @@ def _databases(seed: int) -> dict[str, Database]:
 
 def sql_reward(examples: list[Example], completions: list[str], data: DataSpec) -> Rewards:
     """Each completion's reward on its example's suite; one suite per distinct example (a group's G completions
-    share it)."""
+    share it), built when its first completion is scored and closed before the next example's: one question's
+    databases are alive at a time, not the batch's."""
     databases = _databases(data.seed) if data.path is None else {}
-    values, solved = [], []
-    suites: dict[tuple[str, str, str], list[sqlite3.Connection]] = {}
-    try:
-        for ex, pred in zip(examples, completions, strict=True):
-            key = (ex.db_id, ex.context, ex.answer)
-            if key not in suites:
-                base = databases[ex.db_id].connect() if ex.db_id in databases else None
-                suites[key] = suite_databases(ex.context, ex.answer, SUITE_SIZE, data.seed, base)
-                if base is not None:
-                    base.close()
-            suite = suites[key]
-            match = suite_match(suite, pred, ex.answer).match
-            runs = bool(suite) and run_sql(suite[0], pred).rows is not None
-            values.append(float(match) + RUNS_REWARD * runs)
-            solved.append(match)
-    finally:
-        for suite in suites.values():
+    by_question: dict[tuple[str, str, str], list[int]] = {}
+    for i, (ex, _) in enumerate(zip(examples, completions, strict=True)):
+        by_question.setdefault((ex.db_id, ex.context, ex.answer), []).append(i)
+    values, solved = [0.0] * len(examples), [False] * len(examples)
+    for indices in by_question.values():
+        ex = examples[indices[0]]
+        base = databases[ex.db_id].connect() if ex.db_id in databases else None
+        suite = suite_databases(ex.context, ex.answer, SUITE_SIZE, data.seed, base)
+        if base is not None:
+            base.close()
+        try:
+            for i in indices:
+                match = suite_match(suite, completions[i], ex.answer).match
+                runs = bool(suite) and run_sql(suite[0], completions[i]).rows is not None
+                values[i], solved[i] = float(match) + RUNS_REWARD * runs, match
+        finally:
             for conn in suite:
                 conn.close()
     return Rewards(values, solved)

@@ -16,7 +16,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from shardline.tasks.text_to_sql.execution import order_matters, results_match, run_sql
+from shardline.tasks.text_to_sql.execution import (
+    MAX_VALUE_BYTES,
+    install_bounded_printf,
+    order_matters,
+    results_match,
+    run_sql,
+)
 
 _TOKEN = re.compile(r"""(?P<ws>\s+|--[^\n]*|/\*[\s\S]*?\*/)|(?P<str>'(?:[^']|'')*')
     |(?P<qid>"(?:[^"]|"")*"|`[^`]*`|\[[^\]]*\])|(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
@@ -31,10 +37,11 @@ _RANGE = {"<", ">", "<=", ">=", "between"}
 _AFTER_GROUP_BY = {"having", "order", "limit", "union", "intersect", "except", ")"}
 _CONTEXT_DENIED = {sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH, sqlite3.SQLITE_PRAGMA}  # no files, no settings
 _CONTEXT_TIMEOUT_S = 2.0
-_MAX_VALUE_BYTES = 100_000
-"""SQLITE_LIMIT_LENGTH of every suite database: no string or blob above it, so schema text such as
-`pad TEXT AS (hex(zeroblob(4000000))) STORED` (692 MiB for one question, measured) or a generated query's huge
-value fails at once instead of filling memory while the other ranks wait."""
+MAX_DATABASE_BYTES = 4 << 20
+"""The most a generated suite database (and its temp schema) may hold: `PRAGMA max_page_count`, set before any
+dataset text runs. Past it sqlite answers "database or disk is full" and the statement is skipped, so a short
+`context` that INSERTs blobs (1.8 GB in 0.87 s, measured) leaves at most this in each database, and a question's
+suite holds at most ``n + 2`` of them while it is built."""
 _EXACT_SHARE = 0.25  # share of a hinted column's values that are the gold's own literals
 _TRIES = 3  # candidate databases per database kept
 
@@ -114,7 +121,10 @@ def suite_databases(context: str, gold_sql: str, n: int, seed: int,
                     base: sqlite3.Connection | None = None) -> list[sqlite3.Connection]:
     """``n`` in-memory databases: the schema and INSERTed rows of ``context`` (failing statements skipped) plus
     generated rows, preferring those of ``3 * n`` candidates where the gold returns rows; a copy of ``base`` (never
-    ``base`` itself) first when given. Deterministic in (``seed``, ``context``, ``gold_sql``)."""
+    ``base`` itself) first when given. Deterministic in (``seed``, ``context``, ``gold_sql``) unless the context or
+    the gold runs into its time limit, which ends the search (fewer databases). Each generated database holds at most
+    :data:`MAX_DATABASE_BYTES`, and no more than ``n`` of them, the template and the candidate being filled are alive
+    at once."""
     template = _context_db(context)
     tables = _read_schema(template)
     hints = _gold_hints(gold_sql, tables)
@@ -122,43 +132,60 @@ def suite_databases(context: str, gold_sql: str, n: int, seed: int,
     digest = hashlib.sha256(f"{seed}\0{context}\0{gold_sql}".encode()).digest()  # stable, unlike hash()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     answered: list[sqlite3.Connection] = []
-    others: list[sqlite3.Connection] = []
-    errors = 0
-    while len(answered) < n and len(answered) + len(others) < _TRIES * n and errors < n:
+    others: list[sqlite3.Connection] = []  # the first candidates without rows that may still be needed, in order
+    tried = errors = 0
+    while len(answered) < n and tried < _TRIES * n and errors < n:
         conn = _copy(template)
-        with _guarded(conn), contextlib.suppress(sqlite3.Error):  # the schema's expressions run on every insert
+        with _guarded(conn) as stopped, contextlib.suppress(sqlite3.Error):  # schema expressions run on each insert
             _fill(conn, tables, hints, roots, rng)
-        rows = run_sql(conn, gold_sql).rows
-        errors += rows is None  # a gold that fails on n databases will not start answering
-        (answered if rows else others).append(conn)
-    for conn in others[n - len(answered):]:
-        conn.close()
+        gold = run_sql(conn, gold_sql)
+        tried, errors = tried + 1, errors + (gold.rows is None)  # a gold that fails on n databases will not answer
+        (answered if gold.rows else others).append(conn)
+        while len(answered) + len(others) > n:  # closed at once, not kept to the end: copies do not pile up
+            others.pop().close()
+        if stopped or gold.timed_out:  # it would on every candidate: 3n time limits (48 s) for one question
+            break
     template.close()
-    return ([_copy(base)] if base is not None else []) + answered + others[:n - len(answered)]
+    return ([_copy(base, capped=False)] if base is not None else []) + answered + others
 
 
-def _connect() -> sqlite3.Connection:
+def _connect(capped: bool = True) -> sqlite3.Connection:
     conn = sqlite3.connect(":memory:")
-    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+    install_bounded_printf(conn, MAX_VALUE_BYTES)  # a CHECK with printf('%.*c', 2147483647, x) took 11-20 s a row
+    if capped:  # the pages of an in-memory database are memory
+        pages = MAX_DATABASE_BYTES // conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA main.max_page_count = {pages}")
+        conn.execute(f"PRAGMA temp.max_page_count = {pages}")
     return conn
 
 
 @contextlib.contextmanager
-def _guarded(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def _guarded(conn: sqlite3.Connection) -> Iterator[list[bool]]:
     """Run dataset text (schema, generated columns, CHECK expressions) with no ATTACH (files), no PRAGMA and a
-    time limit."""
+    time limit; what it yields is true once the time limit has stopped a statement."""
     deadline = time.monotonic() + _CONTEXT_TIMEOUT_S
+    stopped: list[bool] = []
+
+    def past_deadline() -> bool:
+        if time.monotonic() > deadline:
+            stopped[:] = [True]
+            return True
+        return False
+
     conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _CONTEXT_DENIED else sqlite3.SQLITE_OK)
-    conn.set_progress_handler(lambda: time.monotonic() > deadline, 1_000)
+    conn.set_progress_handler(past_deadline, 1_000)
     try:
-        yield conn
+        yield stopped
     finally:
         conn.set_progress_handler(None, 0)
         conn.set_authorizer(None)
 
 
-def _copy(conn: sqlite3.Connection) -> sqlite3.Connection:
-    out = _connect()
+def _copy(conn: sqlite3.Connection, capped: bool = True) -> sqlite3.Connection:
+    """A new in-memory database with ``conn``'s main schema and rows; ``capped`` at MAX_DATABASE_BYTES unless it is
+    the caller's own ``base``."""
+    out = _connect(capped)
     conn.backup(out)
     return out
 
@@ -184,7 +211,8 @@ def _statements(script: str) -> list[str]:
 
 
 def _context_db(context: str) -> sqlite3.Connection:
-    """The context's tables and rows; it is user data, so it runs `_guarded` and within `_MAX_VALUE_BYTES`."""
+    """The context's tables and rows; it is user data, so it runs `_guarded`, within `MAX_VALUE_BYTES` per value and
+    `MAX_DATABASE_BYTES` in all."""
     conn = _connect()
     with _guarded(conn):
         for statement in _statements(context):
