@@ -5,6 +5,8 @@ Prompt and answer are tokenized separately so the boundary is exact and inferenc
 prompt tokens as training. The answer ends with what makes the model stop: EOS for the plain template; for
 `chat`, the end-of-turn the tokenizer's own chat template writes after an assistant message (`<|im_end|>`
 for ChatML, `<|eot_id|>` for Llama 3), which need not be the tokenizer's EOS.
+
+The chat template renders through `shardline.data.chat_template`, within bounds: it comes with a model from outside.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from shardline.data.chat_template import chat_ids, chat_text
 from shardline.spec import PromptFormat
 
 
@@ -34,9 +37,7 @@ def encode_prompt(tok: PreTrainedTokenizerBase, template: PromptTemplate, questi
     """Prompt ids: the task's template around question and context, or the row's own prompt text (`literal`)."""
     if fmt == "chat":
         user = literal if literal is not None else template.chat(question, context)
-        ids = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        return list(ids)
+        return chat_ids(tok, [{"role": "user", "content": user}], add_generation_prompt=True)
     # Exactly one BOS, added here, never again by the tokenizer.
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     return bos + tok.encode(literal if literal is not None else template.plain(question, context),
@@ -56,7 +57,7 @@ def answer_end(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
     if fmt != "chat":
         return [tok.eos_token_id]
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-    text = tok.apply_chat_template(messages, tokenize=False)
+    text = chat_text(tok, messages)
     # What follows the content up to the line break (ChatML: "<|im_end|>\n"; the break is not the model's to say).
     tail = text[text.rindex(_PROBE) + len(_PROBE):].rstrip()
     ids = tok.encode(tail, add_special_tokens=False) if tail else []
