@@ -27,36 +27,87 @@ FAST = " and ".join(f"not {tier}" for tier in SLOW_TIERS)
 BUDGET_MINUTES = {"fast": 5, "full": 30}
 """On the AVX512/AMX class, 2 cores: the fast tier for a person's loop, the full suite (what CI runs)."""
 
-BY_PATH: dict[str, tuple[str, ...]] = {
-    "tests/real/": ("real_checkpoint", "launch"),
-    "tests/faults/": ("launch",),
-    "tests/launch/test_elastic.py": ("launch", "system"),
-    "tests/launch/test_local_runs.py": ("launch",),
-    "tests/launch/test_torchrun_env.py": ("launch",),
-    "tests/launch/test_failures.py": ("launch",),
-    "tests/launch/test_slurm.py": ("system",),
-    "tests/launch/test_ray.py": ("system",),
-    "tests/launch/test_kubeflow_sdk.py": ("launch",),
-    "tests/launch/test_k8s_inplace_restart.py": ("launch", "system"),
-    "tests/observe/test_observed_run.py": ("launch", "system"),
-    "tests/train/test_preemption.py": ("launch",),
-    "tests/train/test_hang.py": ("launch",),
-    "tests/train/test_tensor_parallel.py": ("launch",),
-    "tests/train/test_context_parallel.py": ("launch",),
-    "tests/train/test_dpo_end_to_end.py": ("launch",),
-    "tests/train/test_grpo_end_to_end.py": ("launch",),
-    "tests/train/test_lora_end_to_end.py": ("launch",),
-    "tests/train/test_qlora_end_to_end.py": ("launch",),
-    "tests/train/test_resume_from_anywhere.py": ("launch",),
-    "tests/train/test_stragglers.py": ("launch",),
-    "tests/train/test_heap.py": ("launch",),
-    "tests/test_image.py": ("system",),
-}
+LAUNCH = (
+    "tests/data/test_formats.py::test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports",
+    "tests/faults/",
+    "tests/launch/test_elastic.py::test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint",
+    "tests/launch/test_elastic.py::test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left",
+    "tests/launch/test_elastic.py::test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_divide",
+    "tests/launch/test_failures.py::test_a_failed_eval_of_a_finished_run_never_changes_the_training_runs_status",
+    "tests/launch/test_failures.py::test_bad_input_found_by_the_workers_exits_2_with_one_message",
+    "tests/launch/test_failures.py::test_evaluation_failure_after_training_says_training_finished_and_the_checkpoint_is_safe",
+    "tests/launch/test_failures.py::test_failure_mid_training_names_the_step_and_the_last_committed_checkpoint",
+    "tests/launch/test_k8s_inplace_restart.py::test_a_training_run_that_loses_a_node_restarts_both_pods_in_place_and_finishes",
+    "tests/launch/test_kubeflow_runtime.py::test_the_sdks_kubernetes_backend_builds_a_valid_trainjob_that_carries_the_spec",
+    "tests/launch/test_kubeflow_sdk.py::test_sdk_entry_point_ends_the_process_with_the_workers_exit_code_without_finalising",
+    "tests/launch/test_kubeflow_sdk.py::test_sdk_local_process_backend_runs_a_shardline_spec_to_completion_with_live_progress",
+    "tests/launch/test_kubeflow_sdk.py::test_sdk_run_lands_on_the_specs_storage_and_a_replaced_pod_resumes_from_its_checkpoint",
+    "tests/launch/test_local_runs.py",
+    "tests/launch/test_ray.py::test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes",
+    "tests/launch/test_slurm.py::test_sbatch_script_asks_for_the_allocation_and_runs_one_torchrun_per_node",
+    "tests/launch/test_torchrun_env.py::test_a_malloc_setting_the_user_made_is_kept",
+    "tests/launch/test_torchrun_env.py::test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded",
+    "tests/launch/test_torchrun_env.py::test_a_sigterm_while_torchrun_is_being_started_reaches_it_and_never_orphans_it",
+    "tests/launch/test_torchrun_env.py::test_a_torchrun_without_newer_flags_gets_the_command_line_without_them",
+    "tests/launch/test_torchrun_env.py::test_cpu_workers_start_with_the_heap_keeping_malloc_settings",
+    "tests/launch/test_torchrun_env.py::test_workers_get_this_launchs_prepared_data_and_never_an_inherited_one",
+    "tests/launch/test_vertex.py::test_custom_job_has_the_primary_alone_in_pool_0_and_the_other_nodes_in_pool_1",
+    "tests/model/test_build.py::test_local_checkpoint_with_chat_template_trains_through_the_cli",
+    "tests/model/test_families.py::test_two_ranks_give_the_same_first_loss_and_step_as_one",
+    "tests/model/test_nf4.py::test_every_rank_computes_with_torchaos_nf4_of_the_whole_weight",
+    "tests/model/test_sharded_load.py::test_two_ranks_load_a_1b_checkpoint_reading_only_their_shards",
+    "tests/model/test_sharded_load.py::test_two_ranks_random_init_matches_the_plain_build_on_fsdp_and_hsdp_meshes",
+    "tests/observe/test_observed_run.py",
+    "tests/ops/test_gpucheck.py::test_gpucheck_without_gpu_exits_3_from_the_cli_and_from_the_worker_task",
+    "tests/test_environment.py::test_the_worker_refuses_to_start_without_flash_attn_and_records_why",
+    "tests/test_plan.py::test_planned_peak_within_20_percent_of_measured",
+    "tests/test_run_status.py::test_a_run_with_one_live_process_or_processes_elsewhere_stays_running",
+    "tests/test_run_status.py::test_a_running_run_whose_processes_are_gone_is_settled_failed_with_its_last_checkpoint",
+    "tests/test_run_status.py::test_two_trainings_of_one_run_started_at_once_train_it_once",
+    "tests/test_spec.py::test_local_train_refuses_multi_node_spec_before_starting",
+    "tests/test_worker.py",
+    "tests/train/test_checkpoint_store.py::test_every_minutes_makes_all_ranks_agree_to_save",
+    "tests/train/test_chunked_loss.py::test_two_fsdp_ranks_take_the_same_first_step_chunked_as_with_the_whole_logits",
+    "tests/train/test_context_parallel.py::test_a_ranks_tokens_attend_over_the_whole_row_as_per_document_attention_does",
+    "tests/train/test_context_parallel.py::test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp",
+    "tests/train/test_dpo_end_to_end.py",
+    "tests/train/test_grpo_end_to_end.py",
+    "tests/train/test_hang.py::test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76",
+    "tests/train/test_hang.py::test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint",
+    "tests/train/test_heap.py",
+    "tests/train/test_knobs.py::test_worker_refuses_a_spec_for_a_different_world_size",
+    "tests/train/test_lora_end_to_end.py",
+    "tests/train/test_parallel_layouts.py::test_hsdp_2x2_matches_one_process_on_the_same_global_batch",
+    "tests/train/test_preemption.py",
+    "tests/train/test_qlora_end_to_end.py",
+    "tests/train/test_resume_from_anywhere.py",
+    "tests/train/test_stragglers.py::test_a_rank_slowed_every_step_is_the_slowest_rank_in_the_records_and_the_report",
+    "tests/train/test_tensor_parallel.py::test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports",
+    "tests/train/test_tensor_parallel.py::test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical",
+    "tests/train/test_tensor_parallel.py::test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads",
+    "tests/train/test_tensor_parallel.py::test_tp_with_selective_checkpointing_and_compile_trains_fsdps_losses_and_generates",
+    "tests/train/test_tensor_parallel.py::test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers",
+    "tests/train/test_training.py",
+)
+SYSTEM = (
+    "tests/launch/test_elastic.py::test_elastic_job_loses_a_node",  # network namespaces (root)
+    "tests/launch/test_elastic.py::test_ray_train_elastic",  # a local Ray cluster
+    "tests/launch/test_k8s_inplace_restart.py::test_a_training_run_that_loses_a_node",  # network namespaces
+    "tests/launch/test_slurm.py::test_sbatch_script",  # slurmctld, slurmd, munge
+    "tests/test_image.py",  # the image's install
+)
+REAL_CHECKPOINT = ("tests/real/",)
+BY_PATH: dict[str, tuple[str, ...]] = {}
+for _tier, _paths in (("launch", LAUNCH), ("system", SYSTEM), ("real_checkpoint", REAL_CHECKPOINT)):
+    for _path in _paths:
+        BY_PATH[_path] = (*BY_PATH.get(_path, ()), _tier)
+BY_PATH["tests/real/"] += ("launch",)
 BY_FIXTURE: dict[str, tuple[str, ...]] = {
     "slurm": ("system", "launch"),
     "ray_head": ("system", "launch"),
     "prometheus": ("system",),
 }
+"""Fixtures that start a daemon or a run: every test that uses one is in its tiers."""
 
 
 def needs_gpu(why: str):
@@ -128,12 +179,14 @@ _original_init = subprocess.Popen.__init__
 
 
 def _is_launch(args) -> bool:
+    """torchrun, or `python -m` of torch's launcher, the worker or `shardline train/eval/launch`."""
     argv = [os.path.basename(str(a)) for a in ([args] if isinstance(args, str | bytes | os.PathLike) else args)]
-    text = " ".join(argv)
-    if "torchrun" in argv or "torch.distributed.run" in text or "shardline.worker" in text:
+    if "torchrun" in argv:
         return True
-    return any(argv[i:i + 3] == ["-m", "shardline.cli", verb] for verb in ("train", "eval", "launch")
-               for i in range(len(argv)))
+    modules = [argv[i + 1:i + 3] for i, a in enumerate(argv[:-1]) if a == "-m"]
+    return any(m[:1] in (["torch.distributed.run"], ["shardline.worker"]) or
+               m in (["shardline.cli", "train"], ["shardline.cli", "eval"], ["shardline.cli", "launch"])
+               for m in modules)
 
 
 def _recording_init(self, args, *rest, **kwargs):
