@@ -7,11 +7,12 @@ it. `data.format: auto` picks the first format whose columns the first row has, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from shardline.data.example import ROLES, Example
+from shardline.data.example import ROLES, Example, trained_turns
 from shardline.errors import DataError
 from shardline.spec import ColumnsSpec, DataSpec
 
@@ -48,43 +49,160 @@ def _string(row: dict[str, Any], column: str, required: bool = True) -> str:
     return value
 
 
-def _turns(value: Any, column: str, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict[str, str]]:
+def _turns(value: Any, column: str, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict[str, Any]]:
+    """A list of turns as the chat template takes them: `role` and `content` (text), and every other key the turn has
+    (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`, `weight`, ...) handed on, normalised (`_turn`)."""
     if not isinstance(value, list) or not value:
         raise RowProblem(column, f"is a {type(value).__name__}, not a list of turns", "not_a_conversation")
-    turns = []
-    for i, turn in enumerate(value):
-        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
-            raise RowProblem(column, f"turn {i} is not a {{{role_key!r}, {content_key!r}}} object",
+    return [_turn(turn, i, column, role_key, content_key, roles) for i, turn in enumerate(value)]
+
+
+_CALL = "function_call"
+"""ShareGPT's (LLaMA-Factory's) role of an assistant turn whose value is its tool call(s), as JSON."""
+
+
+def _turn(turn: Any, i: int, column: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict[str, Any]:
+    if not isinstance(turn, dict) or role_key not in turn or (content_key not in turn and "tool_calls" not in turn):
+        raise RowProblem(column, f"turn {i} is not a {{{role_key!r}, {content_key!r}}} object", "not_a_conversation")
+    role = roles.get(turn[role_key]) if isinstance(turn[role_key], str) else None
+    if role is None:
+        raise RowProblem(column, f"turn {i} has the role {turn[role_key]!r}, not one of {sorted(roles)}",
+                         "unknown_role")
+    where = f"turn {i}'s"
+    if role == _CALL:
+        out = {"role": "assistant", "content": "", "tool_calls": _tool_calls(turn.get(content_key), where, column)}
+    else:
+        out = {"role": role, "content": _content(turn.get(content_key), f"{where} {content_key}", column)}
+    for key, value in turn.items():
+        # None is an absent key (parquet gives every turn every key any turn has); role and content are read above.
+        if value is None or key in (role_key, content_key, "role", "content"):
+            continue
+        if key == "tool_calls":
+            value = _tool_calls(value, where, column)
+        elif key == "weight":
+            if value not in (0, 1):
+                raise RowProblem(column, f"{where} weight is {value!r}: a turn is trained (1) or context (0)",
+                                 "not_a_conversation")
+            if value == 1:
+                continue  # the default
+            value = 0
+        out[key] = value
+    return out
+
+
+def _content(value: Any, what: str, column: str) -> str:
+    """A turn's content as text: a string as it is, null as "" (a turn that only calls tools), OpenAI's list of
+    content parts as its text parts joined by line breaks."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RowProblem(column, f"{what} has a {kind!r} part: only text parts are read", "not_text")
+        return "\n".join(texts)
+    raise RowProblem(column, f"{what} is a {type(value).__name__}, not text", "not_text")
+
+
+def _json(value: str, what: str, column: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise RowProblem(column, f"{what} is not JSON ({e})", "not_a_conversation") from None
+
+
+def _tool_calls(value: Any, where: str, column: str) -> list[dict[str, Any]]:
+    """Tool calls in OpenAI's form, which chat templates read: `{"type": "function", "function": {"name",
+    "arguments"}}` with the arguments an object (a JSON string is parsed), the call's other keys (`id`) kept. Read
+    from that form, from TRL's and ShareGPT's `{"name", "arguments"}`, one call or a list, or JSON text of either."""
+    if isinstance(value, str):
+        value = _json(value, f"{where} tool call", column)
+    if value is None:
+        value = []
+    calls = [value] if isinstance(value, dict) else value
+    if not isinstance(calls, list):
+        raise RowProblem(column, f"{where} tool_calls is a {type(value).__name__}, not a list of calls",
+                         "not_a_conversation")
+    out = []
+    for k, call in enumerate(calls):
+        what = f"{where} tool call {k}"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise RowProblem(column, f"{what} has no function name (expected {{\"name\", \"arguments\"}}, or "
+                             "OpenAI's {\"type\": \"function\", \"function\": {...}})", "not_a_conversation")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            arguments = _json(arguments, f"{what}'s arguments", column) if arguments.strip() else {}
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise RowProblem(column, f"{what}'s arguments are a {type(arguments).__name__}, not an object",
                              "not_a_conversation")
-        role, content = roles.get(turn[role_key]), turn[content_key]
-        if role is None:
-            raise RowProblem(column, f"turn {i} has the role {turn[role_key]!r}, not one of {sorted(roles)}",
-                             "unknown_role")
-        if not isinstance(content, str):
-            raise RowProblem(column, f"turn {i}'s {content_key} is a {type(content).__name__}, not text",
-                             "not_text")
-        turns.append({"role": role, "content": content})
-    return turns
+        keys = {key: v for key, v in call.items() if v is not None and key not in ("function", "name", "arguments")}
+        inner = {key: v for key, v in function.items() if v is not None}
+        out.append({**keys, "type": "function", "function": {**inner, "arguments": arguments}})
+    return out
 
 
-def _conversation(turns: list[dict[str, str]], column: str, trained_from: int = 0) -> Example:
-    if not any(t["role"] == "assistant" for t in turns[trained_from:]):
+def _tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's `tools` column (the functions the conversation may call, handed to the chat template): a list of
+    schemas, or JSON text of one; None when there is none."""
+    value = row.get(TOOLS)
+    if isinstance(value, str):
+        value = _json(value, "the list of tools", TOOLS) if value.strip() else None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise RowProblem(TOOLS, f"is a {type(value).__name__}, not a list of tool schemas", "not_a_conversation")
+    return value
+
+
+TOOLS, SYSTEM = "tools", "system"
+"""Columns a conversation's row may have beside its turns: the tools it may call, and (LLaMA-Factory) its system
+prompt, used when the conversation has no system turn of its own."""
+
+
+def _with_system(row: dict[str, Any], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    system = row.get(SYSTEM)
+    if system is None or system == "" or turns[0]["role"] == "system":
+        return turns
+    if not isinstance(system, str):
+        raise RowProblem(SYSTEM, f"is a {type(system).__name__}, not text", "not_text")
+    return [{"role": "system", "content": system}, *turns]
+
+
+def _conversation(turns: list[dict[str, Any]], column: str, trained_from: int = 0,
+                  tools: list[dict[str, Any]] | None = None) -> Example:
+    trained = trained_turns(turns, trained_from)
+    if not trained:
         raise RowProblem(column, "has no assistant turn to learn from", "no_assistant_turn")
-    return Example(messages=turns, trained_from=trained_from)
+    for i in trained:
+        if not turns[i]["content"].strip() and not turns[i].get("tool_calls"):
+            raise RowProblem(column, f"turn {i} is an empty assistant turn", "empty")
+    return Example(messages=turns, trained_from=trained_from, tools=tools)
 
 
 _CHAT_ROLES = {r: r for r in ROLES}
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-                   "assistant": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool"}
+                   "assistant": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool",
+                   _CALL: _CALL}
 
 
 def _messages(row: dict[str, Any], c: ColumnsSpec) -> Example:
-    return _conversation(_turns(row.get(c.messages), c.messages, "role", "content", _CHAT_ROLES), c.messages)
+    turns = _turns(row.get(c.messages), c.messages, "role", "content", _CHAT_ROLES)
+    return _conversation(_with_system(row, turns), c.messages, tools=_tools(row))
 
 
 def _sharegpt(row: dict[str, Any], c: ColumnsSpec) -> Example:
     turns = _turns(row.get(c.conversations), c.conversations, "from", "value", _SHAREGPT_ROLES)
-    return _conversation(turns, c.conversations)
+    return _conversation(_with_system(row, turns), c.conversations, tools=_tools(row))
 
 
 def _prompt_completion(row: dict[str, Any], c: ColumnsSpec) -> Example:
@@ -92,7 +210,7 @@ def _prompt_completion(row: dict[str, Any], c: ColumnsSpec) -> Example:
     if isinstance(prompt, list) or isinstance(completion, list):  # conversational: lists of turns
         before = _turns(prompt, c.prompt, "role", "content", _CHAT_ROLES)
         after = _turns(completion, c.completion, "role", "content", _CHAT_ROLES)
-        return _conversation(before + after, c.completion, trained_from=len(before))
+        return _conversation(before + after, c.completion, trained_from=len(before), tools=_tools(row))
     prompt, completion = _string(row, c.prompt), _string(row, c.completion)
     if not completion.strip():
         raise RowProblem(c.completion, "is empty", "empty")
@@ -107,13 +225,11 @@ def _preference(row: dict[str, Any], c: ColumnsSpec) -> Example:
         before = _turns(prompt, c.prompt, "role", "content", _CHAT_ROLES)
         chosen = _turns(row.get(c.chosen), c.chosen, "role", "content", _CHAT_ROLES)
         rejected = _turns(row.get(c.rejected), c.rejected, "role", "content", _CHAT_ROLES)
-        ex = _conversation(before + chosen, c.chosen, trained_from=len(before))
+        ex = _conversation(before + chosen, c.chosen, trained_from=len(before), tools=_tools(row))
         _conversation(before + rejected, c.rejected, trained_from=len(before))
         if chosen == rejected:
             raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
-        if any(not t["content"].strip() for t in chosen + rejected if t["role"] == "assistant"):
-            raise RowProblem(c.chosen, "or rejected has an empty assistant turn", "empty")
-        return Example(messages=ex.messages, trained_from=ex.trained_from, rejected_turns=rejected)
+        return Example(messages=ex.messages, trained_from=ex.trained_from, tools=ex.tools, rejected_turns=rejected)
     prompt, chosen, rejected = _string(row, c.prompt), _string(row, c.chosen), _string(row, c.rejected)
     for column, text in ((c.chosen, chosen), (c.rejected, rejected)):
         if not text.strip():
@@ -124,16 +240,19 @@ def _preference(row: dict[str, Any], c: ColumnsSpec) -> Example:
 
 
 def _prompt_answer(question: str, context: str, answer: str, fields: tuple[str, str]) -> Example:
+    """Question and context trimmed (the task's template places them); the answer as written, as every format keeps
+    what carries loss (leading indentation is code)."""
     if not question.strip():
         raise RowProblem(fields[0], "is empty", "empty")
     if not answer.strip():
         raise RowProblem(fields[1], "is empty", "empty")
-    return Example(question=question.strip(), context=context.strip(), answer=answer.strip())
+    return Example(question=question.strip(), context=context.strip(), answer=answer)
 
 
 def _instruction(row: dict[str, Any], c: ColumnsSpec) -> Example:
-    return _prompt_answer(_string(row, c.instruction), _string(row, c.input, required=False),
-                          _string(row, c.output), (c.instruction, c.output))
+    ex = _prompt_answer(_string(row, c.instruction), _string(row, c.input, required=False),
+                        _string(row, c.output), (c.instruction, c.output))
+    return replace(ex, system=_string(row, SYSTEM, required=False))
 
 
 def _question_answer(row: dict[str, Any], c: ColumnsSpec) -> Example:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from shardline.data.chat_template import chat_ids, chat_text
+from shardline.data.example import Example
+from shardline.errors import DataError
 from shardline.spec import PromptFormat
 
 
@@ -33,15 +36,17 @@ class PromptTemplate:
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, template: PromptTemplate, question: str, context: str,
-                  fmt: PromptFormat, literal: str | None = None) -> list[int]:
-    """Prompt ids: the task's template around question and context, or the row's own prompt text (`literal`)."""
+                  fmt: PromptFormat, literal: str | None = None, system: str = "") -> list[int]:
+    """Prompt ids: the task's template around question and context, or the row's own prompt text (`literal`); a
+    row's `system` prompt before it: a system turn (chat), or its text and a blank line (plain)."""
     if fmt == "chat":
         user = literal if literal is not None else template.chat(question, context)
-        return chat_ids(tok, [{"role": "user", "content": user}], add_generation_prompt=True)
+        turns = [{"role": "system", "content": system}] if system else []
+        return chat_ids(tok, [*turns, {"role": "user", "content": user}], add_generation_prompt=True)
     # Exactly one BOS, added here, never again by the tokenizer.
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    return bos + tok.encode(literal if literal is not None else template.plain(question, context),
-                            add_special_tokens=False)
+    text = literal if literal is not None else template.plain(question, context)
+    return bos + tok.encode(f"{system}\n\n{text}" if system else text, add_special_tokens=False)
 
 
 def encode_answer(tok: PreTrainedTokenizerBase, answer: str, fmt: PromptFormat = "plain") -> list[int]:
@@ -67,3 +72,59 @@ def answer_end(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
 def stop_ids(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
     """Generation stops at EOS or at the last token of the answer's end."""
     return sorted({tok.eos_token_id, answer_end(tok, fmt)[-1]})
+
+
+# A tool-using conversation whose every part carries a value found nowhere else: what a template renders of it shows
+# what it can render. The call id is nine letters and digits (Mistral's templates refuse others).
+_TOOL_PROBE_ID = "shardl1ne"
+_TOOL_PROBE = [
+    {"role": "user", "content": "?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": _TOOL_PROBE_ID, "type": "function", "function": {
+        "name": "shardline_probe", "arguments": {"value": "shardline-probe-argument"}}}]},
+    {"role": "tool", "tool_call_id": _TOOL_PROBE_ID, "name": "shardline_probe", "content": "shardline-probe-result"},
+    {"role": "assistant", "content": "."}]
+_TOOL_PROBE_TOOLS = [{"type": "function", "function": {"name": "shardline_probe",
+                                                       "description": "shardline-probe-description",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+_TOOL_PARTS = {"tool calls": "shardline-probe-argument", "tool results": "shardline-probe-result",
+               "tool definitions (the row's `tools`)": "shardline-probe-description"}
+_TOOL_SUPPORT: dict[tuple[str, ...], dict[str, bool] | str] = {}
+
+
+def _tool_support(tok: PreTrainedTokenizerBase) -> dict[str, bool] | str:
+    """Which parts of a tool-using conversation the chat template renders (`_TOOL_PARTS`), or what it raised."""
+    key = (tok.chat_template or "", str(tok.eos_token), str(tok.bos_token))
+    if key not in _TOOL_SUPPORT:
+        try:
+            text = tok.apply_chat_template(_TOOL_PROBE, tools=_TOOL_PROBE_TOOLS, tokenize=False)
+            _TOOL_SUPPORT[key] = {part: value in text for part, value in _TOOL_PARTS.items()}
+        except Exception as e:  # noqa: BLE001 - a template from outside may raise anything on tool turns
+            _TOOL_SUPPORT[key] = f"raises {type(e).__name__}: {e}"
+    return _TOOL_SUPPORT[key]
+
+
+def tool_parts(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:
+    """The parts of tool use (`_TOOL_PARTS`) a conversation has."""
+    has = {"tool calls": any(m.get("tool_calls") for m in messages),
+           "tool results": any(m["role"] == "tool" for m in messages),
+           "tool definitions (the row's `tools`)": bool(tools)}
+    return [part for part in _TOOL_PARTS if has[part]]
+
+
+def check_tools_rendered(tok: PreTrainedTokenizerBase, ex: Example) -> None:
+    """A DataError unless the chat template renders every part of tool use the conversation has: a template that
+    drops an assistant's tool calls would train the model to answer a tool request with an empty turn."""
+    parts = tool_parts(ex.messages, ex.tools)
+    if not parts:
+        return
+    support = _tool_support(tok)
+    missing = parts if isinstance(support, str) else [part for part in parts if not support[part]]
+    if not missing:
+        return
+    why = support if isinstance(support, str) else f"leaves out {' and '.join(missing)}"
+    source = f"source {ex.source}" if ex.source else "the data"
+    raise DataError(f"{tok.name_or_path or 'the tokenizer'}: its chat template",
+                    f"{why} when it renders a tool-using conversation, and {source} has conversations with "
+                    f"{', '.join(parts)}: a tool call rendered as nothing would train an empty turn",
+                    "use the model's own template if it renders tool calls (Qwen2.5 and later, Llama 3.1 and later, "
+                    "Mistral), set model.tokenizer to a tokenizer whose template does, or leave the tool rows out")
