@@ -5,9 +5,10 @@
   to the same losses: the reference table comes back from the checkpoint (recomputed from the step-3 weights, the
   losses would differ), and the loss is the mean over the global batch's pairs whatever the world size; `shardline
   eval` of it scores the held-out pairs against the same table;
-- LoRA on 2 ranks with the adapters-off reference: a kill -9 of a rank after step 3 (the last checkpoint step 2's):
-  torchrun restarts the ranks, which train step 3 again to the same loss, and the merged export loads in
-  transformers.
+- LoRA in bf16 (the default precision) on 2 ranks with the adapters-off reference: a kill -9 of a rank after step
+  3 (the last checkpoint step 2's): torchrun restarts the ranks, which train step 3 again to the same loss, and the
+  merged export loads in transformers. The adapters-off forward is the first of the run (the step-0 validation, and
+  step 3's after the restart): FSDP2 must still cast the bf16 gradients to the fp32 adapters (issue 52).
 """
 
 import json
@@ -69,9 +70,11 @@ def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp
 
 
 @pytest.mark.slow
-def test_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_after_a_kill_9_and_merges(tmp_path):
+def test_bf16_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exactly_after_a_kill_9_and_merges(
+        tmp_path):
     runs = tmp_path / "runs"
     lora = ["parallel.nproc_per_node=2", "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
+            "train.precision=bf16",
             "checkpoint.every_steps=2", "train.max_steps=4", "train.eval_examples=0", "launch.max_restarts=1"]
     sets = [*small_overrides(runs), *DPO, *lora]
     # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last

@@ -2,8 +2,9 @@
 a user's reward function (`module:function` in the working directory), since a random model's SQL earns the
 built-in reward nothing and so moves nothing:
 
-- 2 ranks, 4 groups of G=4 completions per step, oversampled twice (`train.grpo.oversample`: each rank samples 4
-  groups and trains the 2 whose rewards spread most): every step's completions sampled, scored, selected and trained
+- LoRA in bf16 (the default precision) with a KL to the adapters-off reference, on 2 ranks, 4 groups of G=4
+  completions per step, oversampled twice (`train.grpo.oversample`: each rank samples 4 groups and trains the 2
+  whose rewards spread most): every step's completions sampled, scored, selected and trained
   (the reward and loss records, the goodput's generation and scoring buckets, the report's GRPO plot), the SQL
   evaluation after it;
 - a kill -9 of a rank after step 3 (the last checkpoint step 2's): torchrun restarts the ranks, which sample and train
@@ -53,10 +54,12 @@ def _records(run) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly(tmp_path):
+def test_bf16_lora_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly(tmp_path):
     (tmp_path / "grpo_rewards.py").write_text(REWARD)
     runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), *GRPO, "launch.max_restarts=1", "train.grpo.oversample=2"]
+    sets = [*small_overrides(runs), *GRPO, "launch.max_restarts=1", "train.grpo.oversample=2",
+            "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16", "train.precision=bf16",
+            "train.grpo.beta=0.1", "observe.report=true"]
     # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last
     # committed checkpoint, so torchrun's restart samples and trains step 3 again, then step 4
     with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)], cwd=tmp_path,
@@ -66,10 +69,13 @@ def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly
     assert proc.returncode == 0, out[-6000:]
     trained = read_metrics(run, "train")
     assert [r["step"] for r in trained] == [1, 2, 3, 3, 4]
+    # the reference is the starting weights, the adapters off: KL 0 at the first step only
+    assert trained[0]["grpo"]["kl"] == 0.0 < trained[-1]["grpo"]["kl"]
     first, again = trained[2], trained[3]  # step 3 before the kill and after the restart
     assert again["grpo"]["reward"] == first["grpo"]["reward"]  # the same completions
     assert again["grpo"]["completion_length"] == first["grpo"]["completion_length"]
     assert again["loss"] == pytest.approx(first["loss"], rel=1e-6, abs=1e-9)
+    assert again["grpo"]["kl"] == pytest.approx(first["grpo"]["kl"], rel=1e-6, abs=1e-12)
     assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-5)
     resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
     assert [e["step"] for e in resumes] == [2] and resumes[0]["rng_restored"]
@@ -77,7 +83,7 @@ def test_grpo_samples_scores_and_trains_and_a_kill_9_retrains_lost_steps_exactly
         g = r["grpo"]
         assert g["completions"] == 16 and 0 < g["completion_length"] <= 12 and g["generation_s"] > 0
         assert 0 < g["reward"] < 1 and g["zero_std"] < 1  # the samples differ: advantages, and a gradient
-        assert r["grad_norm"] > 0 and g["kl"] == 0.0 and g["clipped"] == 0.0  # beta 0; one step per sample
+        assert r["grad_norm"] > 0 and g["kl"] >= 0 and g["clipped"] == 0.0  # one step per sample: r = 1
         assert "solved" not in g  # a user's reward says nothing of solving
         assert g["zero_std"] <= g["sampled_zero_std"] < 1  # the kept groups spread at least as often
     assert "reward" in out

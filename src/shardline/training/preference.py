@@ -81,8 +81,16 @@ def pair_logps(model: nn.Module, batch: Batch, chunk_tokens: int | None) -> Pair
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The LoRA model as its base: peft's adapters disabled for the block."""
+    """The LoRA model as its base: peft's adapters disabled for the block, the trainable parameters unchanged."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
     with model.disable_adapter():  # type: ignore[operator]
+        # peft also clears requires_grad on the adapter weights, and sets it on exit on whichever copies the modules
+        # hold then. Under FSDP2 both would harm: it fixes a block's gradient dtypes at the model's first forward
+        # from the parameters that require grad (were that this one, as in DPO's step-0 validation, the bf16
+        # gradients would reach the fp32 adapters uncast: issue 52), and a block left gathered after a no-grad
+        # forward (`parallel.reshard_after_forward: false`) would leave its sharded adapters frozen.
+        for p in trainable:
+            p.requires_grad_(True)
         yield
 
 

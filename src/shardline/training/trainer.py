@@ -832,9 +832,9 @@ class Trainer:
         self.phase = phase
         return loss
 
-    def fit(self) -> dict:
-        t, ck = self.spec.train, self.spec.checkpoint
-        self.describe()
+    def begin(self) -> None:
+        """What a run does before its first step: GRPO's prompts and reward, the resume, and at step 0 DPO's
+        precomputed reference and its first validation (the first forward of a LoRA run, with the adapters off)."""
         if self.grpo:
             self._prepare_grpo()
         self.maybe_resume()
@@ -842,6 +842,11 @@ class Trainer:
             self._compute_reference()
         if self.dpo and self.step == 0:  # where the preferences start: the report's first point
             self._stoppable(self.validate)
+
+    def fit(self) -> dict:
+        t, ck = self.spec.train, self.spec.checkpoint
+        self.describe()
+        self.begin()
         self.phase = "training"
         records: list[TrainRecord] = []
         wall = time.perf_counter()
