@@ -133,6 +133,8 @@ def small_overrides(run_dir: Path) -> list[str]:
         # fp32: CPUs without bf16 matrix units (AVX2 only) emulate bf16 ~15x slower than fp32; the bf16 path is
         # tested where it is the subject (test_training's FSDP run, test_knobs, the real checkpoint's loss).
         "train.precision=fp32",
+        # the report (matplotlib, ~1.3 s at the end of every run) only where a test reads it: observe.report=true
+        "observe.report=false",
     ]
 
 

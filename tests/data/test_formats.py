@@ -283,7 +283,7 @@ def test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports(tmp_
     runs = tmp_path / "runs"
     sets = [*small_overrides(runs), mixture, f"model.tokenizer={chat_tokenizer}", "data.test_size=null",
             "data.validation_size=4", "train.max_steps=6", "checkpoint.every_steps=3", "train.eval_every=3",
-            "train.sample_generations=6", "train.eval_max_new_tokens=8"]
+            "train.sample_generations=6", "train.eval_max_new_tokens=8", "observe.report=true"]
     out = run_cli("train", *[a for o in sets for a in ("--set", o)], "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = only_run(runs)

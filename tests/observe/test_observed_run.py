@@ -72,7 +72,7 @@ def observed_run(prometheus, tmp_path_factory):
                  "train.log_every=2", "train.eval_examples=2", "train.eval_max_new_tokens=16",
                  f"observe.metrics_port={metrics_port}", "observe.metrics_host=127.0.0.1",
                  "observe.metrics_linger_s=4", "observe.tensorboard=true",
-                 f"cost.usd_per_device_hour={USD_PER_DEVICE_HOUR}"]
+                 f"cost.usd_per_device_hour={USD_PER_DEVICE_HOUR}", "observe.report=true"]
     out = run_cli("train", "--nproc", "2", *[a for o in overrides for a in ("--set", o)], timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return only_run(runs), out.stdout

@@ -77,7 +77,7 @@ def _train_with_fake_workers(monkeypatch, session_dir, name: str, worker, *extra
     monkeypatch.setattr(local, "run_local",
                         lambda spec, spec_path, task, run_dir=None, prepared=None: worker(spec_path.parent))
     args = [a for o in [*small_overrides(session_dir / "runs"), f"run.name={name}", "parallel.nproc_per_node=1",
-                                  *extra]
+                                  "observe.report=true", *extra]
             for a in ("--set", o)]
     code = main(["train", *args])
     (run,) = [p for p in (session_dir / "runs").iterdir() if p.name.startswith(f"{name}-")]

@@ -21,7 +21,8 @@ from tests.conftest import REPO, only_run, read_metrics, run_cli, small_override
 
 pytestmark = pytest.mark.slow
 STEPS = 24
-COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "train.lr=1e-2", "checkpoint.every_steps=4"]
+COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "train.lr=1e-2", "checkpoint.every_steps=4",
+          "observe.report=true"]  # the goodput checks read the report
 
 
 def _sets(runs: Path, *extra: str) -> list[str]:
