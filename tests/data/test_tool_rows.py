@@ -364,3 +364,44 @@ def test_the_docs_tool_row_reads_with_its_call_and_tools():
     ex = _read(json.loads(line))
     assert ex.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert ex.tools and ex.tools[0]["function"]["name"] == "get_weather"
+
+
+def test_data_roles_reads_turn_roles_of_other_names(tmp_path):
+    spec = small_spec(tmp_path, "data.roles.bot=assistant", "data.roles.ipython=tool", "data.roles.call=function_call")
+    row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "call", "content": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+                        {"role": "ipython", "content": "sunny"}, {"role": "bot", "content": "Sunny."}]}
+    ex = FORMATS["messages"].read(row, spec.data.columns, spec.data.roles)
+    assert [m["role"] for m in ex.messages] == ["user", "assistant", "tool", "assistant"]
+    assert ex.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    with pytest.raises(RowProblem, match="role 'call'"):
+        _read(row)  # without the map: an unknown role, named
+    with pytest.raises(Exception, match="roles"):
+        small_spec(tmp_path, "data.roles.bot=robot")
+
+
+def test_openais_legacy_function_call_and_function_role_read_as_a_tool_call_and_result():
+    row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": None,
+                         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                        {"role": "function", "name": "get_weather", "content": "sunny"},
+                        {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}
+    ex = _read(row)
+    assert ex.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert ex.messages[2] == {"role": "tool", "content": "sunny", "name": "get_weather"}
+    assert ex.messages[3] == {"role": "assistant", "content": "Sunny."}
+
+
+def test_data_roles_reach_the_rows_read_and_the_dataset_version(tmp_path):
+    from shardline.data.prepare import dataset_version
+    from shardline.data.sources import head_examples, open_sources
+
+    path = tmp_path / "bot.jsonl"
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}
+    path.write_text(json.dumps(row) + "\n")
+    sets = (f"data.path={path}", "data.validation_size=1", "data.test_size=0")
+    mapped, other = small_spec(tmp_path, *sets, "data.roles.bot=assistant"), small_spec(tmp_path, *sets,
+                                                                                       "data.roles.bot=user")
+    assert head_examples(mapped.data, 1)[0].messages[1]["role"] == "assistant"
+    assert dataset_version(mapped, open_sources(mapped.data)) != dataset_version(other, open_sources(other.data))

@@ -16,6 +16,11 @@ from shardline.data.example import ROLES, Example, trained_turns
 from shardline.errors import DataError
 from shardline.spec import ColumnsSpec, DataSpec
 
+READ_VERSION = "2"
+"""The rules by which rows are read (2: tool calls, turn keys, weights and the tools and system columns kept, empty
+assistant turns dropped, answers as written): part of the dataset version, so data read by other rules is prepared
+anew."""
+
 
 class RowProblem(ValueError):
     """A row this format cannot read: `field` (the source's column) and what is wrong."""
@@ -33,7 +38,9 @@ class Format:
     optional: tuple[str, ...]
     example: dict[str, Any]
     """One row of this format, as the docs show it."""
-    read: Callable[[dict[str, Any], ColumnsSpec], Example]
+    read: Callable[..., Example]
+    """(row, columns, roles=None) → the example: `columns` the spec's column map, `roles` its `data.roles` (turn roles
+    of other names, read as the role each names, besides the format's own)."""
     chat: bool
     """Rendered with the tokenizer's chat template whatever `data.prompt_format` says (conversations)."""
 
@@ -77,8 +84,12 @@ def _turn(turn: Any, i: int, column: str, role_key: str, content_key: str, roles
         # None is an absent key (parquet gives every turn every key any turn has); role and content are read above.
         if value is None or key in (role_key, content_key, "role", "content"):
             continue
-        if key == "tool_calls":
-            value = _tool_calls(value, where, column)
+        if key == "function_call" and out["role"] == "assistant":  # OpenAI's legacy form of one tool call
+            key, value = "tool_calls", out.get("tool_calls", []) + _tool_calls(value, where, column)
+        elif key == "tool_calls":
+            value = out.get("tool_calls", []) + _tool_calls(value, where, column)
+            if not value:
+                continue  # `tool_calls: []`: no call
         elif key == "weight":
             if value not in (0, 1):
                 raise RowProblem(column, f"{where} weight is {value!r}: a turn is trained (1) or context (0)",
@@ -189,27 +200,31 @@ def _conversation(turns: list[dict[str, Any]], column: str, trained_from: int = 
     return Example(messages=turns, trained_from=trained_from, tools=tools)
 
 
-_CHAT_ROLES = {r: r for r in ROLES}
+_CHAT_ROLES = {r: r for r in ROLES} | {"function": "tool"}  # OpenAI's legacy role of a function's result
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                    "assistant": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool",
                    _CALL: _CALL}
 
 
-def _messages(row: dict[str, Any], c: ColumnsSpec) -> Example:
-    turns = _turns(row.get(c.messages), c.messages, "role", "content", _CHAT_ROLES)
+Roles = dict[str, str] | None
+
+
+def _messages(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
+    turns = _turns(row.get(c.messages), c.messages, "role", "content", {**_CHAT_ROLES, **(roles or {})})
     return _conversation(_with_system(row, turns), c.messages, tools=_tools(row))
 
 
-def _sharegpt(row: dict[str, Any], c: ColumnsSpec) -> Example:
-    turns = _turns(row.get(c.conversations), c.conversations, "from", "value", _SHAREGPT_ROLES)
+def _sharegpt(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
+    turns = _turns(row.get(c.conversations), c.conversations, "from", "value", {**_SHAREGPT_ROLES, **(roles or {})})
     return _conversation(_with_system(row, turns), c.conversations, tools=_tools(row))
 
 
-def _prompt_completion(row: dict[str, Any], c: ColumnsSpec) -> Example:
+def _prompt_completion(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
     prompt, completion = row.get(c.prompt), row.get(c.completion)
     if isinstance(prompt, list) or isinstance(completion, list):  # conversational: lists of turns
-        before = _turns(prompt, c.prompt, "role", "content", _CHAT_ROLES)
-        after = _turns(completion, c.completion, "role", "content", _CHAT_ROLES)
+        chat_roles = {**_CHAT_ROLES, **(roles or {})}
+        before = _turns(prompt, c.prompt, "role", "content", chat_roles)
+        after = _turns(completion, c.completion, "role", "content", chat_roles)
         return _conversation(before + after, c.completion, trained_from=len(before), tools=_tools(row))
     prompt, completion = _string(row, c.prompt), _string(row, c.completion)
     if not completion.strip():
@@ -217,14 +232,15 @@ def _prompt_completion(row: dict[str, Any], c: ColumnsSpec) -> Example:
     return Example(prompt=prompt, answer=completion)
 
 
-def _preference(row: dict[str, Any], c: ColumnsSpec) -> Example:
+def _preference(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
     """A prompt with a chosen and a rejected completion: all text, or (TRL's conversational form) the prompt a list
     of turns and each completion a list of assistant turns."""
     prompt = row.get(c.prompt)
     if isinstance(prompt, list):
-        before = _turns(prompt, c.prompt, "role", "content", _CHAT_ROLES)
-        chosen = _turns(row.get(c.chosen), c.chosen, "role", "content", _CHAT_ROLES)
-        rejected = _turns(row.get(c.rejected), c.rejected, "role", "content", _CHAT_ROLES)
+        chat_roles = {**_CHAT_ROLES, **(roles or {})}
+        before = _turns(prompt, c.prompt, "role", "content", chat_roles)
+        chosen = _turns(row.get(c.chosen), c.chosen, "role", "content", chat_roles)
+        rejected = _turns(row.get(c.rejected), c.rejected, "role", "content", chat_roles)
         ex = _conversation(before + chosen, c.chosen, trained_from=len(before), tools=_tools(row))
         _conversation(before + rejected, c.rejected, trained_from=len(before))
         if chosen == rejected:
@@ -249,20 +265,20 @@ def _prompt_answer(question: str, context: str, answer: str, fields: tuple[str, 
     return Example(question=question.strip(), context=context.strip(), answer=answer)
 
 
-def _instruction(row: dict[str, Any], c: ColumnsSpec) -> Example:
+def _instruction(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
     ex = _prompt_answer(_string(row, c.instruction), _string(row, c.input, required=False),
                         _string(row, c.output), (c.instruction, c.output))
     return replace(ex, system=_string(row, SYSTEM, required=False))
 
 
-def _question_answer(row: dict[str, Any], c: ColumnsSpec) -> Example:
+def _question_answer(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
     ex = _prompt_answer(_string(row, c.question), _string(row, c.context, required=False),
                         _string(row, c.answer), (c.question, c.answer))
     db_id = row.get("db_id")
     return Example(ex.question, ex.context, ex.answer, str(db_id) if db_id is not None else "")
 
 
-def _text(row: dict[str, Any], c: ColumnsSpec) -> Example:
+def _text(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
     text = _string(row, c.text)
     if not text.strip():
         raise RowProblem(c.text, "is empty", "empty")

@@ -168,6 +168,10 @@ class DataSpec(Section):
     set, `preference` (set when left `auto`) draws each question with a wrong query as the rejected answer."""
     assistant_turns: Literal["all", "last"] = "all"
     """Chat formats: loss on every assistant turn of a conversation, or on the last one only."""
+    roles: dict[str, Literal["system", "user", "assistant", "tool", "function_call"]] = {}
+    """Chat formats: turn roles of other names and the role each is read as, besides the format's own (e.g.
+    `{bot: assistant, ipython: tool}`); `function_call`: an assistant turn whose content is its tool call(s) as JSON
+    (`{"name", "arguments"}`)."""
     group_by: str | None = None
     """A column whose rows stay in one split together (one user's turns, one document's questions); None: the
     split is by row."""
