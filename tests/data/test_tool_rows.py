@@ -382,8 +382,8 @@ def test_data_roles_reads_turn_roles_of_other_names(tmp_path):
 
 def test_openais_legacy_function_call_and_function_role_read_as_a_tool_call_and_result():
     row = {"messages": [{"role": "user", "content": "Weather in Paris?"},
-                        {"role": "assistant", "content": None,
-                         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                        {"role": "assistant", "function_call": {"name": "get_weather",
+                                                                "arguments": '{"city": "Paris"}'}},
                         {"role": "function", "name": "get_weather", "content": "sunny"},
                         {"role": "assistant", "content": "Sunny.", "tool_calls": []}]}
     ex = _read(row)
@@ -405,3 +405,24 @@ def test_data_roles_reach_the_rows_read_and_the_dataset_version(tmp_path):
                                                                                        "data.roles.bot=user")
     assert head_examples(mapped.data, 1)[0].messages[1]["role"] == "assistant"
     assert dataset_version(mapped, open_sources(mapped.data)) != dataset_version(other, open_sources(other.data))
+
+
+def test_tool_rows_prepare_with_their_calls_trained_and_empty_turns_counted(tool_tokenizer, tmp_path):
+    """Through preparation: the prepared rows hold the tool rows' calls and answers as targets, the tools' results
+    and the offered tools as context, and rows with an empty assistant turn are counted drops (`empty`)."""
+    from shardline.data.prepare import prepare
+
+    tool_tokenizer.save_pretrained(tmp_path / "tok")
+    empty = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": " "}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [_openai_row(None)] * 12 + [empty] * 3))
+    data = prepare(small_spec(tmp_path, f"data.path={path}", f"model.tokenizer={tmp_path / 'tok'}",
+                              "data.validation_size=2", "data.test_size=0", "data.train_size=null"))
+    assert data.stats["dropped"] == {"empty": 3}
+    rows = data.rows("train")
+    tok = data.tokenizer()
+    trained = tok.decode(rows.tokens[rows.loss_mask.astype(bool)])
+    context = tok.decode(rows.tokens[~rows.loss_mask.astype(bool)])
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
+    assert trained == (call + "It is sunny and 21 C in Paris.<|im_end|>") * 10
+    assert context.count("sunny, 21 C") == 10 and context.count("The weather in a city now.") == 10

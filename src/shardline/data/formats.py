@@ -69,7 +69,8 @@ _CALL = "function_call"
 
 
 def _turn(turn: Any, i: int, column: str, role_key: str, content_key: str, roles: dict[str, str]) -> dict[str, Any]:
-    if not isinstance(turn, dict) or role_key not in turn or (content_key not in turn and "tool_calls" not in turn):
+    if not isinstance(turn, dict) or role_key not in turn or \
+            (content_key not in turn and "tool_calls" not in turn and "function_call" not in turn):
         raise RowProblem(column, f"turn {i} is not a {{{role_key!r}, {content_key!r}}} object", "not_a_conversation")
     role = roles.get(turn[role_key]) if isinstance(turn[role_key], str) else None
     if role is None:
