@@ -29,6 +29,7 @@ BUDGET_MINUTES = {"fast": 5, "full": 30}
 
 LAUNCH = (
     "tests/data/test_formats.py::test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports",
+    "tests/data/test_formats.py::test_train_and_launch_refuse_bad_input",
     "tests/faults/",
     "tests/launch/test_elastic.py::test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint",
     "tests/launch/test_elastic.py::test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left",
