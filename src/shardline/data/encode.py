@@ -1,6 +1,7 @@
 """Tokenizing sources into documents, chunk by chunk, on the node's cores, resumable.
 
-A source's examples are cut into chunks of `CHUNK` examples in stream order; each chunk is rendered
+A source's examples are cut into chunks of `CHUNK` examples in stream order (fewer where their texts pass
+`CHUNK_CHARS` characters: a chunk's memory is bounded whatever its rows' sizes); each chunk is rendered
 (`shardline.data.render`) in a worker process (one per core, from `POOL_MIN_EXAMPLES` examples on; in this
 process below that) and written as one `.npz` of flat token ids, loss flags and document lengths per split, plus
 the examples as JSON lines, renamed into place when complete. A preparation interrupted and started again finds the
@@ -21,9 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
-from shardline.data.render import render_many
+from shardline.data.render import render_many, text_ids
 from shardline.data.sources import SPLITS, Source, read_examples
 from shardline.data.splits import Assignment
 from shardline.data.tokenizer import load_tokenizer
@@ -32,6 +34,10 @@ from shardline.spec import JobSpec
 from shardline.tasks import get_task
 
 CHUNK = 4096
+CHUNK_CHARS = 8 << 20
+"""A chunk ends early where its examples' texts pass this many characters (4,096 rows of 2 KB): a chunk is held,
+sent to a worker, tokenized and written whole, a few times over, up to 2 × cores chunks at once (4,096 rows of
+books would be gigabytes each)."""
 POOL_MIN_EXAMPLES = 50_000
 Advance = Callable[[int, int], None]
 """(examples, tokens) done since the last call."""
@@ -65,40 +71,39 @@ def _init(settings: EncodeSettings) -> None:
 
 def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]:
     """Render (split, example, times) items into per-split flat ids, loss flags and document lengths; a text is
-    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped. With pairs, a
-    preference example is two documents, chosen then rejected, flagged `joined` (packed into one row together) and
-    dropped as too long when the two do not fit one row."""
+    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped (those far longer
+    found without tokenizing them whole: `render_many`'s `max_tokens`). With pairs, a preference example is two
+    documents, chosen then rejected, flagged `joined` (packed into one row together) and dropped as too long when
+    the two do not fit one row."""
     s: EncodeSettings = _worker["settings"]
     tok, template = _worker["tok"], _worker["template"]
     out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths", "joined")}
     too_long = Counter()
-    docs = [doc for _, ex, _ in items for doc in _documents(ex, s.pairs)]
+    # Texts are cut below; an example certainly longer than a row is not tokenized whole (render_many: None).
+    docs = [doc for _, ex, _ in items if s.pairs or ex.kind != "text" for doc in _documents(ex, s.pairs)]
     rendered = iter(render_many(tok, docs, template, s.prompt_format,  # type: ignore[arg-type]
-                                s.assistant_turns))
+                                s.assistant_turns, max_tokens=s.seq_len))
     for split, ex, times in items:
-        r = next(rendered)
-        ids, loss = np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8)
-        if s.pairs:
-            other = next(rendered)
-            if len(r.ids) + len(other.ids) > s.seq_len:
+        if ex.kind == "text":
+            pieces = _text_pieces(tok, ex.text or "", s.seq_len)
+        else:
+            r = next(rendered)
+            if s.pairs:
+                other = next(rendered)
+                if r is None or other is None or len(r.ids) + len(other.ids) > s.seq_len:
+                    too_long[split] += 1
+                    continue
+                for _ in range(times):
+                    for k, (piece_ids, piece_loss) in enumerate(((r.ids, r.loss), (other.ids, other.loss))):
+                        out[f"{split}.ids"].append(np.asarray(piece_ids, dtype=np.int32))
+                        out[f"{split}.loss"].append(_first_not_target(piece_loss))
+                        out[f"{split}.lengths"].append(len(piece_ids))
+                        out[f"{split}.joined"].append(k == 0)
+                continue
+            if r is None or len(r.ids) > s.seq_len:
                 too_long[split] += 1
                 continue
-            for _ in range(times):
-                for k, (piece_ids, piece_loss) in enumerate(((r.ids, r.loss), (other.ids, other.loss))):
-                    out[f"{split}.ids"].append(np.asarray(piece_ids, dtype=np.int32))
-                    out[f"{split}.loss"].append(_first_not_target(piece_loss))
-                    out[f"{split}.lengths"].append(len(piece_ids))
-                    out[f"{split}.joined"].append(k == 0)
-            continue
-        if ex.kind == "text":
-            pieces = [(ids[a : a + s.seq_len], loss[a : a + s.seq_len].copy()) for a in range(0, len(ids), s.seq_len)]
-            for _, piece_loss in pieces:
-                piece_loss[0] = 0  # a piece's first token has nothing before it to be predicted from
-        elif len(ids) > s.seq_len:
-            too_long[split] += 1
-            continue
-        else:
-            pieces = [(ids, loss)]
+            pieces = [(np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8))]
         for _ in range(times):
             for piece_ids, piece_loss in pieces:
                 out[f"{split}.ids"].append(piece_ids)
@@ -114,6 +119,18 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
         arrays[f"{split}.joined"] = np.asarray(out[f"{split}.joined"], dtype=np.bool_)
         arrays[f"{split}.too_long"] = np.asarray([too_long[split]], dtype=np.int64)
     return arrays
+
+
+def _text_pieces(tok: PreTrainedTokenizerBase, text: str, seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A text's ids and loss flags in pieces of at most seq_len tokens, each starting afresh: its first token has
+    nothing before it to be predicted from."""
+    ids = text_ids(tok, text)
+    pieces = []
+    for a in range(0, len(ids), seq_len):
+        loss = np.ones(min(seq_len, len(ids) - a), dtype=np.uint8)
+        loss[0] = 0
+        pieces.append((ids[a : a + seq_len], loss))
+    return pieces
 
 
 def _documents(ex: Example, pairs: bool) -> tuple[Example, ...]:
@@ -158,13 +175,22 @@ def examples_in_order(source: Source, a: Assignment) -> Iterator[tuple[str, Exam
 
 def _chunks(items: Iterator[tuple[str, Example, int]]) -> Iterator[list[tuple[str, Example, int]]]:
     chunk: list[tuple[str, Example, int]] = []
+    chars = 0
     for item in items:
         chunk.append(item)
-        if len(chunk) == CHUNK:
+        chars += _chars(item[1])
+        if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
             yield chunk
-            chunk = []
+            chunk, chars = [], 0
     if chunk:
         yield chunk
+
+
+def _chars(ex: Example) -> int:
+    """The characters of an example's texts."""
+    turns = sum(len(m.get("content") or "") for m in (*ex.messages, *ex.rejected_turns))
+    return (len(ex.text or "") + len(ex.question) + len(ex.context) + len(ex.answer) + len(ex.prompt or "")
+            + len(ex.rejected or "") + turns)
 
 
 def chunk_path(work: Path, source_index: int, chunk: int) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardline.data.render import check_chat_template, needs_chat_template, render
+from shardline.data.render import check_chat_template, needs_chat_template, render_many
 from shardline.data.sources import head_examples
 from shardline.data.tokenizer import load_tokenizer
 from shardline.errors import DataError, SpecError
@@ -42,5 +42,6 @@ def preflight(spec: JobSpec) -> None:
     tok = load_tokenizer(source)
     check_chat_template(tok, "model.tokenizer" if spec.model.tokenizer else "model.path", why)
     template = get_task(spec.data.task).prompt
-    for ex in examples[:8]:  # a template that cannot render these rows fails here, by name
-        render(tok, ex, template, spec.data.prompt_format, spec.data.assistant_turns)
+    # A template that cannot render these rows fails here, by name (one far longer than a row is not tokenized).
+    render_many(tok, examples[:8], template, spec.data.prompt_format, spec.data.assistant_turns,
+                max_tokens=spec.train.seq_len)

@@ -8,6 +8,11 @@
 - text: BOS, the document, EOS; every token but the first carries loss (the first has nothing to be predicted from).
 
 `loss[t] = 1` means token t is a target, predicted from the tokens before it.
+
+What one example costs is bounded, whatever its length: a text longer than `TEXT_WINDOW` characters is tokenized a
+window at a time (`text_ids`), and an example that certainly has more tokens than a row holds is found by counting
+its tokens a window at a time (`certainly_longer`), never by tokenizing it whole with offsets (~200 bytes a
+character: a row of 10 MB took 2 GB).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.template import PromptTemplate, encode_answer, encode_prompt, stop_ids
+from shardline.data.tokenizer import TEXT_WINDOW, windows
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
 
@@ -42,28 +48,70 @@ def check_chat_template(tok: PreTrainedTokenizerBase, where: str, why: str) -> N
 
 def render(tok: PreTrainedTokenizerBase, ex: Example, template: PromptTemplate, fmt: PromptFormat,
            assistant_turns: str = "all") -> Rendered:
-    return render_many(tok, [ex], template, fmt, assistant_turns)[0]
+    return render_many(tok, [ex], template, fmt, assistant_turns)[0]  # type: ignore[return-value]
 
 
 def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template: PromptTemplate, fmt: PromptFormat,
-                assistant_turns: str = "all") -> list[Rendered]:
-    """`render` of each example; the conversations' texts are tokenized in one batch call."""
+                assistant_turns: str = "all", max_tokens: int | None = None) -> list[Rendered | None]:
+    """`render` of each example; the conversations' texts are tokenized in one batch call. With `max_tokens`, an
+    example (not a text) that certainly renders to more tokens is None, found without tokenizing it whole."""
     out: list[Rendered | None] = [None] * len(examples)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []
     for k, ex in enumerate(examples):
         if ex.kind == "chat":
-            chats.append((k, *chat_spans(tok, ex.messages, ex.trained_from, assistant_turns)))
+            text, spans = chat_spans(tok, ex.messages, ex.trained_from, assistant_turns)
+            if max_tokens is None or not certainly_longer(tok, [text], max_tokens):
+                chats.append((k, text, spans))
         elif ex.kind == "text":
-            bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-            ids = bos + tok.encode(ex.text, add_special_tokens=False) + [tok.eos_token_id]
+            ids = text_ids(tok, ex.text or "").tolist()
             out[k] = Rendered(ids, [0] + [1] * (len(ids) - 1))
-        else:
+        elif max_tokens is None or not certainly_longer(tok, [_prompt_text(ex, template, fmt), ex.answer],
+                                                        max_tokens):
             prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt)
             answer = encode_answer(tok, ex.answer, fmt)
             out[k] = Rendered(prompt + answer, [0] * len(prompt) + [1] * len(answer))
     for (k, _, _), rendered in zip(chats, _with_loss(tok, [(text, spans) for _, text, spans in chats]), strict=True):
         out[k] = rendered
-    return out  # type: ignore[return-value]
+    return out
+
+
+def _prompt_text(ex: Example, template: PromptTemplate, fmt: PromptFormat) -> str:
+    """The text a prompt's ids are the tokens of (less a template's wrapping)."""
+    if ex.prompt is not None:
+        return ex.prompt
+    return (template.chat if fmt == "chat" else template.plain)(ex.question, ex.context)
+
+
+WINDOW_SLACK = 4
+"""Tokens by which a window tokenized alone may differ from the same characters tokenized within their text (a
+tokenizer that marks a text's start, a window cut inside a word): `certainly_longer` counts this against each."""
+
+
+def text_ids(tok: PreTrainedTokenizerBase, text: str) -> np.ndarray:
+    """BOS, the text's tokens and EOS, as int32. A text longer than `TEXT_WINDOW` is tokenized window by window,
+    each ending where pre-tokenization splits anyway (`windows`): its tokens are those of the whole for byte-level
+    BPE (GPT-2, Llama 3, Qwen) and Metaspace (SentencePiece converted) tokenizers, but where a window had to be cut
+    inside a word (no space or line break in `TEXT_WINDOW / 2` characters), or where a tokenizer marks the start of
+    every text it is given (Llama 2's normalizer prepends `▁`): a token or two may differ there."""
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    parts = [np.asarray(tok.encode(window, add_special_tokens=False), dtype=np.int32)
+             for window in windows(text, TEXT_WINDOW)]
+    return np.concatenate([np.asarray(bos, dtype=np.int32), *parts, np.asarray([tok.eos_token_id], dtype=np.int32)])
+
+
+def certainly_longer(tok: PreTrainedTokenizerBase, texts: list[str], limit: int) -> bool:
+    """Whether the texts together have more than `limit` tokens beyond doubt, counted window by window (windows that
+    grow from 8 characters a token of `limit`, no more of them than it takes); False for texts shorter than a window
+    together, which are cheap to tokenize."""
+    if sum(len(text) for text in texts) <= TEXT_WINDOW:
+        return False
+    count = 0
+    for text in texts:
+        for window in windows(text, TEXT_WINDOW, first=max(4096, 8 * limit)):
+            count += len(tok.encode(window, add_special_tokens=False)) - WINDOW_SLACK
+            if count > limit:
+                return True
+    return False
 
 
 def _with_loss(tok: PreTrainedTokenizerBase, texts: list[tuple[str, list[tuple[int, int]]]]) -> list[Rendered]:

@@ -2,7 +2,8 @@
 file, a directory of shards or a glob), or a hub dataset.
 
 A source is fingerprinted from its bytes and read as a stream of rows, each read by its data format
-(`shardline.data.formats`) into an `Example`; nothing here holds a source in memory. Rows that cannot be read are
+(`shardline.data.formats`) into an `Example`; nothing here holds a source in memory, nor a row over
+`MAX_ROW_BYTES` (`shardline.data.rowfiles`: skipped unread, counted as `too_large`). Rows that cannot be read are
 counted by reason, never silently dropped; rows that are not what their format says (a number where text belongs)
 are errors naming the row.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from shardline.data.example import Example
 from shardline.data.formats import RowProblem, detect
+from shardline.data.rowfiles import TooLarge, json_array, json_lines
 from shardline.errors import DataError
 from shardline.spec import DataSpec, SourceSpec
 from shardline.tasks import get_task
@@ -110,7 +112,9 @@ ROW_ERRORS = ("not_text", "not_a_conversation", "unknown_role")
 """Row problems that are errors (the data is not what its format says); the others are counted drops."""
 SUFFIXES = (".jsonl", ".json", ".parquet")
 Rows = Iterable[tuple[str, Any]]
-"""(where: `file:line` or `file#row`, the row) pairs."""
+"""(where: `file:line` or `file#row`, the row) pairs; a row over `MAX_ROW_BYTES` is a `TooLarge`, never read."""
+NAMED_TOO_LARGE = 5
+"""Rows over the bound named in the warning that says how many were skipped."""
 
 
 def _read_rows(path_or_name: str) -> tuple[Callable[[], Rows], str]:
@@ -162,22 +166,9 @@ def _file_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 yield f"{path}#{n}", row
         return
     if path.suffix == ".json" and _starts_with(path, b"["):  # an array of rows (Alpaca's layout)
-        try:
-            rows = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}", f"not valid JSON ({e.msg})", "fix the file") from e
-        for i, row in enumerate(rows, 1):
-            yield f"{path}#{i}", row
-        return
-    with path.open() as f:  # JSON lines (.jsonl, and .json files that hold one row per line)
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}", f"not valid JSON ({e.msg})", "fix or remove the line") from e
-            yield f"{path}:{lineno}", row
+        yield from json_array(path)
+    else:  # JSON lines (.jsonl, and .json files that hold one row per line)
+        yield from json_lines(path)
 
 
 def _starts_with(path: Path, prefix: bytes) -> bool:
@@ -199,14 +190,22 @@ def _hub_rows(name: str) -> tuple[Callable[[], Rows], str]:
 
 
 def read_examples(rows: Rows, spec: DataSpec, dropped: Counter, limit: int | None = None,
-                  found: dict[str, str] | None = None) -> Iterator[tuple[Any, Example]]:
+                  found: dict[str, str] | None = None, too_large: list[tuple[str, int]] | None = None
+                  ) -> Iterator[tuple[Any, Example]]:
     """(group key, example) for each readable row, in order; unreadable rows are counted in `dropped` by reason,
     or raise a DataError naming the row when the data is not what its format says. `limit`: stop after that many
-    rows (a preflight look at the head of the data). `found["format"]` is set to the format detected."""
+    rows (a preflight look at the head of the data). `found["format"]` is set to the format detected. Rows over
+    `MAX_ROW_BYTES`, skipped unread, are counted as `too_large`, and the first `NAMED_TOO_LARGE` of them listed in
+    `too_large` as (where, bytes)."""
     fmt = None
     for n, (where, row) in enumerate(rows, 1):
         if limit is not None and n > limit:
             return
+        if isinstance(row, TooLarge):
+            dropped["too_large"] += 1
+            if too_large is not None and len(too_large) < NAMED_TOO_LARGE:
+                too_large.append((where, row.size))
+            continue
         if not isinstance(row, dict):
             raise DataError(where, f"is a {type(row).__name__}, not an object with columns",
                             "each row must be a JSON object (one per line in .jsonl, the elements of a .json array)")

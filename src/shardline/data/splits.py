@@ -11,15 +11,19 @@ passes, then a seeded subset). Memory is a few bytes per row, never the rows the
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardline.data.rowfiles import MAX_ROW_BYTES
 from shardline.data.sources import Source, read_examples
 from shardline.errors import DataError
 from shardline.spec import DataSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,12 +61,15 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
                           format="preference" if pairs else "question_answer")
     dropped: Counter = Counter()
     found: dict[str, str] = {}
+    too_large: list[tuple[str, int]] = []
     groups = array("Q")
     n = 0
-    for key, _ in read_examples(source.rows(), source.reading, dropped, found=found):
+    for key, _ in read_examples(source.rows(), source.reading, dropped, found=found, too_large=too_large):
         n += 1
         if data.group_by is not None:
             groups.append(int.from_bytes(hashlib.blake2b(str(key).encode(), digest_size=8).digest(), "little"))
+    if too_large:
+        _say_too_large(source, dropped["too_large"], too_large)
     if n == 0:
         raise DataError(source.reading.path or source.name, f"no row could be read (dropped: {dict(dropped)})",
                         "check the rows against data.format (docs/data.md)")
@@ -78,6 +85,16 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
     else:
         held = _held_groups(np.frombuffer(groups, dtype=np.uint64), n_test, n_val, rng, data.group_by)
     return Assignment(examples=n, held=held, dropped=dropped, format=found["format"])
+
+
+def _say_too_large(source: Source, count: int, named: list[tuple[str, int]]) -> None:
+    """Rows over the bound are counted in the summary's drops; the warning says which (the first few) and why."""
+    where = ", ".join(f"{at} ({size:,} bytes)" for at, size in named) + (", …" if count > len(named) else "")
+    log.warning("%s: %s over %s MiB skipped unread, counted as too_large: %s. Each row is read whole before it is "
+                "split or cut (a text into pieces of train.seq_len tokens), so rows are bounded: split such documents "
+                "into several rows, or leave out the columns that are not trained on (docs/data.md)",
+                source.reading.path or source.name, f"{count:,} row{'s' if count > 1 else ''}",
+                MAX_ROW_BYTES >> 20, where)
 
 
 def _held_groups(keys: np.ndarray, n_test: int, n_val: int, rng: np.random.Generator, column: str
