@@ -47,18 +47,19 @@ MAX_TEMPLATE_CHARS = 131_072
 """A longer chat template is refused before it compiles (published ones measure 1-20 thousand characters)."""
 
 
-def chat_text(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def chat_text(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False,
+              tools: list[dict] | None = None) -> str:
     """`tok.apply_chat_template(messages, tokenize=False, ...)`'s text, rendered within `MAX_TEMPLATE_CHARS` and the
     bounds of `shardline.data.chat_bounds`; a DataError naming the tokenizer when the template passes one."""
     source = tok.get_chat_template()
     where = f"{tok.name_or_path or 'the tokenizer'}: its chat template"
     compiled = _compiled(source, where)
-    data = _plain({**tok.special_tokens_map, "messages": messages})
+    data = _plain({**tok.special_tokens_map, "messages": messages, "tools": tools})
     budget = Budget(RENDER_BASE_CHARS + RENDER_CHARS_PER_INPUT * text_size(data, 1 << 62))
     token = BUDGET.set(budget)
     try:
         out, size = [], 0
-        for chunk in compiled.generate(**data, tools=None, documents=None, add_generation_prompt=add_generation_prompt):
+        for chunk in compiled.generate(**data, documents=None, add_generation_prompt=add_generation_prompt):
             size += len(chunk)
             budget.fits(size, "a text")
             out.append(chunk)
@@ -69,9 +70,10 @@ def chat_text(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation
         BUDGET.reset(token)
 
 
-def chat_ids(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+def chat_ids(tok: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False,
+             tools: list[dict] | None = None) -> list[int]:
     """The ids of `chat_text` (as `apply_chat_template(..., tokenize=True)` encodes it: no special tokens added)."""
-    return tok.encode(chat_text(tok, messages, add_generation_prompt), add_special_tokens=False)
+    return tok.encode(chat_text(tok, messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 _FIX = ("use the model's published chat template (tokenizer_config.json or chat_template.jinja), or render "

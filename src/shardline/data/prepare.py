@@ -34,6 +34,7 @@ from shardline.data import PREPARED_DATA_ENV
 from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
 from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
 from shardline.data.example import Example
+from shardline.data.formats import READ_VERSION
 from shardline.data.packing import PackedRows
 from shardline.data.render import check_chat_template, needs_chat_template
 from shardline.data.sources import SPLITS, Source, open_sources
@@ -240,7 +241,8 @@ def _content_fingerprint(d, sources: list[Source]) -> str:
     if len(sources) == 1 and sources[0].bundled is not None:
         return sources[0].fingerprint  # the generated set: its examples, drawn with the split settings
     entries = [[s.fingerprint, s.name, s.weight, s.reading.format, s.reading.columns.model_dump()] for s in sources]
-    settings = [entries, d.seed, d.train_size, d.validation_size, d.test_size, d.group_by, d.task]
+    settings = [entries, d.seed, d.train_size, d.validation_size, d.test_size, d.group_by, d.task, READ_VERSION,
+                sorted(d.roles.items())]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from shardline.data.example import Example
-from shardline.data.template import PromptTemplate, encode_answer, encode_prompt, stop_ids
+from shardline.data.chat_template import chat_ids, chat_text
+from shardline.data.example import Example, trained_turns
+from shardline.data.template import PromptTemplate, check_tools_rendered, encode_answer, encode_prompt, stop_ids
 from shardline.data.tokenizer import TEXT_WINDOW, windows
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
@@ -59,7 +60,8 @@ def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template:
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []
     for k, ex in enumerate(examples):
         if ex.kind == "chat":
-            text, spans = chat_spans(tok, ex.messages, ex.trained_from, assistant_turns)
+            check_tools_rendered(tok, ex)
+            text, spans = chat_spans(tok, ex.messages, ex.trained_from, assistant_turns, ex.tools)
             if max_tokens is None or not certainly_longer(tok, [text], max_tokens):
                 chats.append((k, text, spans))
         elif ex.kind == "text":
@@ -67,7 +69,7 @@ def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template:
             out[k] = Rendered(ids, [0] + [1] * (len(ids) - 1))
         elif max_tokens is None or not certainly_longer(tok, [_prompt_text(ex, template, fmt), ex.answer],
                                                         max_tokens):
-            prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt)
+            prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, literal=ex.prompt, system=ex.system)
             answer = encode_answer(tok, ex.answer, fmt)
             out[k] = Rendered(prompt + answer, [0] * len(prompt) + [1] * len(answer))
     for (k, _, _), rendered in zip(chats, _with_loss(tok, [(text, spans) for _, text, spans in chats]), strict=True):
@@ -136,32 +138,34 @@ def _encode_with_offsets(tok: PreTrainedTokenizerBase, texts: list[str]) -> list
     return list(zip(encoded["input_ids"], encoded["offset_mapping"], strict=True))
 
 
-def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
-                assistant_turns: str = "all") -> Rendered:
-    return _with_loss(tok, [chat_spans(tok, messages, trained_from, assistant_turns)])[0]
+def render_chat(tok: PreTrainedTokenizerBase, messages: list[dict], trained_from: int = 0,
+                assistant_turns: str = "all", tools: list[dict] | None = None) -> Rendered:
+    return _with_loss(tok, [chat_spans(tok, messages, trained_from, assistant_turns, tools)])[0]
 
 
-def _chat_text(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _chat_text(tok: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool,
+               tools: list[dict] | None = None) -> str:
+    return chat_text(tok, messages, generation_prompt, tools)
 
 
-def chat_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained_from: int = 0,
-               assistant_turns: str = "all") -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text as the chat template renders it, and the character spans that carry loss: each
-    trained assistant turn's content and its end of turn."""
-    text = _chat_text(tok, messages, False)
-    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= trained_from]
-    if assistant_turns == "last":
-        trained = trained[-1:]
-    spans = _marked_spans(tok, messages, trained, text)
-    return text, spans if spans is not None else _prefix_spans(tok, messages, trained, text)
+def chat_spans(tok: PreTrainedTokenizerBase, messages: list[dict], trained_from: int = 0,
+               assistant_turns: str = "all", tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text as the chat template renders it (offered `tools`), and the character spans that carry
+    loss: all each trained assistant turn says (`trained_turns`: content, tool calls) and its end of turn."""
+    text = _chat_text(tok, messages, False, tools)
+    trained = trained_turns(messages, trained_from, assistant_turns)
+    # A turn with more than a content (tool calls, reasoning) says more than its content: renderings of whole
+    # prefixes find all of it, the marks only the content.
+    plain = all(set(messages[i]) <= {"role", "content", "weight"} for i in trained)
+    spans = _marked_spans(tok, messages, trained, text, tools) if plain else None
+    return text, spans if spans is not None else _prefix_spans(tok, messages, trained, text, tools)
 
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no template trims or rewrites them
 
 
-def _marked_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained: list[int], text: str
-                  ) -> list[tuple[int, int]] | None:
+def _marked_spans(tok: PreTrainedTokenizerBase, messages: list[dict], trained: list[int], text: str,
+                  tools: list[dict] | None = None) -> list[tuple[int, int]] | None:
     """One more rendering, with each trained turn's content between marks: where the marks land is where the
     contents are, provided that the marks removed give back the text exactly and each content is followed by the
     template's end of turn; None otherwise (the template transforms contents: `_prefix_spans` then)."""
@@ -169,7 +173,7 @@ def _marked_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], 
         return None
     keep = set(trained)
     marked = _chat_text(tok, [dict(m, content=f"{_OPEN}{m['content']}{_CLOSE}") if i in keep else m
-                              for i, m in enumerate(messages)], False)
+                              for i, m in enumerate(messages)], False, tools)
     if (marked.count(_OPEN), marked.count(_CLOSE)) != (len(trained), len(trained)) or \
             marked.replace(_OPEN, "").replace(_CLOSE, "") != text:
         return None
@@ -198,14 +202,14 @@ def _turn_end(tok: PreTrainedTokenizerBase) -> str:
     return _TURN_ENDS[key]
 
 
-def _prefix_spans(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], trained: list[int], text: str
-                  ) -> list[tuple[int, int]]:
+def _prefix_spans(tok: PreTrainedTokenizerBase, messages: list[dict], trained: list[int], text: str,
+                  tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Each trained turn by rendering the conversation up to it (with the generation prompt) and through it: the
     turn is what lies between (two renderings per turn; for templates that transform contents)."""
     spans = []
     for i in trained:
-        before = _chat_text(tok, messages[:i], True)
-        through = _chat_text(tok, messages[: i + 1], False).rstrip()  # the line break after a turn is not said
+        before = _chat_text(tok, messages[:i], True, tools)
+        through = _chat_text(tok, messages[: i + 1], False, tools).rstrip()  # the line break after a turn is not said
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
             raise DataError("model.tokenizer", "its chat template does not render a conversation's first turns as "
                             "the beginning of the whole (it rewrites earlier turns), so the assistant turns cannot "
@@ -224,7 +228,7 @@ def generation_prompt(tok: PreTrainedTokenizerBase, ex: Example, template: Promp
         return None
     if ex.kind == "chat":
         last = max(i for i, m in enumerate(ex.messages) if m["role"] == "assistant")
-        ids = tok.apply_chat_template(ex.messages[:last], add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        return list(ids), ex.messages[last]["content"], stop_ids(tok, "chat")
-    return encode_prompt(tok, template, ex.question, ex.context, fmt, ex.prompt), ex.answer, stop_ids(tok, fmt)
+        ids = chat_ids(tok, ex.messages[:last], add_generation_prompt=True, tools=ex.tools)
+        return ids, ex.messages[last]["content"], stop_ids(tok, "chat")
+    prompt = encode_prompt(tok, template, ex.question, ex.context, fmt, ex.prompt, ex.system)
+    return prompt, ex.answer, stop_ids(tok, fmt)

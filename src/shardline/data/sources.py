@@ -218,7 +218,7 @@ def read_examples(rows: Rows, spec: DataSpec, dropped: Counter, limit: int | Non
                                 f"the rows are {fmt.name} rows", "use question/context/answer rows for it, or "
                                 "data.task=none for other data")
         try:
-            ex = fmt.read(row, spec.columns)
+            ex = fmt.read(row, spec.columns, spec.roles)
         except RowProblem as p:
             if p.reason in ROW_ERRORS:
                 raise DataError(where, f"{p.field} {p.problem}",
