@@ -2,7 +2,8 @@
 
 A format names the columns it needs (through `data.columns`, so a source's own names map onto them), an example
 row for the docs, and a reader that turns one row into an `Example` or says, by `RowProblem`, what is wrong with
-it. `data.format: auto` picks the first format whose columns the first row has, in the order of `FORMATS`.
+it. `data.format: auto` picks the first format whose columns the first row has, in the order of `DETECTION_ORDER`
+(`FORMATS`' order, preference rows first).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from shardline.data.example import ROLES, Example, trained_turns
 from shardline.errors import DataError
 from shardline.spec import ColumnsSpec, DataSpec
 
-READ_VERSION = "2"
+READ_VERSION = "3"
 """The rules by which rows are read (2: tool calls, turn keys, weights and the tools and system columns kept, empty
-assistant turns dropped, answers as written): part of the dataset version, so data read by other rules is prepared
+assistant turns dropped, answers as written; 3: rows with `chosen` and `rejected` are preference pairs in TRL's,
+LLaMA-Factory's and Anthropic HH's layouts): part of the dataset version, so data read by other rules is prepared
 anew."""
 
 
@@ -234,26 +236,129 @@ def _prompt_completion(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None)
 
 
 def _preference(row: dict[str, Any], c: ColumnsSpec, roles: Roles = None) -> Example:
-    """A prompt with a chosen and a rejected completion: all text, or (TRL's conversational form) the prompt a list
-    of turns and each completion a list of assistant turns."""
-    prompt = row.get(c.prompt)
-    if isinstance(prompt, list):
+    """A prompt with a chosen and a rejected answer, in any of the layouts people keep pairs in:
+
+    - TRL's: `prompt`, `chosen`, `rejected` all text, or the prompt a list of turns and each answer a list of
+      assistant turns;
+    - LLaMA-Factory's ShareGPT pairs: a `conversations` (or, with OpenAI's role/content keys, `messages`) list ending
+      with the turn the answers reply to, `chosen` and `rejected` each an assistant turn (or a list of them), and the
+      row's `system` and `tools` columns;
+    - Anthropic HH's: `chosen` and `rejected` two whole conversations, lists of turns or HH's text
+      ("\\n\\nHuman: ... \\n\\nAssistant: ..."), alike but for their last assistant turns: the rest is the prompt (as
+      TRL's `extract_prompt` finds it; a prompt column in text beside them is ignored, as TRL ignores it).
+    """
+    prompt, chosen, rejected = row.get(c.prompt), row.get(c.chosen), row.get(c.rejected)
+    if isinstance(prompt, list):  # TRL's conversational form
         chat_roles = {**_CHAT_ROLES, **(roles or {})}
-        before = _turns(prompt, c.prompt, "role", "content", chat_roles)
-        chosen = _turns(row.get(c.chosen), c.chosen, "role", "content", chat_roles)
-        rejected = _turns(row.get(c.rejected), c.rejected, "role", "content", chat_roles)
-        ex = _conversation(before + chosen, c.chosen, trained_from=len(before), tools=_tools(row))
-        _conversation(before + rejected, c.rejected, trained_from=len(before))
-        if chosen == rejected:
-            raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
-        return Example(messages=ex.messages, trained_from=ex.trained_from, tools=ex.tools, rejected_turns=rejected)
+        return _pair(_turns(prompt, c.prompt, "role", "content", chat_roles),
+                     _turns(chosen, c.chosen, "role", "content", chat_roles),
+                     _turns(rejected, c.rejected, "role", "content", chat_roles), c, _tools(row))
+    if _whole_conversation(chosen, roles) or _whole_conversation(rejected, roles):
+        return _implicit_prompt(row, c, roles)
+    for column, role_key, content_key, known in ((c.conversations, "from", "value", _SHAREGPT_ROLES),
+                                                 (c.messages, "role", "content", _CHAT_ROLES)):
+        if column in row:
+            return _sharegpt_pair(row, column, role_key, content_key, {**known, **(roles or {})}, c)
+    if prompt is None and isinstance(chosen, str) and isinstance(rejected, str):
+        return _hh_text(chosen, rejected, c)
     prompt, chosen, rejected = _string(row, c.prompt), _string(row, c.chosen), _string(row, c.rejected)
+    return _text_pair(prompt, chosen, rejected, c)
+
+
+def _text_pair(prompt: str, chosen: str, rejected: str, c: ColumnsSpec) -> Example:
     for column, text in ((c.chosen, chosen), (c.rejected, rejected)):
         if not text.strip():
             raise RowProblem(column, "is empty", "empty")
     if chosen == rejected:
         raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
     return Example(prompt=prompt, answer=chosen, rejected=rejected)
+
+
+def _pair(before: list[dict[str, Any]], chosen: list[dict[str, Any]], rejected: list[dict[str, Any]],
+          c: ColumnsSpec, tools: list[dict[str, Any]] | None) -> Example:
+    """The conversational pair: the prompt's turns, then the chosen (or the rejected) assistant turns."""
+    ex = _conversation(before + chosen, c.chosen, trained_from=len(before), tools=tools)
+    _conversation(before + rejected, c.rejected, trained_from=len(before))
+    if chosen == rejected:
+        raise RowProblem(c.rejected, f"equals {c.chosen}: the pair prefers nothing", "chosen_equals_rejected")
+    return Example(messages=ex.messages, trained_from=ex.trained_from, tools=ex.tools, rejected_turns=rejected)
+
+
+def _whole_conversation(value: Any, roles: Roles) -> bool:
+    """A list of turns that holds more than assistant turns: a prompt with its answer (HH's layout)."""
+    known = {**_SHAREGPT_ROLES, **_CHAT_ROLES, **(roles or {})}
+    return isinstance(value, list) and any(
+        not isinstance(t, dict) or not isinstance(role := t.get("role", t.get("from")), str)
+        or known.get(role) not in ("assistant", _CALL) for t in value)
+
+
+def _keys_of(value: Any, roles: Roles) -> tuple[str, str, dict[str, str]]:
+    """A list of turns' role and content keys, and the roles they may name: ShareGPT's `from`/`value`, else
+    OpenAI's `role`/`content`."""
+    first = value[0] if isinstance(value, list) and value else value
+    if isinstance(first, dict) and "from" in first:
+        return "from", "value", {**_SHAREGPT_ROLES, **(roles or {})}
+    return "role", "content", {**_CHAT_ROLES, **(roles or {})}
+
+
+def _implicit_prompt(row: dict[str, Any], c: ColumnsSpec, roles: Roles) -> Example:
+    """Two whole conversations, alike but for their last assistant turns: the rest is the prompt."""
+    chosen = _turns(row.get(c.chosen), c.chosen, *_keys_of(row.get(c.chosen), roles))
+    rejected = _turns(row.get(c.rejected), c.rejected, *_keys_of(row.get(c.rejected), roles))
+    if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+        raise RowProblem(c.chosen, f"and {c.rejected} must each end with an assistant turn: without a prompt column, "
+                         "a pair is two conversations that differ in their last assistant turn", "not_a_conversation")
+    if chosen[:-1] != rejected[:-1]:
+        k = next((i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b),
+                 min(len(chosen), len(rejected)))
+        raise RowProblem(c.chosen, f"and {c.rejected} differ before their last assistant turn (at turn {k}): without "
+                         "a prompt column, the prompt is all the two conversations share but their last assistant "
+                         "turns; give the prompt its own column", "not_a_conversation")
+    return _pair(chosen[:-1], chosen[-1:], rejected[-1:], c, _tools(row))
+
+
+def _sharegpt_pair(row: dict[str, Any], column: str, role_key: str, content_key: str, roles: dict[str, str],
+                   c: ColumnsSpec) -> Example:
+    """LLaMA-Factory's pair: the conversation up to the turn the answers reply to, each answer an assistant turn."""
+    before = _with_system(row, _turns(row.get(column), column, role_key, content_key, roles))
+    if before[-1]["role"] not in ("user", "tool"):
+        raise RowProblem(column, f"ends with a {before[-1]['role']} turn: a pair's conversation ends with the turn "
+                         f"its answers ({c.chosen}, {c.rejected}) reply to, the user's or a tool's",
+                         "not_a_conversation")
+    answers = []
+    for name in (c.chosen, c.rejected):
+        value = row.get(name)
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            raise RowProblem(name, f"is a {type(value).__name__}, not an assistant turn", "not_a_conversation")
+        turns = _turns(value, name, *_keys_of(value, roles))
+        wrong = next((i for i, t in enumerate(turns) if t["role"] != "assistant"), None)
+        if wrong is not None:
+            raise RowProblem(name, f"turn {wrong} is a {turns[wrong]['role']} turn: a pair's answers are assistant "
+                             "turns", "not_a_conversation")
+        answers.append(turns)
+    return _pair(before, answers[0], answers[1], c, _tools(row))
+
+
+_HH_ASSISTANT = "\n\nAssistant:"
+"""What opens an assistant turn in Anthropic HH's text (a human's: "\\n\\nHuman:")."""
+
+
+def _hh_text(chosen: str, rejected: str, c: ColumnsSpec) -> Example:
+    """HH's two conversations in text: the prompt up to and including the last "\\n\\nAssistant:" (where the DPO paper
+    cuts hh-rlhf), the same in both; the answers what follows it."""
+    cuts = [text.rfind(_HH_ASSISTANT) for text in (chosen, rejected)]
+    if -1 in cuts:
+        raise RowProblem(c.chosen, f"and {c.rejected} are text without a {c.prompt} column, and not Anthropic HH "
+                         "conversations (\"\\n\\nHuman: ... \\n\\nAssistant: ...\") to take the prompt from: give the "
+                         f"prompt its own column ({c.prompt})", "not_a_conversation")
+    prompt = chosen[: cuts[0] + len(_HH_ASSISTANT)]
+    if rejected[: cuts[1] + len(_HH_ASSISTANT)] != prompt:
+        raise RowProblem(c.chosen, f"and {c.rejected} differ before their last assistant turn (\"\\n\\nAssistant:\"): "
+                         "without a prompt column, the prompt is all the two conversations share but their last "
+                         "assistant turns; give the prompt its own column", "not_a_conversation")
+    return _text_pair(prompt, chosen[len(prompt):], rejected[len(prompt):], c)
 
 
 def _prompt_answer(question: str, context: str, answer: str, fields: tuple[str, str]) -> Example:
@@ -294,7 +399,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("conversations", ("conversations",), (), {"conversations": [
         {"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."}]},
         _sharegpt, chat=True),
-    Format("preference", ("prompt", "chosen", "rejected"), (),
+    Format("preference", ("chosen", "rejected"), ("prompt", "conversations", "messages"),
            {"prompt": "Capital of France? Answer:", "chosen": " Paris.", "rejected": " Lyon."}, _preference,
            chat=False),
     Format("prompt_completion", ("prompt", "completion"), (),
@@ -308,6 +413,11 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("text", ("text",), (), {"text": "A document of any length; longer ones are split, never dropped."},
            _text, chat=False),
 )}
+
+
+DETECTION_ORDER = ("preference", *(name for name in FORMATS if name != "preference"))
+"""The order in which `data.format: auto` tries the formats: preference rows first, since `chosen` and `rejected` are
+no other format's columns and their prompt may be any other's (`conversations`, `messages`, `prompt`)."""
 
 
 def columns_of(fmt: Format, columns: ColumnsSpec) -> list[str]:
@@ -324,7 +434,7 @@ def detect(row: dict[str, Any], spec: DataSpec, where: str) -> Format:
             raise DataError(where, f"data.format={fmt.name} needs the columns {missing}, but the rows have "
                             f"{sorted(row)}", _column_fix(fmt))
         return fmt
-    for fmt in FORMATS.values():
+    for fmt in (FORMATS[name] for name in DETECTION_ORDER):
         if all(c in row for c in columns_of(fmt, spec.columns)):
             return fmt
     accepted = "; ".join(f"{f.name}: {', '.join(columns_of(f, spec.columns))}" for f in FORMATS.values())
