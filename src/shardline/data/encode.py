@@ -71,10 +71,10 @@ def _init(settings: EncodeSettings) -> None:
 
 def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]:
     """Render (split, example, times) items into per-split flat ids, loss flags and document lengths; a text is
-    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped (those far longer
-    found without tokenizing them whole: `render_many`'s `max_tokens`). With pairs, a preference example is two
-    documents, chosen then rejected, flagged `joined` (packed into one row together) and dropped as too long when
-    the two do not fit one row."""
+    cut into pieces of at most seq_len tokens, others longer than seq_len are counted as dropped, `times` times
+    (kept and dropped add up to what the examples file lists; those far longer found without tokenizing them whole:
+    `render_many`'s `max_tokens`). With pairs, a preference example is two documents, chosen then rejected, flagged
+    `joined` (packed into one row together) and dropped as too long when the two do not fit one row."""
     s: EncodeSettings = _worker["settings"]
     tok, template = _worker["tok"], _worker["template"]
     out: dict[str, list] = {f"{split}.{k}": [] for split in SPLITS for k in ("ids", "loss", "lengths", "joined")}
@@ -91,7 +91,7 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
             if s.pairs:
                 other = next(rendered)
                 if r is None or other is None or len(r.ids) + len(other.ids) > s.seq_len:
-                    too_long[split] += 1
+                    too_long[split] += times  # as often as the examples file lists it
                     continue
                 for _ in range(times):
                     for k, (piece_ids, piece_loss) in enumerate(((r.ids, r.loss), (other.ids, other.loss))):
@@ -101,7 +101,7 @@ def encode_chunk(items: list[tuple[str, Example, int]]) -> dict[str, np.ndarray]
                         out[f"{split}.joined"].append(k == 0)
                 continue
             if r is None or len(r.ids) > s.seq_len:
-                too_long[split] += 1
+                too_long[split] += times  # as often as the examples file lists it
                 continue
             pieces = [(np.asarray(r.ids, dtype=np.int32), np.asarray(r.loss, dtype=np.uint8))]
         for _ in range(times):

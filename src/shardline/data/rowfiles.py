@@ -4,12 +4,19 @@ at a time (never a whole file), each row at most `MAX_ROW_BYTES`.
 A row over the bound is skipped before it is parsed and yielded as `TooLarge` (with its size), for the reader to
 count and name (`shardline.data.sources.read_examples`): one row of 50 MB once cost 9 GB and minutes to tokenize,
 and a JSON array was parsed whole. Errors name the file and line.
+
+A file whose name ends in `.gz` is read through gzip as it streams, within the same bound. A UTF-8 byte order mark
+(at the start of a file, or of a line where files with one were joined) and CRLF line ends read as the text they
+mark.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,42 +42,76 @@ class TooLarge:
     """Its length in bytes."""
 
 
+def open_bytes(path: Path) -> IO[bytes]:
+    """The file's bytes: through gzip, as they are read, when its name ends in `.gz` (in any case)."""
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
+
+
+BROKEN_GZIP = (gzip.BadGzipFile, EOFError, zlib.error)
+"""What reading a damaged or truncated gzip file raises."""
+BOM = "\ufeff"
+
+
+def _broken_gzip(where: str, e: Exception) -> DataError:
+    return DataError(where, f"is not a complete gzip file ({e or type(e).__name__})",
+                     "compress the file again (gzip FILE), or decompress it and point data.path at the plain file")
+
+
 def json_lines(path: Path) -> Iterator[tuple[str, Any]]:
     """(`path:line`, row) for each non-blank line of a JSON-lines file; a line over the bound is a `TooLarge`, read
     past a piece at a time and never held."""
-    with path.open("rb") as f:
-        lineno = 0
-        while line := f.readline(MAX_ROW_BYTES + 2):  # the bound and a line break (\r\n)
-            lineno += 1
-            if len(line) > MAX_ROW_BYTES:
-                size = len(line.rstrip(b"\r\n"))
-                if not line.endswith(b"\n"):
-                    while (piece := f.readline(READ_BYTES)) and not piece.endswith(b"\n"):
-                        size += len(piece)
-                    size += len(piece.rstrip(b"\r\n"))
-                if size > MAX_ROW_BYTES:
-                    yield f"{path}:{lineno}", TooLarge(size)
+    lineno = 0
+    try:
+        with open_bytes(path) as f:
+            while line := f.readline(MAX_ROW_BYTES + 2):  # the bound and a line break (\r\n)
+                lineno += 1
+                if len(line) > MAX_ROW_BYTES:
+                    size = len(line.rstrip(b"\r\n"))
+                    if not line.endswith(b"\n"):
+                        while (piece := f.readline(READ_BYTES)) and not piece.endswith(b"\n"):
+                            size += len(piece)
+                        size += len(piece.rstrip(b"\r\n"))
+                    if size > MAX_ROW_BYTES:
+                        yield f"{path}:{lineno}", TooLarge(size)
+                        continue
+                if line.isspace():
                     continue
-            if line.isspace():
-                continue
-            try:
-                row = json.loads(line.decode())
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}", f"not valid JSON ({e.msg})", "fix or remove the line") from e
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}", f"is not UTF-8 text ({e.reason} at byte {e.start})",
-                                "save the file as UTF-8 (JSON's encoding)") from e
-            yield f"{path}:{lineno}", row
+                yield f"{path}:{lineno}", _json_line(line, f"{path}:{lineno}")
+    except BROKEN_GZIP as e:
+        raise _broken_gzip(f"{path}:{lineno + 1}", e) from e
+
+
+def _json_line(line: bytes, where: str) -> Any:
+    try:
+        text = line.decode()
+        return json.loads(text[1:] if text.startswith(BOM) else text)
+    except json.JSONDecodeError as e:
+        raise DataError(where, f"not valid JSON ({e.msg})", "fix or remove the line") from e
+    except UnicodeDecodeError as e:
+        raise DataError(where, f"is not UTF-8 text ({e.reason} at byte {e.start})",
+                        "save the file as UTF-8 (JSON's encoding)") from e
 
 
 def json_array(path: Path) -> Iterator[tuple[str, Any]]:
     """(`path#n`, element) for each element of a JSON array file, in order; an element over the bound is a
     `TooLarge`, skipped without parsing it."""
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        try:
+    try:
+        with io.TextIOWrapper(open_bytes(path), encoding="utf-8-sig", newline="") as f:
             yield from _Array(f, path).elements()
-        except UnicodeDecodeError as e:
-            raise DataError(str(path), f"is not UTF-8 text ({e.reason})", "save the file as UTF-8") from e
+    except UnicodeDecodeError as e:
+        raise DataError(str(path), f"is not UTF-8 text ({e.reason})", "save the file as UTF-8") from e
+    except BROKEN_GZIP as e:
+        raise _broken_gzip(str(path), e) from e
+
+
+def starts_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file's first bytes after a byte order mark and whitespace are `prefix`."""
+    try:
+        with open_bytes(path) as f:
+            head = f.read(4096)
+    except BROKEN_GZIP as e:
+        raise _broken_gzip(str(path), e) from e
+    return head.removeprefix(BOM.encode()).lstrip().startswith(prefix)
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")
