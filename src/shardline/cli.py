@@ -114,8 +114,11 @@ def _show_examples(spec, data, count: int, json_file: str | None, quiet: bool) -
     console.print(f"tokens between {LOSS_OPEN} {LOSS_CLOSE} carry loss", highlight=False)
     for i, item in enumerate(shown):
         pair = f" · {item['pair']}" if "pair" in item else ""
-        line = Text(f"── {i + 1} · {item['split']} · {item['source']}{pair} · {len(item['tokens'])} tokens, "
-                    f"{sum(item['loss'])} with loss\n", style="dim")
+        said = (f"dropped, not trained ({item['dropped']}: {item['why']})" if "dropped" in item
+                else f"{len(item['tokens'])} tokens, {sum(item['loss'])} with loss")
+        line = Text(f"── {i + 1} · {item['split']} · {item['source']}{pair} · {said}\n", style="dim")
+        if not item["tokens"]:  # far too long: never tokenized, its text's head
+            line.append(item["text"])
         for text, trained in marked_text(tok, item["tokens"], item["loss"]):
             line.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if trained else text, style="green" if trained else None)
         console.print(line)
