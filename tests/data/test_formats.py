@@ -166,9 +166,9 @@ def test_every_layout_and_format_prepares_with_its_loss_where_the_format_says(ch
             said = sorted(m["content"] for ex in data.examples("train") for m in ex.messages
                           if m["role"] == "assistant")
             assert sorted(trained.split("<|im_end|>")[:-1]) == said and trained.endswith("<|im_end|>")
-        else:  # the answers with their EOS, never the prompts
+        else:  # the answers with their end of turn (data.prompt_format: auto, a chat template), never the prompts
             answers = sorted(ex.answer.strip() for ex in data.examples("train"))
-            assert sorted(a.strip() for a in trained.split(tok.eos_token)[:-1]) == answers, name
+            assert sorted(a.strip() for a in trained.split("<|im_end|>")[:-1]) == answers, name
 
 
 def test_splits_are_by_row_of_the_sizes_asked_and_group_by_keeps_groups_together(tmp_path):

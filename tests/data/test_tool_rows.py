@@ -285,11 +285,11 @@ def test_an_instruction_rows_system_column_comes_before_its_prompt(tool_tokenize
     ex = _read(row, "instruction")
     plain = render(tool_tokenizer, ex, get_task("none").prompt, "plain")
     assert tool_tokenizer.decode(plain.ids) == \
-        "<|bos|>You translate.\n\nGood morning\n\nTranslate to French.\nBonjour<|eos|>"
+        "<|bos|>You translate.\n\nTranslate to French.\n\nGood morning\nBonjour<|eos|>"
     chat = render(tool_tokenizer, ex, get_task("none").prompt, "chat")
     assert tool_tokenizer.decode(chat.ids) == tool_tokenizer.apply_chat_template([
-        {"role": "system", "content": "You translate."}, {"role": "user", "content": "Good morning\n\nTranslate to "
-         "French."}, {"role": "assistant", "content": "Bonjour"}], tokenize=False)[:-1]  # the line break after
+        {"role": "system", "content": "You translate."}, {"role": "user", "content": "Translate to French.\n\n"
+         "Good morning"}, {"role": "assistant", "content": "Bonjour"}], tokenize=False)[:-1]  # the line break after
     assert _trained_text(tool_tokenizer, chat) == "Bonjour<|im_end|>"
 
 

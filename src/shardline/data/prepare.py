@@ -23,7 +23,7 @@ import shutil
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -35,13 +35,16 @@ from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
 from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
 from shardline.data.example import Example
 from shardline.data.formats import READ_VERSION
+from shardline.data.named_templates import use_named_template
 from shardline.data.packing import PackedRows
 from shardline.data.render import check_chat_template, needs_chat_template
 from shardline.data.sources import SPLITS, Source, open_sources
 from shardline.data.splits import Assignment, assign, draw_mixture
 from shardline.data.synthetic import RANDOM_TOKENS, write_random_rows
 from shardline.data.synthetic import fingerprint as random_rows_fingerprint
+from shardline.data.template import resolved_format
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
+from shardline.data.too_long import say_too_long
 from shardline.errors import DataError
 from shardline.spec import JobSpec
 from shardline.storage import check_locations, require_local
@@ -227,8 +230,13 @@ def dataset_version(spec: JobSpec, sources: list[Source]) -> str:
     tokenizer_id = tokenizer_fingerprint(tokenizer_src) if tokenizer_src else f"bpe:{m.arch.vocab_size}"
     prompt_version = get_task(d.task).prompt.version
     content = _content_fingerprint(d, sources) if sources else random_rows_fingerprint(spec)
-    parts = [PREPARE_VERSION, content, tokenizer_id, prompt_version, d.prompt_format,
+    # `auto` with shardline's trained BPE (no chat template) is `plain`: the embedded default's version stays.
+    prompt_format = "plain" if d.prompt_format == "auto" and not tokenizer_src and not d.chat_template \
+        else d.prompt_format
+    parts = [PREPARE_VERSION, content, tokenizer_id, prompt_version, prompt_format,
              str(spec.train.seq_len), str(d.packing)]
+    if d.chat_template is not None:
+        parts.append(f"chat_template={d.chat_template}")
     if d.assistant_turns != "all":  # (kept out of the default's parts: the embedded default's version stays)
         parts.append(f"assistant_turns={d.assistant_turns}")
     if spec.train.objective == "dpo":  # pairs packed as two documents, not the chosen alone
@@ -243,6 +251,8 @@ def _content_fingerprint(d, sources: list[Source]) -> str:
     entries = [[s.fingerprint, s.name, s.weight, s.reading.format, s.reading.columns.model_dump()] for s in sources]
     settings = [entries, d.seed, d.train_size, d.validation_size, d.test_size, d.group_by, d.task, READ_VERSION,
                 sorted(d.roles.items())]
+    if any(entry.prompt_format for entry in d.sources):
+        settings.append([entry.prompt_format for entry in d.sources])
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -270,16 +280,30 @@ def _tokenizer_for(spec: JobSpec, sources: list[Source], assignments: list[Assig
         texts = (t for source, a in zip(sources, assignments, strict=True)
                  for split, ex, _ in examples_in_order(source, a) if split == "train" for t in _texts(ex))
         tok = train_bpe(texts, spec.model.arch.vocab_size)
-    first = next((ex for _, ex, _ in examples_in_order(sources[0], assignments[0])), None)
-    if first is not None and needs_chat_template(first, spec.data.prompt_format):
-        check_chat_template(tok, spec.model.tokenizer and "model.tokenizer" or "model.path",
-                            "data.prompt_format=chat" if first.kind == "prompt_answer" else "a conversation")
+    if not saved.is_dir():  # (a saved one has it already)
+        tok = use_named_template(tok, spec.data.chat_template)
+    for i, (source, a) in enumerate(zip(sources, assignments, strict=True)):
+        first = next((ex for _, ex, _ in examples_in_order(source, a)), None)
+        fmt = source_prompt_format(spec, i)
+        if first is not None and needs_chat_template(first, fmt):
+            field = f"data.sources[{i}].prompt_format" if spec.data.sources and spec.data.sources[i].prompt_format \
+                else "data.prompt_format"
+            check_chat_template(tok, spec.model.tokenizer and "model.tokenizer" or "model.path",
+                                f"{field}=chat" if first.kind == "prompt_answer" else "a conversation")
     if not saved.is_dir():
         tmp = work / ".tokenizer.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
         os.replace(tmp, saved)
     return tok
+
+
+def source_prompt_format(spec: JobSpec, index: int) -> str:
+    """The prompt format of the `index`-th source, as the spec says it (`auto` unresolved): its own, else the
+    mixture's one `data.prompt_format`."""
+    entries = spec.data.sources
+    own = entries[index].prompt_format if index < len(entries) else None
+    return own or spec.data.prompt_format
 
 
 def _texts(ex: Example) -> list[str]:
@@ -302,10 +326,13 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
     draw_mixture(sources, assignments, spec.data)
     tok = _tokenizer_for(spec, sources, assignments, work)
     settings = EncodeSettings.of(spec, work / "tokenizer")
+    formats = [resolved_format(tok, source_prompt_format(spec, i)) for i in range(len(sources))]  # type: ignore[arg-type]
+    say_formats(spec, sources, assignments, formats)
     total = sum(a.examples for a in assignments)
     chunks = []
     for i, (source, a) in enumerate(zip(sources, assignments, strict=True)):
-        n = encode_source(source, i, a, settings, work, lambda ex, t: say("tokenizing", ex, total, t))
+        n = encode_source(source, i, a, replace(settings, prompt_format=formats[i]), work,
+                          lambda ex, t: say("tokenizing", ex, total, t))
         chunks += [(i, chunk_path(work, i, k)) for k in range(n)]
     out.mkdir(parents=True)
     tok.save_pretrained(out / "tokenizer")
@@ -314,12 +341,12 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
     for a in assignments:
         dropped.update(a.dropped)
     stats: dict = {"rows_read": sum(a.examples + sum(a.dropped.values()) for a in assignments),
-                   "format": assignments[0].format,
+                   "format": assignments[0].format, "prompt_format": formats[0],
                    "splits": {}}
-    per_source = [{"name": s.name, "weight": s.weight, "format": a.format,
+    per_source = [{"name": s.name, "weight": s.weight, "format": a.format, "prompt_format": fmt,
                    "rows_read": a.examples + sum(a.dropped.values()), "dropped": dict(a.dropped),
                    "train_examples": a.mixed, "repeats": round(a.mixed / max(1, a.train_examples), 3),
-                   "tokens": {}, "loss_tokens": {}} for s, a in zip(sources, assignments, strict=True)]
+                   "tokens": {}, "loss_tokens": {}} for s, a, fmt in zip(sources, assignments, formats, strict=True)]
     for split in SPLITS:
         split_stats = write_split(split, chunks, spec.train.seq_len, spec.data.packing, pad, out, work,
                                   per_source, dropped)
@@ -334,7 +361,18 @@ def _build(spec: JobSpec, sources: list[Source], work: Path, out: Path, version:
         s["share_of_train_tokens"] = round(s["tokens"].get("train", 0) / train_tokens, 4)
     stats["dropped"] = dict(sorted(dropped.items()))
     stats["sources"] = per_source
+    say_too_long(spec, sources, assignments, formats, tok, stats)
     _finish(spec, out, version, tok, [s.name for s in sources], stats)
+
+
+def say_formats(spec: JobSpec, sources: list[Source], assignments: list[Assignment], formats: list[str]) -> None:
+    """Which prompt format `auto` chose, where a source has prompts to render (conversations always render with the
+    chat template); it is also `prompt_format` in stats.json and meta.json."""
+    for i, (source, a, fmt) in enumerate(zip(sources, assignments, formats, strict=True)):
+        if source_prompt_format(spec, i) == "auto" and a.format not in ("messages", "conversations", "text"):
+            log.info("%s: prompts render %s (data.prompt_format=auto: the tokenizer %s a chat template)", source.name,
+                     "with the chat template" if fmt == "chat" else "as plain text", "has" if fmt == "chat" else
+                     "has no")
 
 
 def _build_random(spec: JobSpec, out: Path, version: str) -> None:
@@ -360,8 +398,9 @@ def _finish(spec: JobSpec, out: Path, version: str, tok: PreTrainedTokenizerBase
     files = {str(p.relative_to(out)): p.stat().st_size for p in listed}
     whole = hashed_whole(files)
     sums = {name: checksum(out / name, name in whole) for name in files}
+    prompt_format = stats.get("prompt_format") or resolved_format(tok, spec.data.prompt_format)  # `auto` resolved
     meta = {"version": version, "seq_len": spec.train.seq_len, "pad_id": pad_id(tok), "eos_id": tok.eos_token_id,
-            "vocab_size": len(tok), "prompt_format": spec.data.prompt_format, "packing": spec.data.packing,
+            "vocab_size": len(tok), "prompt_format": prompt_format, "packing": spec.data.packing,
             "sources": source_names, "files": files, "sha256": sums}
     # meta.json is written last (the whole directory is renamed into place after it): it lists the rest.
     (out / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -24,7 +24,15 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.data.chat_template import chat_ids, chat_text
 from shardline.data.example import Example, trained_turns
-from shardline.data.template import PromptTemplate, check_tools_rendered, encode_answer, encode_prompt, stop_ids
+from shardline.data.template import (
+    PromptTemplate,
+    bos_ids,
+    check_tools_rendered,
+    encode_answer,
+    encode_prompt,
+    resolved_format,
+    stop_ids,
+)
 from shardline.data.tokenizer import TEXT_WINDOW, windows
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
@@ -37,6 +45,7 @@ class Rendered:
 
 
 def needs_chat_template(ex: Example, fmt: PromptFormat) -> bool:
+    """Whether `ex` cannot render without a chat template (`auto` renders plain without one)."""
     return ex.kind == "chat" or (ex.kind == "prompt_answer" and fmt == "chat")
 
 
@@ -56,6 +65,7 @@ def render_many(tok: PreTrainedTokenizerBase, examples: list[Example], template:
                 assistant_turns: str = "all", max_tokens: int | None = None) -> list[Rendered | None]:
     """`render` of each example; the conversations' texts are tokenized in one batch call. With `max_tokens`, an
     example (not a text) that certainly renders to more tokens is None, found without tokenizing it whole."""
+    fmt = resolved_format(tok, fmt)
     out: list[Rendered | None] = [None] * len(examples)
     chats: list[tuple[int, str, list[tuple[int, int]]]] = []
     for k, ex in enumerate(examples):
@@ -90,12 +100,13 @@ tokenizer that marks a text's start, a window cut inside a word): `certainly_lon
 
 
 def text_ids(tok: PreTrainedTokenizerBase, text: str) -> np.ndarray:
-    """BOS, the text's tokens and EOS, as int32. A text longer than `TEXT_WINDOW` is tokenized window by window,
-    each ending where pre-tokenization splits anyway (`windows`): its tokens are those of the whole for byte-level
-    BPE (GPT-2, Llama 3, Qwen) and Metaspace (SentencePiece converted) tokenizers, but where a window had to be cut
-    inside a word (no space or line break in `TEXT_WINDOW / 2` characters), or where a tokenizer marks the start of
-    every text it is given (Llama 2's normalizer prepends `▁`): a token or two may differ there."""
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    """BOS (where the tokenizer adds one: `bos_ids`), the text's tokens and EOS, as int32. A text longer than
+    `TEXT_WINDOW` is tokenized window by window, each ending where pre-tokenization splits anyway (`windows`): its
+    tokens are those of the whole for byte-level BPE (GPT-2, Llama 3, Qwen) and Metaspace (SentencePiece converted)
+    tokenizers, but where a window had to be cut inside a word (no space or line break in `TEXT_WINDOW / 2`
+    characters), or where a tokenizer marks the start of every text it is given (Llama 2's normalizer prepends `▁`):
+    a token or two may differ there."""
+    bos = bos_ids(tok)
     parts = [np.asarray(tok.encode(window, add_special_tokens=False), dtype=np.int32)
              for window in windows(text, TEXT_WINDOW)]
     return np.concatenate([np.asarray(bos, dtype=np.int32), *parts, np.asarray([tok.eos_token_id], dtype=np.int32)])
@@ -205,17 +216,52 @@ def _turn_end(tok: PreTrainedTokenizerBase) -> str:
 def _prefix_spans(tok: PreTrainedTokenizerBase, messages: list[dict], trained: list[int], text: str,
                   tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Each trained turn by rendering the conversation up to it (with the generation prompt) and through it: the
-    turn is what lies between (two renderings per turn; for templates that transform contents)."""
+    turn is what lies between (two renderings per turn; for templates that transform contents). A template whose
+    renderings of a conversation's beginning are not the beginning of its whole (Qwen3's drops the reasoning of
+    assistant turns before the last question) has its turns located in the whole instead (`_located_spans`)."""
     spans = []
     for i in trained:
         before = _chat_text(tok, messages[:i], True, tools)
         through = _chat_text(tok, messages[: i + 1], False, tools).rstrip()  # the line break after a turn is not said
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
-            raise DataError("model.tokenizer", "its chat template does not render a conversation's first turns as "
-                            "the beginning of the whole (it rewrites earlier turns), so the assistant turns cannot "
-                            "be located", "set data.assistant_turns=last, or use a template that renders turns "
-                            "in order")
+            located = _located_spans(tok, messages, trained, text)
+            if located is None:
+                name = tok.name_or_path or "the tokenizer"
+                raise DataError(f"{name}: its chat template", "does not render a conversation's first turns as the "
+                                "beginning of the whole (it rewrites earlier turns), and its assistant turns cannot "
+                                "be found in the whole by their header and end of turn",
+                                "set data.assistant_turns=last, or name a template that renders turns in order "
+                                "(data.chat_template=chatml, llama3 or alpaca)")
+            return located
         spans.append((len(before), len(through)))
+    return spans
+
+
+def _located_spans(tok: PreTrainedTokenizerBase, messages: list[dict], trained: list[int], text: str
+                   ) -> list[tuple[int, int]] | None:
+    """The trained turns found in the rendering of the whole conversation: the k-th assistant turn is what follows
+    the k-th assistant header (what the generation prompt adds, e.g. `<|im_start|>assistant\n`) through the first
+    end of turn after it (`<|im_end|>`). The turns are trained as the whole renders them (Qwen3: earlier turns
+    without their reasoning, as the model sees them later in a conversation). None where the header or the end of
+    turn cannot be told (empty, or not one per assistant turn)."""
+    probe = [{"role": "user", "content": "?"}]
+    asked, said = _chat_text(tok, probe, True), _chat_text(tok, probe, False)
+    header, tail = asked[len(said):], _turn_end(tok)
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not asked.startswith(said) or not header.strip() or not tail or text.count(header) != len(assistants):
+        return None
+    starts, at = [], 0
+    for _ in assistants:
+        at = text.index(header, at) + len(header)
+        starts.append(at)
+    spans = []
+    for i in trained:
+        k = assistants.index(i)
+        start = starts[k]
+        end = text.find(tail, start)
+        if end < 0 or (k + 1 < len(starts) and end + len(tail) > starts[k + 1] - len(header)):
+            return None
+        spans.append((start, end + len(tail)))
     return spans
 
 

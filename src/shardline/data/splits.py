@@ -2,9 +2,10 @@
 each training example enters the mixture.
 
 A source is split by row (or by `data.group_by`: whole groups), with a draw seeded by `data.seed` and the source's
-place in the list; `data.test_size` and `data.validation_size` rows per source are held out, exactly, and the rest
-trains. The training mixture gives each source its weight's share of the training examples (`data.train_size`
-caps the total): a share below the source's rows is a seeded subset of them, a larger one repeats them (whole
+place in the list; `data.test_size` and `data.validation_size` rows per source are held out, exactly (an unset
+validation size: `VALIDATION_SHARE` of the source's rows, at most `MAX_VALIDATION_ROWS`), and the rest trains.
+The training mixture gives each source its weight's share of the training examples (`data.train_size` caps the
+total): a share below the source's rows is a seeded subset of them, a larger one repeats them (whole
 passes, then a seeded subset). Memory is a few bytes per row, never the rows themselves.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +26,11 @@ from shardline.errors import DataError
 from shardline.spec import DataSpec
 
 log = logging.getLogger(__name__)
+VALIDATION_SHARE, MAX_VALIDATION_ROWS = 0.05, 200
+"""`data.validation_size` unset: 5 % of a source's rows (at least one), at most 200 (as the generated set holds)."""
+PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][\w.]*)\s*\}\}")
+"""A template's placeholder left in the text (`{{name}}`: LLaMA-Factory's identity.json has `{{name}}` and
+`{{author}}`, to be filled in before training)."""
 
 
 @dataclass
@@ -62,18 +69,26 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
     dropped: Counter = Counter()
     found: dict[str, str] = {}
     too_large: list[tuple[str, int]] = []
+    placeholders: Counter = Counter()
+    with_placeholders: list[int] = []
     groups = array("Q")
     n = 0
-    for key, _ in read_examples(source.rows(), source.reading, dropped, found=found, too_large=too_large):
+    for key, ex in read_examples(source.rows(), source.reading, dropped, found=found, too_large=too_large):
         n += 1
         if data.group_by is not None:
             groups.append(int.from_bytes(hashlib.blake2b(str(key).encode(), digest_size=8).digest(), "little"))
+        names = {m.group(1) for text in _texts(ex) for m in PLACEHOLDER.finditer(text)}
+        if names:
+            placeholders.update(names)
+            with_placeholders.append(n)
     if too_large:
         _say_too_large(source, dropped["too_large"], too_large)
+    if placeholders:
+        _say_placeholders(source, placeholders, with_placeholders)
     if n == 0:
         raise DataError(source.reading.path or source.name, f"no row could be read (dropped: {dict(dropped)})",
                         "check the rows against data.format (docs/data.md)")
-    n_test, n_val = data.test_size or 0, data.validation_size
+    n_test, n_val = data.test_size or 0, validation_rows(data, n)
     if n <= n_test + n_val:
         raise DataError(source.reading.path or source.name, f"only {n} rows, not enough for data.test_size={n_test}"
                         f" + data.validation_size={n_val} plus training data",
@@ -85,6 +100,30 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
     else:
         held = _held_groups(np.frombuffer(groups, dtype=np.uint64), n_test, n_val, rng, data.group_by)
     return Assignment(examples=n, held=held, dropped=dropped, format=found["format"])
+
+
+def validation_rows(data: DataSpec, rows: int) -> int:
+    """`data.validation_size`, or for a user's source without one its share of the source's `rows`."""
+    if data.validation_size is not None:
+        return data.validation_size
+    return min(MAX_VALIDATION_ROWS, max(1, round(VALIDATION_SHARE * rows)))
+
+
+def _texts(ex) -> list[str]:
+    """The texts of an example that training reads."""
+    texts = [ex.question, ex.context, ex.answer, ex.prompt or "", ex.system, ex.text or "", ex.rejected or ""]
+    return texts + [m["content"] for m in (*ex.messages, *ex.rejected_turns) if isinstance(m.get("content"), str)]
+
+
+def _say_placeholders(source: Source, names: Counter, rows: list[int]) -> None:
+    """Placeholders are trained as written (a model that answers `I am {{name}}`): the warning names them."""
+    shown = ", ".join(f"{{{{{name}}}}} ({count:,} row{'s' if count > 1 else ''})"
+                      for name, count in names.most_common(5)) + (", …" if len(names) > 5 else "")
+    log.warning("%s: %s of its rows contain template placeholders, trained as written: %s (the first: example %s "
+                "of the source). Fill them in before training (LLaMA-Factory's identity.json: replace {{name}} and "
+                "{{author}} with your model's name and yours), or ignore this if the text means them literally "
+                "(template code)",
+                source.reading.path or source.name, f"{len(rows):,}", shown, rows[0])
 
 
 def _say_too_large(source: Source, count: int, named: list[tuple[str, int]]) -> None:

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardline.data.chat_template import chat_ids, chat_text
 from shardline.data.example import Example
+from shardline.data.tokenizer import BOS
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
 
@@ -35,18 +36,43 @@ class PromptTemplate:
     """Changes whenever the text does: part of the dataset version, so a new text is prepared anew."""
 
 
+def resolved_format(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> PromptFormat:
+    """`plain` or `chat`: `auto` is chat when the tokenizer has a chat template, else plain."""
+    if fmt == "auto":
+        return "chat" if getattr(tok, "chat_template", None) else "plain"
+    return fmt
+
+
+_ADDS_BOS: dict[tuple[str, ...], bool] = {}
+"""Whether a tokenizer adds BOS itself, by tokenizer (asked once: a prompt is encoded per example)."""
+
+
+def bos_ids(tok: PreTrainedTokenizerBase) -> list[int]:
+    """The BOS a plain prompt or a text starts with: the tokenizer's, where it adds one itself (`tok(text)`: Llama,
+    Mistral, Gemma), and for shardline's own BPE (`BOS`); none where it adds none (Qwen, GPT-2), as its model was
+    trained and as `transformers` and TRL tokenize."""
+    if tok.bos_token_id is None:
+        return []
+    if tok.bos_token == BOS:
+        return [tok.bos_token_id]
+    key = (str(id(tok)), tok.name_or_path or "", str(tok.bos_token), str(len(tok)))
+    if key not in _ADDS_BOS:
+        ids = tok("a", add_special_tokens=True)["input_ids"]
+        _ADDS_BOS[key] = bool(ids) and ids[0] == tok.bos_token_id
+    return [tok.bos_token_id] if _ADDS_BOS[key] else []
+
+
 def encode_prompt(tok: PreTrainedTokenizerBase, template: PromptTemplate, question: str, context: str,
                   fmt: PromptFormat, literal: str | None = None, system: str = "") -> list[int]:
     """Prompt ids: the task's template around question and context, or the row's own prompt text (`literal`); a
     row's `system` prompt before it: a system turn (chat), or its text and a blank line (plain)."""
-    if fmt == "chat":
+    if resolved_format(tok, fmt) == "chat":
         user = literal if literal is not None else template.chat(question, context)
         turns = [{"role": "system", "content": system}] if system else []
         return chat_ids(tok, [*turns, {"role": "user", "content": user}], add_generation_prompt=True)
-    # Exactly one BOS, added here, never again by the tokenizer.
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    # At most one BOS (`bos_ids`), added here, never again by the tokenizer.
     text = literal if literal is not None else template.plain(question, context)
-    return bos + tok.encode(f"{system}\n\n{text}" if system else text, add_special_tokens=False)
+    return bos_ids(tok) + tok.encode(f"{system}\n\n{text}" if system else text, add_special_tokens=False)
 
 
 def encode_answer(tok: PreTrainedTokenizerBase, answer: str, fmt: PromptFormat = "plain") -> list[int]:
@@ -59,7 +85,7 @@ _PROBE = "\x1fshardline-answer\x1f"
 
 def answer_end(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> list[int]:
     """The token ids that close an answer: EOS (plain), or the chat template's end of an assistant turn."""
-    if fmt != "chat":
+    if resolved_format(tok, fmt) != "chat":
         return [tok.eos_token_id]
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
     text = chat_text(tok, messages)

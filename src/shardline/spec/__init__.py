@@ -5,6 +5,7 @@ from shardline.spec.sections import (
     ActivationCheckpointing,
     ArchSpec,
     AttentionImpl,
+    ChatTemplateName,
     CheckpointSpec,
     CollectiveOp,
     ColumnsSpec,
@@ -39,9 +40,9 @@ from shardline.spec.sections import (
 )
 
 __all__ = [
-    "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "CheckpointSpec", "CollectiveOp", "ColumnsSpec",
-    "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "GrpoSpec", "JobSections", "JobSpec",
-    "KubernetesSpec",
+    "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "ChatTemplateName", "CheckpointSpec", "CollectiveOp",
+    "ColumnsSpec", "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "GrpoSpec", "JobSections",
+    "JobSpec", "KubernetesSpec",
     "LaunchSpec", "LoraSpec", "ModelSpec", "NetcheckSpec", "Objective", "ObserveSpec", "ParallelSpec", "Precision",
     "PromptFormat", "Provisioning", "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec",
     "TaskName", "Toleration", "TpuSpec", "TrainSpec",

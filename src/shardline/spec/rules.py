@@ -65,12 +65,17 @@ def check_combinations(spec: JobSections) -> None:
             f"{t.warmup_steps} is not below train.max_steps={t.max_steps}",
             "use fewer warmup steps than total steps, or leave train.warmup_steps unset (5% of max_steps)",
         )
-    if spec.data.prompt_format == "chat" and spec.model.path is None and spec.model.tokenizer is None:
-        raise SpecError(
-            "data.prompt_format",
-            "'chat' needs a tokenizer with a chat template, but no model.path or model.tokenizer is set",
-            "use data.prompt_format=plain with the trained tokenizer, or point model.tokenizer at one",
-        )
+    trained_tokenizer = spec.model.path is None and spec.model.tokenizer is None
+    chat_sources = [f"data.sources[{i}].prompt_format" for i, s in enumerate(spec.data.sources)
+                    if s.prompt_format == "chat"]
+    for field in (["data.prompt_format"] if spec.data.prompt_format == "chat" else []) + chat_sources:
+        if trained_tokenizer and spec.data.chat_template is None:
+            raise SpecError(
+                field,
+                "'chat' needs a tokenizer with a chat template, but no model.path or model.tokenizer is set",
+                "use data.prompt_format=auto or plain with the trained tokenizer, point model.tokenizer at one, or "
+                "name a template that needs no special tokens (data.chat_template=alpaca)",
+            )
     check_data_sources(spec)
     check_base_quantization(spec)
     check_objective(spec)

@@ -13,7 +13,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 Precision = Literal["auto", "bf16", "fp32"]
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 BaseQuantization = Literal["none", "nf4"]
-PromptFormat = Literal["plain", "chat"]
+PromptFormat = Literal["auto", "plain", "chat"]
+ChatTemplateName = Literal["chatml", "llama3", "alpaca"]
+"""The chat templates shardline writes itself (`shardline.data.named_templates`), for `data.chat_template`."""
 DataFormat = Literal["auto", "messages", "conversations", "preference", "prompt_completion", "instruction",
                      "question_answer", "text"]
 Objective = Literal["sft", "dpo", "grpo"]
@@ -152,6 +154,9 @@ class SourceSpec(Section):
     columns: ColumnsSpec = ColumnsSpec()
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     """Names the source in summaries, metrics and the report; None: the file's or dataset's name."""
+    prompt_format: PromptFormat | None = None
+    """How this source's prompts render, as `data.prompt_format`; None: `data.prompt_format` (one for the whole
+    mixture)."""
 
 
 class DataSpec(Section):
@@ -178,22 +183,31 @@ class DataSpec(Section):
     task: TaskName | None = None
     """What the examples are for (shardline/tasks/). `text_to_sql`: the schema + question prompt, its generated
     set when `path` is unset, and at the end SQL generated for the test questions, scored by test-suite
-    execution accuracy. `none`: a neutral prompt (context, blank line, question), no data of its own,
-    validation loss only. `random_tokens`: the throughput benchmarks' rows — each one document of `train.seq_len`
-    uniformly random ids, every token a target, `train_size`/`validation_size` rows, no `path`.
+    execution accuracy. `none`: a neutral prompt (question or instruction, blank line, context or input), no data
+    of its own, validation loss only. `random_tokens`: the throughput benchmarks' rows — each one document of
+    `train.seq_len` uniformly random ids, every token a target, `train_size`/`validation_size` rows, no `path`.
     None: `text_to_sql` without `path`, `none` with it (written out in the resolved spec)."""
     columns: ColumnsSpec = ColumnsSpec()
     seed: int = 1234
     """Seeds the generated set and the split of a user dataset into train/validation/test."""
     train_size: int | None = Field(4000, ge=1)
     """Training examples (generated), or the cap on training rows taken from `path` (None: all)."""
-    validation_size: int = Field(200, ge=1)
-    """Rows held out for the validation loss."""
+    validation_size: int | None = Field(None, ge=1)
+    """Rows held out for the validation loss (per source); None: 5 % of a source's rows, at least 1 and at most
+    200, for your own data (`path`, `sources`), and 200 for a task's own set (written out in the resolved spec)."""
     test_size: int | None = Field(None, ge=0)
     """Rows held out for the task's generation metric; None: 200 where the task scores generations
     (text_to_sql), 0 where none does (written out in the resolved spec)."""
-    prompt_format: PromptFormat = "plain"
-    """`plain`: a fixed text template; `chat`: the tokenizer's chat template (real instruct models)."""
+    prompt_format: PromptFormat = "auto"
+    """How prompts of prompt/answer rows (prompt_completion, instruction, question_answer, the generated set)
+    render: `plain`, a fixed text template; `chat`, a user turn in the tokenizer's chat template (instruct models);
+    `auto`, chat when the tokenizer has a chat template (its own or `chat_template`), else plain (the prepare
+    summary says which). Conversations always render with the chat template."""
+    chat_template: ChatTemplateName | None = None
+    """A chat template written in shardline (docs/data.md#defaults) that replaces the tokenizer's: `chatml`
+    (`<|im_start|>`/`<|im_end|>`), `llama3` (Llama 3's header and `<|eot_id|>` tokens) or `alpaca` (`### Instruction:`
+    / `### Response:`, the tokenizer's EOS ends a turn: any tokenizer); the tokenizer must have the template's special
+    tokens. None: the tokenizer's own, if any."""
     packing: bool = True
     """Pack whole examples into `train.seq_len` rows; False pads one example per row."""
     cache_dir: str | None = None
@@ -205,6 +219,8 @@ class DataSpec(Section):
             self.task = "text_to_sql" if self.path is None and not self.sources else "none"
         if self.test_size is None:  # held-out rows only where something scores them
             self.test_size = 200 if self.task == "text_to_sql" else 0
+        if self.validation_size is None and self.path is None and not self.sources:
+            self.validation_size = 200  # a task's own set keeps its explicit size; a user's is sized by its rows
         return self
 
 

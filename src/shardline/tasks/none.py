@@ -7,14 +7,15 @@ from shardline.tasks.base import Task
 
 
 def _message(question: str, context: str) -> str:
-    """The context (when there is one), a blank line, the question: nothing the data does not say."""
-    return "\n\n".join(part for part in (context, question) if part)
+    """The question or instruction, a blank line, the context or input (when there is one): nothing the data does
+    not say, in the order Alpaca, LLaMA-Factory and Axolotl write an instruction and its input."""
+    return "\n\n".join(part for part in (question, context) if part)
 
 
 NONE = Task(
     name="none",
     prompt=PromptTemplate(plain=lambda question, context: _message(question, context) + "\n", chat=_message,
-                          version="none-1"),
+                          version="none-2"),
     bundled_splits=None,
     score=None,
 )
