@@ -76,7 +76,8 @@ def _prepare_with_progress(spec):
                         f"{100 * src['share_of_train_tokens']:.1f}%")
         console.print(mix)
     dropped = data.stats["dropped"]
-    console.print(f"format {data.stats.get('format', 'question_answer')} · dropped rows: "
+    console.print(f"format {data.stats.get('format', 'question_answer')} · prompts "
+                  f"{data.stats.get('prompt_format', 'plain')} · dropped rows: "
                   f"{dropped if dropped else 'none'} · cached at {data.root}", highlight=False)
     return data
 

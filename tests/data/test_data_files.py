@@ -192,8 +192,6 @@ def test_show_marks_dropped_examples_as_dropped_with_why_and_no_loss(tmp_path):
         assert not any(item["loss"]) and "train.seq_len=16" in item["why"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the splits.py change of issue 52 (held-out copies of training rows "
-                   "warned): splits.py is not this change's to edit")
 def test_a_row_in_both_training_and_validation_is_warned(tmp_path, caplog):
     from shardline.data.splits import assign
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from shardline.data.named_templates import use_named_template
 from shardline.data.render import check_chat_template, needs_chat_template, render_many
 from shardline.data.sources import head_examples
 from shardline.data.tokenizer import load_tokenizer
@@ -35,11 +36,13 @@ def preflight(spec: JobSpec) -> None:
         return
     why = "a conversation" if examples[0].kind == "chat" else "data.prompt_format=chat"
     source = spec.model.tokenizer or spec.model.path
-    if not source:  # the tokenizer trained on the data has no chat template
+    if not source and spec.data.chat_template is None:  # the tokenizer trained on the data has no chat template
         raise DataError("model.path", f"is unset, so shardline trains a byte-level BPE on the data, which has no chat "
                         f"template, and {why} renders with one", "set model.path (or model.tokenizer) to a chat/"
                         "instruct model's directory, or use a format without a template")
-    tok = load_tokenizer(source)
+    if not source:
+        return  # the BPE is trained on the data when it is prepared, and given data.chat_template then
+    tok = use_named_template(load_tokenizer(source), spec.data.chat_template)
     check_chat_template(tok, "model.tokenizer" if spec.model.tokenizer else "model.path", why)
     template = get_task(spec.data.task).prompt
     # A template that cannot render these rows fails here, by name (one far longer than a row is not tokenized).

@@ -12,6 +12,7 @@ passes, then a seeded subset). Memory is a few bytes per row, never the rows the
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from array import array
@@ -20,12 +21,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardline.data.example import Example
 from shardline.data.rowfiles import MAX_ROW_BYTES
 from shardline.data.sources import Source, read_examples
 from shardline.errors import DataError
 from shardline.spec import DataSpec
 
 log = logging.getLogger(__name__)
+NAMED_COPIES = 5
+"""Held-out rows that are also training rows named in the warning that counts them."""
 VALIDATION_SHARE, MAX_VALIDATION_ROWS = 0.05, 200
 """`data.validation_size` unset: 5 % of a source's rows (at least one), at most 200 (as the generated set holds)."""
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][\w.]*)\s*\}\}")
@@ -71,10 +75,11 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
     too_large: list[tuple[str, int]] = []
     placeholders: Counter = Counter()
     with_placeholders: list[int] = []
-    groups = array("Q")
+    groups, digests = array("Q"), array("Q")
     n = 0
     for key, ex in read_examples(source.rows(), source.reading, dropped, found=found, too_large=too_large):
         n += 1
+        digests.append(_digest(ex))
         if data.group_by is not None:
             groups.append(int.from_bytes(hashlib.blake2b(str(key).encode(), digest_size=8).digest(), "little"))
         names = {m.group(1) for text in _texts(ex) for m in PLACEHOLDER.finditer(text)}
@@ -99,6 +104,7 @@ def assign(source: Source, index: int, data: DataSpec) -> Assignment:
         held = {int(i): "test" for i in chosen[:n_test]} | {int(i): "validation" for i in chosen[n_test:]}
     else:
         held = _held_groups(np.frombuffer(groups, dtype=np.uint64), n_test, n_val, rng, data.group_by)
+    _say_held_out_copies(source, np.frombuffer(digests, dtype=np.uint64), held)
     return Assignment(examples=n, held=held, dropped=dropped, format=found["format"])
 
 
@@ -134,6 +140,35 @@ def _say_too_large(source: Source, count: int, named: list[tuple[str, int]]) -> 
                 "into several rows, or leave out the columns that are not trained on (docs/data.md)",
                 source.reading.path or source.name, f"{count:,} row{'s' if count > 1 else ''}",
                 MAX_ROW_BYTES >> 20, where)
+
+
+def _digest(ex: Example) -> int:
+    """8 bytes that tell an example from another (as read: columns not read, such as a row id, play no part)."""
+    text = json.dumps(ex.to_dict(), sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _say_held_out_copies(source: Source, digests: np.ndarray, held: dict[int, str]) -> None:
+    """Held-out examples that are also training examples, exactly, counted and the first few named by row: the
+    validation loss (and test scores) would measure rows trained on."""
+    at = np.fromiter(held, dtype=np.int64, count=len(held))
+    trains = np.ones(len(digests), dtype=bool)
+    trains[at] = False
+    copies = at[np.isin(digests[at], digests[trains])]
+    if not len(copies):
+        return
+    wheres = dict.fromkeys(sorted(copies.tolist())[:NAMED_COPIES], "")
+    last = max(wheres)
+    for i, _ in enumerate(read_examples(source.rows(), source.reading, Counter(), wheres=wheres)):
+        if i >= last:
+            break
+    by_split = Counter(held[int(i)] for i in copies)
+    log.warning("%s: %s held-out row%s (%s) also in training, the same example: %s%s. The held-out loss would "
+                "measure rows trained on; remove the copies, or keep them in one split with data.group_by (a "
+                "column they share)", source.reading.path or source.name, f"{len(copies):,}",
+                "s" * (len(copies) > 1), ", ".join(f"{k}: {v:,}" for k, v in sorted(by_split.items())),
+                ", ".join(wheres.values()), f" and {len(copies) - len(wheres):,} more" if len(copies) > len(wheres)
+                else "")
 
 
 def _held_groups(keys: np.ndarray, n_test: int, n_val: int, rng: np.random.Generator, column: str

@@ -77,9 +77,9 @@ def check_maxtext(spec: JobSpec) -> None:
     if d.task != "none":
         _refuse("data.task", f"is {d.task}, whose evaluation runs in shardline's worker, not in MaxText",
                 "set data.task=none (MaxText reports its own loss)")
-    if d.prompt_format != "chat":
+    if d.prompt_format == "plain":
         _refuse("data.prompt_format", "is plain, but MaxText's fine-tuning renders the tokenizer's chat template",
-                "set data.prompt_format=chat")
+                "set data.prompt_format=chat (or auto)")
     if (d.columns.question, d.columns.answer) not in SFT_COLUMNS:
         _refuse("data.columns", f"question/answer are {d.columns.question}/{d.columns.answer}, but MaxText reads "
                 "only the column pairs prompt/completion or question/answer", "use a dataset with those columns "
