@@ -135,6 +135,8 @@ def small_overrides(run_dir: Path) -> list[str]:
         "train.precision=fp32",
         # the report (matplotlib, ~1.3 s at the end of every run) only where a test reads it: observe.report=true
         "observe.report=false",
+        # the CPU's matmul peak for MFU is probed (0.5-1 s per rank) only where a test reads it: train.peak_tflops=null
+        "train.peak_tflops=1",
     ]
 
 

@@ -4,7 +4,7 @@ A test's tiers come from its path (a directory, a module or a `module::test` pre
 from the fixtures it uses, directly or through other fixtures (`BY_FIXTURE`); GPU tests carry `needs_gpu` /
 `without_gpu` where they are written, because the skip goes with the mark. The fast tier is every test with none of
 `SLOW_TIERS` (`pytest --fast`, or `pytest -m "<FAST>"`). A test that starts worker processes without the `launch`
-tier fails with a message naming this file (`launched`), so the fast tier cannot quietly grow a launch.
+tier fails at teardown with a message naming this file, so the fast tier cannot quietly grow a launch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 import pytest
 
 TIERS = {
-    "launch": "starts worker processes: torchrun, `shardline train/eval/launch`, a multi-rank oracle",
+    "launch": "starts processes that train, simulate a world or benchmark: torchrun, `shardline train/eval/launch`, "
+              "a multi-rank oracle, a dry run's fake world, a bench script, a pool of preparation workers",
     "real_checkpoint": "fetches, converts or trains a real pretrained checkpoint",
     "system": "needs a system daemon, root or network namespaces, a container build or a browser",
     "gpu": "needs a CUDA GPU (skipped without one)",
@@ -28,8 +29,15 @@ BUDGET_MINUTES = {"fast": 5, "full": 30}
 """On the AVX512/AMX class, 2 cores: the fast tier for a person's loop, the full suite (what CI runs)."""
 
 LAUNCH = (
+    "tests/bench/test_gpu_bench.py::test_cpu_smoke",
+    "tests/bench/test_packed_attention_bench.py::test_the_cpu_smoke",
+    "tests/bench/test_prepare_bench.py",
+    "tests/bench/test_protocols.py",
+    "tests/bench/test_random_init_bench.py",
     "tests/data/test_formats.py::test_every_format_mixed_trains_on_two_ranks_resumes_exactly_and_exports",
     "tests/data/test_formats.py::test_train_and_launch_refuse_bad_input",
+    "tests/data/test_streaming.py::test_a_script_without_a_main_guard",
+    "tests/data/test_streaming.py::test_parallel_chunks",
     "tests/faults/",
     "tests/launch/test_elastic.py::test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint",
     "tests/launch/test_elastic.py::test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left",
@@ -39,6 +47,7 @@ LAUNCH = (
     "tests/launch/test_failures.py::test_evaluation_failure_after_training_says_training_finished_and_the_checkpoint_is_safe",
     "tests/launch/test_failures.py::test_failure_mid_training_names_the_step_and_the_last_committed_checkpoint",
     "tests/launch/test_k8s_inplace_restart.py::test_a_training_run_that_loses_a_node_restarts_both_pods_in_place_and_finishes",
+    "tests/launch/test_k8s_wiring.py",
     "tests/launch/test_kubeflow_runtime.py::test_the_sdks_kubernetes_backend_builds_a_valid_trainjob_that_carries_the_spec",
     "tests/launch/test_kubeflow_sdk.py::test_sdk_entry_point_ends_the_process_with_the_workers_exit_code_without_finalising",
     "tests/launch/test_kubeflow_sdk.py::test_sdk_local_process_backend_runs_a_shardline_spec_to_completion_with_live_progress",
@@ -53,6 +62,7 @@ LAUNCH = (
     "tests/launch/test_torchrun_env.py::test_cpu_workers_start_with_the_heap_keeping_malloc_settings",
     "tests/launch/test_torchrun_env.py::test_workers_get_this_launchs_prepared_data_and_never_an_inherited_one",
     "tests/launch/test_vertex.py::test_custom_job_has_the_primary_alone_in_pool_0_and_the_other_nodes_in_pool_1",
+    "tests/launch/test_vertex_wiring.py",
     "tests/model/test_build.py::test_local_checkpoint_with_chat_template_trains_through_the_cli",
     "tests/model/test_families.py::test_two_ranks_give_the_same_first_loss_and_step_as_one",
     "tests/model/test_nf4.py::test_every_rank_computes_with_torchaos_nf4_of_the_whole_weight",
@@ -60,8 +70,13 @@ LAUNCH = (
     "tests/model/test_sharded_load.py::test_two_ranks_random_init_matches_the_plain_build_on_fsdp_and_hsdp_meshes",
     "tests/observe/test_observed_run.py",
     "tests/ops/test_gpucheck.py::test_gpucheck_without_gpu_exits_3_from_the_cli_and_from_the_worker_task",
+    "tests/ops/test_netcheck.py::test_one_rank_judges",
+    "tests/ops/test_netcheck.py::test_two_process_sweep",
+    "tests/tasks/test_tasks.py::test_a_none_task_run_validates",
     "tests/test_environment.py::test_the_worker_refuses_to_start_without_flash_attn_and_records_why",
     "tests/test_plan.py::test_planned_peak_within_20_percent_of_measured",
+    "tests/test_plan_qlora.py::test_the_dry_run_simulates",
+    "tests/test_python_api.py::test_the_walk_through",
     "tests/test_run_status.py::test_a_run_with_one_live_process_or_processes_elsewhere_stays_running",
     "tests/test_run_status.py::test_a_running_run_whose_processes_are_gone_is_settled_failed_with_its_last_checkpoint",
     "tests/test_run_status.py::test_two_trainings_of_one_run_started_at_once_train_it_once",
@@ -72,6 +87,17 @@ LAUNCH = (
     "tests/train/test_context_parallel.py::test_a_ranks_tokens_attend_over_the_whole_row_as_per_document_attention_does",
     "tests/train/test_context_parallel.py::test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp",
     "tests/train/test_dpo_end_to_end.py",
+    "tests/train/test_dry_run.py::test_flops_counted_on_the_simulated",
+    "tests/train/test_dry_run.py::test_grpo_sampling_simulated",
+    "tests/train/test_dry_run.py::test_hsdp_shards",
+    "tests/train/test_dry_run.py::test_hub_preset_simulated",
+    "tests/train/test_dry_run.py::test_launch_to_a_cluster_refuses",
+    "tests/train/test_dry_run.py::test_lora_presets_flops_differ",
+    "tests/train/test_dry_run.py::test_lora_under_tensor_parallel_shards",
+    "tests/train/test_dry_run.py::test_plan_dry_run_prints",
+    "tests/train/test_dry_run.py::test_sharded_state_per_rank",
+    "tests/train/test_dry_run.py::test_tensor_parallel_shards",
+    "tests/train/test_dry_run.py::test_tiny_simulated",
     "tests/train/test_grpo_end_to_end.py",
     "tests/train/test_hang.py::test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76",
     "tests/train/test_hang.py::test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint",
@@ -96,6 +122,9 @@ SYSTEM = (
     "tests/launch/test_k8s_inplace_restart.py::test_a_training_run_that_loses_a_node",  # network namespaces
     "tests/launch/test_slurm.py::test_sbatch_script",  # slurmctld, slurmd, munge
     "tests/test_image.py",  # the image's install
+    "tests/launch/test_k8s_wiring.py",  # network namespaces
+    "tests/launch/test_vertex_wiring.py",  # network namespaces
+    "tests/train/test_checkpoint_store.py::test_s3_round_trip",  # a real S3 server (moto)
 )
 REAL_CHECKPOINT = ("tests/real/",)
 BY_PATH: dict[str, tuple[str, ...]] = {}
@@ -210,8 +239,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 def pytest_runtest_makereport(item: pytest.Item, call):
     report = yield
     commands = _LAUNCHES.get(item.nodeid)
-    if report.when == "teardown" and commands and not item.get_closest_marker("launch"):
+    if report.when == "teardown" and commands and tier_of(item) == "fast":
         report.outcome = "failed"
-        report.longrepr = (f"started worker processes ({commands[0]}) but is not in the `launch` tier: add it to "
-                           f"BY_PATH or BY_FIXTURE in tests/tiers.py (the fast tier must not launch)")
+        report.longrepr = (f"started worker processes ({commands[0]}) but is in the fast tier: add it to LAUNCH "
+                           f"(or BY_FIXTURE) in tests/tiers.py (the fast tier must not launch)")
     return report

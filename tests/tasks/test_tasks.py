@@ -67,7 +67,8 @@ def test_prompt_words_are_the_tasks():
     sql, none = get_task("text_to_sql").prompt, get_task("none").prompt
     assert sql.plain("Who?", "CREATE TABLE t (x)") == "### Schema:\nCREATE TABLE t (x)\n### Question:\nWho?\n### SQL:\n"
     assert "Write the SQL query" in sql.chat("Who?", "CREATE TABLE t (x)")
-    assert none.plain("Summarise.", "A long text.") == "A long text.\n\nSummarise.\n"
+    # the instruction before its input, as Alpaca, LLaMA-Factory and Axolotl render it (was: the input first)
+    assert none.plain("Summarise.", "A long text.") == "Summarise.\n\nA long text.\n"
     assert none.plain("Hello", "") == "Hello\n" and none.chat("Hello", "") == "Hello"
     assert sql.version != none.version  # the dataset version tells the two preparations apart
 

@@ -21,6 +21,7 @@ def _train(tmp_path, name, *extra, nproc=2):
 
 def test_two_process_fsdp_run_lowers_loss_and_logs_every_field(tmp_path):
     run, stdout = _train(tmp_path, "fsdp", "train.precision=bf16", "train.max_steps=30", "train.eval_every=15",
+                         "train.peak_tflops=null",  # the MFU peak probed, as a run without one does
                          "checkpoint.every_steps=10",
                          "train.lr=1e-2", "train.eval_examples=8", "train.eval_max_new_tokens=24")
     train = read_metrics(run, "train")
