@@ -21,6 +21,7 @@ from shardline.data.tokenizer import train_bpe
 from shardline.errors import DataError, ShardlineError, SpecError
 from shardline.tasks import get_task
 from tests.conftest import run_cli, small_overrides, small_spec
+from tests.data.tokenizers import chatml_tokenizer
 
 # ChatML with transformers' generation markers around what an assistant says (content and end of turn).
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
@@ -43,12 +44,7 @@ def _conversation(i: int, turns: int = 2) -> list[dict]:
 def chat_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE with ChatML's special tokens and template, saved as a model's tokenizer directory."""
     texts = [" ".join(WORDS)] * 20 + [m["content"] for i in range(40) for m in _conversation(i)]
-    tok = train_bpe(texts, 400)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    path = tmp_path_factory.mktemp("chat-tokenizer")
-    tok.save_pretrained(path)
-    return path
+    return chatml_tokenizer(texts, 400, CHATML, tmp_path_factory.mktemp("chat-tokenizer"))
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -13,10 +13,10 @@ import pytest
 from rich.console import Console
 
 from shardline.data.prepare import prepare
-from shardline.data.tokenizer import train_bpe
 from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 from tests.data.test_tool_rows import TOOL_CHATML
+from tests.data.tokenizers import chatml_tokenizer
 
 CITIES = ("Paris", "Berlin", "Madrid", "Rome", "Vienna", "Lisbon", "Prague", "Dublin", "Oslo", "Athens")
 
@@ -105,12 +105,7 @@ LAYOUTS = {
 def tool_chat_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE with ChatML's special tokens and a template that renders tool calls, results and tools."""
     texts = ([json.dumps(make()) for make, *_ in LAYOUTS.values()] + [json.dumps(RATE_TOOL)]) * 5
-    tok = train_bpe(texts, 500)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = TOOL_CHATML
-    path = tmp_path_factory.mktemp("llamafactory-tokenizer")
-    tok.save_pretrained(path)
-    return path
+    return chatml_tokenizer(texts, 500, TOOL_CHATML, tmp_path_factory.mktemp("llamafactory-tokenizer"))
 
 
 def _prepared(name: str, tmp_path: Path, tokenizer: Path):

@@ -18,11 +18,11 @@ from shardline.data.formats import FORMATS, RowProblem, detect
 from shardline.data.preflight import preflight
 from shardline.data.prepare import prepare
 from shardline.data.render import render
-from shardline.data.tokenizer import train_bpe
 from shardline.errors import DataError
 from shardline.spec import ColumnsSpec
 from shardline.tasks import get_task
 from tests.conftest import small_spec
+from tests.data.tokenizers import chatml_tokenizer
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
           "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ message['content'] }}"
@@ -215,12 +215,7 @@ def test_pairs_that_prefer_nothing_are_counted_drops_in_every_layout(row, reason
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory) -> Path:
     texts = [json.dumps(_hh_pair(i)) for i in range(12)] * 4
-    tok = train_bpe(texts, 400)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    path = tmp_path_factory.mktemp("pair-tokenizer")
-    tok.save_pretrained(path)
-    return path
+    return chatml_tokenizer(texts, 400, CHATML, tmp_path_factory.mktemp("pair-tokenizer"))
 
 
 def test_hh_conversation_pairs_tokenize_as_trls_dpo_trainer(chat_tokenizer, tmp_path):
