@@ -46,7 +46,6 @@ LAUNCH = (
     "tests/data/test_streaming.py::test_parallel_chunks",
     "tests/faults/",
     "tests/launch/test_elastic.py::test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint",
-    "tests/launch/test_elastic.py::test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left",
     "tests/launch/test_elastic.py::test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_divide",
     "tests/launch/test_failures.py::test_a_failed_eval_of_a_finished_run_never_changes_the_training_runs_status",
     "tests/launch/test_failures.py::test_bad_input_found_by_the_workers_exits_2_with_one_message",
@@ -60,7 +59,7 @@ LAUNCH = (
     "tests/launch/test_kubeflow_sdk.py::test_sdk_local_process_backend_runs_a_shardline_spec_to_completion_with_live_progress",
     "tests/launch/test_kubeflow_sdk.py::test_sdk_run_lands_on_the_specs_storage_and_a_replaced_pod_resumes_from_its_checkpoint",
     "tests/launch/test_local_runs.py",
-    "tests/launch/test_ray.py::test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes",
+    "tests/launch/test_ray.py::test_ray_train_loses_a_worker_then_a_node_resumes_each_time_and_finishes",
     "tests/launch/test_slurm.py::test_sbatch_script_asks_for_the_allocation_and_runs_one_torchrun_per_node",
     "tests/launch/test_torchrun_env.py::test_a_malloc_setting_the_user_made_is_kept",
     "tests/launch/test_torchrun_env.py::test_a_signal_reaching_torchrun_exits_by_what_the_workers_recorded",
@@ -116,7 +115,6 @@ LAUNCH = (
     "tests/train/test_parallel_layouts.py::test_hsdp_2x2_matches_one_process_on_the_same_global_batch",
     "tests/train/test_preemption.py",
     "tests/train/test_qlora_end_to_end.py",
-    "tests/train/test_resume_from_anywhere.py",
     "tests/train/test_stragglers.py::test_a_rank_slowed_every_step_is_the_slowest_rank_in_the_records_and_the_report",
     "tests/train/test_tensor_parallel.py::test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports",
     "tests/train/test_tensor_parallel.py::test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical",
@@ -127,7 +125,6 @@ LAUNCH = (
 )
 SYSTEM = (
     "tests/launch/test_elastic.py::test_elastic_job_loses_a_node",  # network namespaces (root)
-    "tests/launch/test_elastic.py::test_ray_train_elastic",  # a local Ray cluster
     "tests/launch/test_k8s_inplace_restart.py::test_a_training_run_that_loses_a_node",  # network namespaces
     "tests/launch/test_slurm.py::test_sbatch_script",  # slurmctld, slurmd, munge
     "tests/test_image.py",  # the image's install
