@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardline.checkpointing.manager import CheckpointStore, step_name
+from shardline.rundir import read_manifest
 from tests.conftest import REPO, cli_in_background, only_run, read_metrics, small_overrides, the_stopped_worker
 from tests.faults.conftest import MATRIX
 
@@ -45,17 +46,21 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run, "train")}
 
 
-def _resume_continues_exactly(run: Path, reference: dict[int, float], resumed_at: int) -> str:
-    """`shardline train RUN_DIR` resumes at `resumed_at` and every step's loss equals the uninterrupted run's;
-    returns what the resumed run printed."""
-    again = _cli("train", str(run))
+def _matches_the_reference(run: Path, reference: dict[int, float]) -> None:
+    """Every step trained so far, by every attempt, has the uninterrupted run's loss."""
+    for r in read_metrics(run, "train"):
+        assert r["loss"] == pytest.approx(reference[r["step"]], rel=1e-6, abs=1e-7), r["step"]
+
+
+def _resume_continues_exactly(run: Path, reference: dict[int, float], resumed_at: int, *sets: str) -> str:
+    """`shardline train RUN_DIR [--set …]` resumes at `resumed_at`, trains to the end and every step's loss equals
+    the uninterrupted run's; returns what the resumed run printed."""
+    again = _cli("train", str(run), *[a for o in sets for a in ("--set", o)])
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
     assert resumes[-1]["step"] == resumed_at and resumes[-1]["rng_restored"]
-    losses = _losses(run)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    for step, loss in reference.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+    assert sorted(_losses(run)) == list(range(1, STEPS + 1))
+    _matches_the_reference(run, reference)
     return again.stdout + again.stderr
 
 
@@ -74,23 +79,61 @@ def reference(tmp_path_factory) -> tuple[dict[int, float], int]:
     return _losses(run), size
 
 
-def test_kill_9_of_a_rank_inside_a_checkpoint_write_keeps_the_last_good_one(tmp_path, reference):
+def test_data_deleted_mid_run_then_kill_9_inside_a_checkpoint_write_then_a_corrupted_shard(tmp_path, reference):
+    """Three faults one after another in one run, each keeping the last good checkpoint, and each resume continues
+    exactly; the last resume also finds its metrics port taken."""
     losses, _ = reference
     runs = tmp_path / "runs"
-    # rank 1 stops itself inside the save of step 8: its shard files are on disk, the save is not finished
-    with cli_in_background(*_args(runs), fault=f"checkpoint_write:rank=1:step={2 * EVERY}:action=stop") as proc:
-        run, victim = the_stopped_worker(runs, proc)
-        in_flight = run / "checkpoints" / step_name(2 * EVERY)
+    with cli_in_background(*_args(runs)) as proc:
+        deadline, run = time.monotonic() + 300, None
+        while True:  # delete the prepared data once step 4 is committed and before step 8 is saved
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the drill"
+            run = next((p.parent for p in runs.glob("*/metrics.jsonl")), None)
+            if run and (run / "checkpoints" / step_name(EVERY) / "COMMITTED").exists():
+                break
+            time.sleep(0.02)
+        cache = tmp_path / "prepared-cache"
+        shutil.rmtree(cache)
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-3000:]
+    assert "the prepared data has no" in out and str(cache) in out
+    assert _store(run).committed() == [EVERY] and _store(run).verify(EVERY) == []
+    MATRIX.append(("prepared data directory deleted after step 4", "named error naming the directory at its next "
+                   "read (the save of step 8), exit 2", "step 4; the resume prepares the same dataset version "
+                   "again and continues exactly"))
+
+    # its resume: rank 1 stops itself inside the save of step 12 (its shard files on disk, the save not finished)
+    with cli_in_background("train", str(run), fault=f"checkpoint_write:rank=1:step={STEPS}:action=stop") as proc:
+        _, victim = the_stopped_worker(runs, proc)
+        in_flight = run / "checkpoints" / step_name(STEPS)
         assert list(in_flight.glob("__1_*.distcp")), "the kill must land inside the write"
         assert not (in_flight / ".metadata").exists() and not (in_flight / "COMMITTED").exists()
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out[-3000:]
-    assert _store(run).committed() == [EVERY] and _store(run).verify(EVERY) == []
-    _resume_continues_exactly(run, losses, resumed_at=EVERY)
-    MATRIX.append(("kill -9 of rank 1 inside the write of step 8 (SIGSTOP there first)",
-                   "the save never commits; torchrun stops the job",
-                   "step 4, checksums intact; the resume continues exactly"))
+    [resume] = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
+    assert resume["step"] == EVERY and resume["rng_restored"]
+    assert (cache / read_manifest(run)["dataset_version"]).is_dir()  # prepared again, the same version
+    _matches_the_reference(run, losses)  # steps 5-11 on it
+    assert _store(run).committed() == [EVERY, 2 * EVERY] and _store(run).verify(2 * EVERY) == []
+    MATRIX.append(("kill -9 of rank 1 inside the write of step 12 (SIGSTOP there first)",
+                   "the save never commits; torchrun stops the job", "step 8, checksums intact"))
+
+    shard = next((run / "checkpoints" / step_name(2 * EVERY)).glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: DCP alone would load it silently
+    shard.write_bytes(bytes(data))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        printed = _resume_continues_exactly(run, losses, EVERY, f"observe.metrics_port={taken.getsockname()[1]}")
+    assert f"{step_name(2 * EVERY)} is damaged and was skipped" in printed
+    assert "metrics endpoint not started" in printed and _store(run).latest() == STEPS
+    MATRIX.append(("one byte of the committed shard of step 8 flipped",
+                   "checksum mismatch found at resume; a warning names the file",
+                   "resume falls back to step 4 and continues exactly"))
+    MATRIX.append(("observe.metrics_port already taken (that resume)", "a warning; training runs without /metrics",
+                   "everything: same losses, all checkpoints"))
 
 
 @pytest.fixture
@@ -123,61 +166,3 @@ def test_a_full_checkpoint_filesystem_is_a_named_error_and_keeps_the_last_good_o
     MATRIX.append(("checkpoint filesystem full at step 8 (tmpfs of 1.5 checkpoints)",
                    "named error, exit 2; the torn step is deleted",
                    "step 4, intact; after freeing space the resume continues exactly"))
-
-
-def test_a_shard_corrupted_after_commit_is_detected_and_resume_falls_back(tmp_path, reference):
-    losses, _ = reference
-    runs = tmp_path / "runs"
-    out = _cli(*_args(runs), fault=f"train_step:step={2 * EVERY + 2}")  # fails after step 8 committed
-    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    run = only_run(runs)
-    assert _store(run).committed() == [EVERY, 2 * EVERY]
-    shard = next((run / "checkpoints" / step_name(2 * EVERY)).glob("__0_*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte: DCP alone would load it silently
-    shard.write_bytes(bytes(data))
-    printed = _resume_continues_exactly(run, losses, resumed_at=EVERY)
-    assert f"{step_name(2 * EVERY)} is damaged and was skipped" in printed
-    MATRIX.append(("one byte of a committed shard flipped",
-                   "checksum mismatch found at resume; a warning names the file",
-                   "resume falls back to step 4 and continues exactly"))
-
-
-def test_a_taken_metrics_port_never_stops_training(tmp_path, reference):
-    losses, _ = reference
-    runs = tmp_path / "runs"
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        out = _cli(*_args(runs, f"observe.metrics_port={port}"))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "metrics endpoint not started" in out.stdout + out.stderr
-    run = only_run(runs)
-    assert _store(run).latest() == STEPS
-    assert _losses(run) == pytest.approx(losses, rel=1e-6, abs=1e-7)
-    MATRIX.append(("observe.metrics_port already taken", "a warning; training runs without /metrics",
-                   "everything: same losses, all checkpoints"))
-
-
-def test_prepared_data_deleted_mid_run_is_a_named_error_and_the_resume_prepares_it_again(tmp_path, reference):
-    losses, _ = reference
-    runs = tmp_path / "runs"
-    with cli_in_background(*_args(runs)) as proc:
-        deadline, run = time.monotonic() + 300, None
-        while True:  # delete the prepared data once step 4 is committed and before step 8 is saved
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the drill"
-            run = next((p.parent for p in runs.glob("*/metrics.jsonl")), None)
-            if run and (run / "checkpoints" / step_name(EVERY) / "COMMITTED").exists():
-                break
-            time.sleep(0.02)
-        cache = tmp_path / "prepared-cache"
-        shutil.rmtree(cache)
-        out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 2, out[-3000:]
-    assert "the prepared data has no" in out and str(cache) in out
-    assert _store(run).committed() == [EVERY] and _store(run).verify(EVERY) == []
-    _resume_continues_exactly(run, losses, resumed_at=EVERY)
-    MATRIX.append(("prepared data directory deleted after step 4", "named error naming the directory at its next "
-                   "read (the save of step 8), exit 2", "step 4; the resume prepares the same dataset version "
-                   "again and continues exactly"))
