@@ -300,10 +300,9 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    """From the installed distributions: importing peft (and transformers) just for their versions costs seconds."""
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
+    """From the installed distributions: importing torch, transformers and peft just for their versions costs
+    seconds (torch's distribution version is its `__version__`, the local build tag included)."""
+    return {"python": platform.python_version(), "torch": distribution_version("torch"),
             "transformers": distribution_version("transformers"), "peft": distribution_version("peft"),
             "shardline": __version__, "platform": platform.platform()}
 

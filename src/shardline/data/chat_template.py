@@ -12,6 +12,7 @@ passes a bound is a DataError naming the tokenizer.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import jinja2
 from jinja2 import nodes
@@ -19,7 +20,6 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
-from transformers import PreTrainedTokenizerBase
 
 from shardline.data.chat_bounds import (
     BUDGET,
@@ -42,6 +42,9 @@ from shardline.data.chat_bounds import (
     tojson,
 )
 from shardline.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_TEMPLATE_CHARS = 131_072
 """A longer chat template is refused before it compiles (published ones measure 1-20 thousand characters)."""

@@ -20,9 +20,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.render import render_many, text_ids
@@ -32,6 +32,9 @@ from shardline.data.tokenizer import load_tokenizer
 from shardline.errors import DataError
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CHUNK = 4096
 CHUNK_CHARS = 8 << 20

@@ -76,3 +76,8 @@ def trained_turns(messages: list[dict[str, Any]], trained_from: int = 0, assista
     trained = [i for i, m in enumerate(messages)
                if i >= trained_from and m["role"] == "assistant" and m.get("weight", 1) != 0]
     return trained[-1:] if assistant_turns == "last" else trained
+
+
+def needs_chat_template(ex: Example, fmt: str) -> bool:
+    """Whether `ex` cannot render without a chat template (`auto` renders plain without one)."""
+    return ex.kind == "chat" or (ex.kind == "prompt_answer" and fmt == "chat")

@@ -6,13 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardline.data.named_templates import use_named_template
-from shardline.data.render import check_chat_template, needs_chat_template, render_many
+from shardline.data.example import needs_chat_template
 from shardline.data.sources import head_examples
-from shardline.data.tokenizer import load_tokenizer
 from shardline.errors import DataError, SpecError
 from shardline.spec import JobSpec
-from shardline.tasks import get_task
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """A hub repository id (`org/name`); anything else in model.path must be a local directory."""
@@ -42,6 +39,12 @@ def preflight(spec: JobSpec) -> None:
                         "instruct model's directory, or use a format without a template")
     if not source:
         return  # the BPE is trained on the data when it is prepared, and given data.chat_template then
+    # transformers (and torch under it) only where a template is checked: the launcher of a plain run never pays it
+    from shardline.data.named_templates import use_named_template
+    from shardline.data.render import check_chat_template, render_many
+    from shardline.data.tokenizer import load_tokenizer
+    from shardline.tasks import get_task
+
     tok = use_named_template(load_tokenizer(source), spec.data.chat_template)
     check_chat_template(tok, "model.tokenizer" if spec.model.tokenizer else "model.path", why)
     template = get_task(spec.data.task).prompt

@@ -26,18 +26,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from shardline.data import PREPARED_DATA_ENV
 from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
 from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
-from shardline.data.example import Example
+from shardline.data.example import Example, needs_chat_template
 from shardline.data.formats import READ_VERSION
 from shardline.data.named_templates import use_named_template
 from shardline.data.packing import PackedRows
-from shardline.data.render import check_chat_template, needs_chat_template
+from shardline.data.render import check_chat_template
 from shardline.data.sources import SPLITS, Source, open_sources
 from shardline.data.splits import Assignment, assign, draw_mixture
 from shardline.data.synthetic import RANDOM_TOKENS, write_random_rows
@@ -49,6 +49,9 @@ from shardline.errors import DataError
 from shardline.spec import JobSpec
 from shardline.storage import check_locations, require_local
 from shardline.tasks import get_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PREPARE_VERSION = "1"
 Progress = Callable[[str, int, int | None, int], None]

@@ -3,12 +3,15 @@ marked (`shardline prepare --show N`, `--json FILE`)."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from shardline.data.example import Example
 from shardline.data.render import render_many
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def rendered(tok: PreTrainedTokenizerBase, examples: list[tuple[str, Example]], spec: JobSpec) -> list[dict]:

@@ -18,9 +18,9 @@ character: a row of 10 MB took 2 GB).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from shardline.data.chat_template import chat_ids, chat_text
 from shardline.data.example import Example, trained_turns
@@ -37,16 +37,14 @@ from shardline.data.tokenizer import TEXT_WINDOW, windows
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass(frozen=True)
 class Rendered:
     ids: list[int]
     loss: list[int]
-
-
-def needs_chat_template(ex: Example, fmt: PromptFormat) -> bool:
-    """Whether `ex` cannot render without a chat template (`auto` renders plain without one)."""
-    return ex.kind == "chat" or (ex.kind == "prompt_answer" and fmt == "chat")
 
 
 def check_chat_template(tok: PreTrainedTokenizerBase, where: str, why: str) -> None:

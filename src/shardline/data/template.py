@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from shardline.data.chat_template import chat_ids, chat_text
 from shardline.data.example import Example
 from shardline.data.tokenizer import BOS
 from shardline.errors import DataError
 from shardline.spec import PromptFormat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)

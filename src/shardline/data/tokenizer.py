@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from shardline.errors import DataError
+
+if TYPE_CHECKING:  # transformers (and torch under it) is imported where a tokenizer is made, not by importing this
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -33,6 +35,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator((window for text in texts for window in windows(text, TEXT_WINDOW)), trainer)
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
@@ -65,6 +69,8 @@ def _window_end(text: str, lo: int, hi: int) -> int:
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """A model's own tokenizer from a local directory (or the HF cache/hub when online)."""
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from shardline.data.encode import examples_in_order
 from shardline.data.example import Example
@@ -19,6 +18,9 @@ from shardline.data.sources import Source
 from shardline.data.splits import Assignment
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 

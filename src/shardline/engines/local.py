@@ -37,7 +37,6 @@ from shardline.errors import (
     ShardlineError,
     SpecError,
 )
-from shardline.ops.tasks import document_exit_code, run_gpucheck
 from shardline.run_status import (
     LIVE,
     RECORD_PROCESSES_ENV,
@@ -269,7 +268,9 @@ def run_task_locally(spec: JobSpec, task: str, out: Path | None) -> int:
     gpucheck on a machine without CUDA runs in this process instead: there is no GPU to check per rank,
     only the CPU probe to report, and exit code 3 says so without torchrun's failure report around it.
     """
-    import torch
+    import torch  # here, not at the top: the launcher of a training run never imports torch
+
+    from shardline.ops.tasks import document_exit_code, run_gpucheck
 
     with tempfile.TemporaryDirectory(prefix=f"shardline-{task}-") as tmp:
         result = Path(tmp) / f"{task}.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import glob
 import hashlib
 import json
 import typing
@@ -44,6 +45,13 @@ def _read_source(source: str) -> dict[str, Any]:
     return data
 
 
+def source_data(source: str | None) -> dict[str, Any]:
+    """A spec's own data before overrides and defaults: a preset, a YAML file, or a run directory's spec.yaml."""
+    if source is not None and Path(source).is_dir():
+        source = str(Path(source) / "spec.yaml")
+    return _read_source(source or DEFAULT_PRESET)
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one Helm-style `a.b.c=value` override in place; the value is parsed as a YAML scalar."""
     key, sep, raw = assignment.partition("=")
@@ -70,7 +78,14 @@ def set_field(data: dict[str, Any], key: str, value: object) -> None:
     node[parts[-1]] = value
 
 
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""Device files of a GPU driver (NVIDIA, ROCm, WSL): without any, CUDA cannot be available and torch is not asked."""
+
+
 def _default_nproc() -> int:
+    """The machine's GPUs, or 2 CPU processes; torch (seconds of imports) only where a GPU driver's files exist."""
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        return 2
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2

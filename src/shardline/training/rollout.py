@@ -10,11 +10,11 @@ a micro-batch are packed into rows with per-document attention, never padded to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from shardline.data.example import Example
 from shardline.data.loader import Batch, make_batch
@@ -22,6 +22,9 @@ from shardline.data.packing import Document, assign_rows, pack
 from shardline.data.render import generation_prompt
 from shardline.data.template import PromptTemplate
 from shardline.spec import PromptFormat
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
