@@ -25,6 +25,9 @@ from tests.model.sharded_load_worker import fixed_input, write_checkpoint
 
 WORKER = Path(__file__).with_name("sharded_load_worker.py")
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+READ_BUFFERS_BYTES = 64 << 20
+"""What a rank loading its shards may add above its half of the fp32 weights: the pieces it reads at a time
+(`sharded_load.READ_CHUNK_BYTES` of fp32 and their bf16 source, mapped) and the allocator's and gloo's slack."""
 
 
 def _hf_checkpoint(path: Path, tie: bool = False, sharded: bool = False) -> Path:
@@ -175,26 +178,28 @@ def test_two_ranks_random_init_matches_the_plain_build_on_fsdp_and_hsdp_meshes(t
 
 
 @pytest.mark.slow
-def test_two_ranks_load_a_1b_checkpoint_reading_only_their_shards(tmp_path):
-    """Acceptance: per-rank peak RSS < 60 % of one fp32 copy, and the logits of a plain from_pretrained load."""
-    path = tmp_path / "llama-1b"
+def test_two_ranks_load_a_checkpoint_reading_only_their_shards(tmp_path):
+    """Each rank adds its half of one fp32 copy and a few read buffers to its peak RSS, never a whole tensor (the
+    embedding alone, 131 MB in bf16, is above the buffers' allowance), and gets the logits of a plain
+    from_pretrained load."""
+    path = tmp_path / "llama"
     path.mkdir()
-    n_params = write_checkpoint(path, layers=19)  # 1.11B parameters, bf16, 6 safetensors files + index
+    n_params = write_checkpoint(path, layers=4, layers_per_file=2)  # 337M parameters, bf16, 3 safetensors + index
+    assert len(list(path.glob("*.safetensors"))) == 3
     fp32_bytes = 4 * n_params
-    spec = ModelSpec(path=str(path)).model_dump_json()
-    ours, ref = tmp_path / "ours", tmp_path / "ref"
+    ours = tmp_path / "ours"
     ours.mkdir()
-    ref.mkdir()
-    _torchrun(2, "load", str(ours), "--spec", spec)
-    _torchrun(1, "load", str(ref), "--spec", spec, "--from-pretrained")  # afterwards: one full copy at a time
+    _torchrun(2, "load", str(ours), "--spec", ModelSpec(path=str(path)).model_dump_json())
     for rank in range(2):
         r = json.loads((ours / f"rank-{rank}-0.json").read_text())
         peak, added = r["peak_rss_bytes"], r["peak_rss_bytes"] - r["rss_before_bytes"]
-        print(f"rank {rank}: peak RSS {peak / 1e9:.2f} GB = {peak / fp32_bytes:.0%} of fp32 {fp32_bytes / 1e9:.2f} GB "
-              f"(loading added {added / 1e9:.2f} GB), load {r['load_s']:.1f}s")
-        assert peak < 0.6 * fp32_bytes
-        assert added < 0.52 * fp32_bytes  # its half of the weights, plus a few read buffers
-    torch.testing.assert_close(torch.load(ours / "logits-0.pt"), torch.load(ref / "logits-0.pt"), atol=1e-5, rtol=1e-5)
+        print(f"rank {rank}: peak RSS {peak / 1e9:.2f} GB, loading added {added / 1e9:.3f} GB = "
+              f"{added / fp32_bytes:.1%} of fp32 {fp32_bytes / 1e9:.2f} GB, load {r['load_s']:.1f}s")
+        assert added < fp32_bytes / 2 + READ_BUFFERS_BYTES
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        expected = ref(input_ids=fixed_input(ref.config.vocab_size)).logits
+    torch.testing.assert_close(torch.load(ours / "logits-0.pt"), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_local_cache_stages_the_checkpoint_once_and_loads_from_the_copy(ctx, tmp_path):
