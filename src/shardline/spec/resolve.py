@@ -52,13 +52,6 @@ def source_data(source: str | None) -> dict[str, Any]:
     return _read_source(source or DEFAULT_PRESET)
 
 
-def source_data(source: str | None) -> dict[str, Any]:
-    """A spec's own data before overrides and defaults: a preset, a YAML file, or a run directory's spec.yaml."""
-    if source is not None and Path(source).is_dir():
-        source = str(Path(source) / "spec.yaml")
-    return _read_source(source or DEFAULT_PRESET)
-
-
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one Helm-style `a.b.c=value` override in place; the value is parsed as a YAML scalar."""
     key, sep, raw = assignment.partition("=")
