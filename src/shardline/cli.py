@@ -202,9 +202,12 @@ def cmd_observe_render(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from shardline.api import Spec
     from shardline.api import plan as plan_spec
     from shardline.planning.devices import planned_precision
-    from shardline.planning.memory import gib, layout_name, plan_rows, suggest
+    from shardline.planning.memory import gib, layout_name, plan_rows
+    from shardline.planning.world import planned_world
+    from shardline.spec.resolve import source_data
 
     spec = _resolve(args)
     if not args.dry_run and (args.no_step or args.json or args.world is not None or args.rank):
@@ -213,8 +216,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from shardline.cli_dry_run import cmd_dry_run
 
         return cmd_dry_run(args, spec, console)
+    if args.device is not None:
+        from shardline.planning.devices import get_device
+
+        get_device(args.device)  # an unknown name is refused before anything is planned
+    world = planned_world(spec, source_data(args.spec), list(args.overrides), args.nproc, args.device)
+    if world.overrides:
+        spec = Spec.load(args.spec, [*args.overrides, *world.overrides])
     planned = plan_spec(spec, args.device, args.memory_gb)
     plan, device = planned.memory, planned.device
+    console.print(world.line(device.name), highlight=False, markup=False)
+    if args.memory_gb is not None and args.device is None and device.kind == "cuda":
+        from shardline.planning.advice import assumed_speed
+
+        console.print(assumed_speed(device, spec.train.precision), highlight=False, markup=False)
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
                                        if p.activation_checkpointing_every > 1 else "")
@@ -246,16 +261,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"[green]fits[/]: {gib(plan.capacity_bytes - plan.total_bytes)} GiB to spare", highlight=False)
         return EXIT_OK
     console.print(f"[red]does not fit[/]: {gib(plan.total_bytes - plan.capacity_bytes)} GiB over", highlight=False)
-    fix = planned.suggestion
-    if fix is None:
-        console.print("no change tried (AC, micro-batch, layout, offload, up to 8× the GPUs) makes it fit")
-    else:
-        console.print(f"fits with ({gib(fix.plan.total_bytes)} GiB): {fix.command_line}", highlight=False,
-                      markup=False)
-        other = suggest(spec, device, offload=False) if "parallel.offload=true" in fix.overrides else None
-        if other is not None:
-            console.print(f"or, without offload ({gib(other.plan.total_bytes)} GiB): {other.command_line}",
-                          highlight=False, markup=False)
+    if not planned.fixes:
+        console.print("no change tried (AC, micro-batch, layout, QLoRA, up to 8× the devices, offload) makes it fit")
+    from shardline.planning.advice import fix_lines
+
+    for line in fix_lines(spec, planned.fixes, device):
+        console.print(line, highlight=False, markup=False)
     return EXIT_OK
 
 
@@ -348,9 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
     p = verbs.add_parser("plan", help="per-device memory estimate, whether it fits, and what would make it fit")
     _add_spec_args(p)
-    p.add_argument("--device", help="h100, h200, b200, a100, l4, … (hardware.py) or cpu (default: this machine's "
-                   "device)")
-    p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table)")
+    p.add_argument("--device", help="h100, h200, b200, a100, l4, rtx4090, … (hardware.py) or cpu (default: this "
+                   "machine's device); a GPU named is one device unless --nproc or the spec's world is for it")
+    p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides the table; with --device that "
+                   "device's speed, alone the speed of the spec's own GPU, which plan names)")
     p.add_argument("--from-run", metavar="RUN_DIR", help="project the cost from this run's measured throughput")
     p.add_argument("--dry-run", action="store_true", help="build the real model at the spec's world size with "
                    "shardline's sharding code (one rank of a fake process group) and simulate one step")

@@ -52,8 +52,8 @@ def print_dry_run(run: DryRun, console: Console) -> None:
     if sampling is not None:
         console.print(f"GRPO sampling simulated at its last decoded token: {sampling['sequences']} sequences per rank, "
                       f"a KV cache of {sampling['tokens']} positions", highlight=False)
-    console.print(f"{UNSEEN}; the plan adds {gib(r['planned']['unseen'])} GiB for runtime and allocator",
-                  highlight=False)
+    console.print(f"{UNSEEN}; the plan adds {gib(r['planned']['unseen'])} GiB for runtime, allocator and "
+                  "steady-state caches", highlight=False)
 
 
 def cmd_dry_run(args: argparse.Namespace, spec: JobSpec, console: Console) -> int:

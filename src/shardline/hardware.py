@@ -112,14 +112,27 @@ GPUS: tuple[Accelerator, ...] = (
                 "NVLink 3, 600 GB/s", Prices(5.07, 1.57, 2.54, 3.19)),
     Accelerator("a100-40gb", "A100 40GB", (("a100", "40gb"), ("tesla", "a100")), 40_960, 312.0, 156.0, None,
                 1555.0, "NVLink 3, 600 GB/s"),
-    # L40S datasheet: BF16 733*, TF32 366*, FP8 1,466*; GDDR6 864 GB/s. nvidia-smi: "NVIDIA L40S" 46068 MiB.
+    # L40S datasheet: BF16 362.05 / 733*, TF32 183 / 366*, FP8 733 / 1,466*; 48 GB GDDR6, 864 GB/s.
+    # nvidia-smi: "NVIDIA L40S" 46068 MiB.
     Accelerator("l40s", "L40S 48GB", (("l40s",),), 46_068, 362.0, 183.0, 733.0, 864.0, "PCIe Gen4 x16, 64 GB/s"),
     # L4 datasheet: BF16 242*, TF32 120*, FP8 485*; GDDR6 300 GB/s. nvidia-smi: "NVIDIA L4" 23034 MiB.
     Accelerator("l4", "L4 24GB", (("l4",),), 23_034, 121.0, 60.0, 242.5, 300.0, "PCIe Gen4 x16, 64 GB/s",
                 Prices(0.85, 0.31, 0.43, 0.54)),
-    # A10G (AWS G5 only): NVIDIA publishes no datasheet for it; 70 / 35 are the figures the project has used
-    # (below the A10 datasheet's 125 / 62.5; not verified here). GDDR6 600 GB/s. nvidia-smi: "NVIDIA A10G" 23028 MiB.
+    # A10G (AWS G5 only): NVIDIA publishes no datasheet for it; AWS's G5 figures as Baseten's "NVIDIA A10 vs A10G"
+    # spec sheet tabulates them: BF16 tensor 70, TF32 35 (dense; the A10 datasheet's are 125 / 62.5), 24 GB GDDR6
+    # 600 GB/s. nvidia-smi: "NVIDIA A10G" 23028 MiB.
     Accelerator("a10g", "A10G 24GB", (("a10g",),), 23_028, 70.0, 35.0, None, 600.0, "PCIe Gen4 x16, 64 GB/s"),
+    # GeForce cards (consumer: no NVLink; their tensor cores run fp16/bf16 with FP32 accumulate at half the fp16-
+    # accumulate rate, and that half is the training figure). NVIDIA Ada GPU architecture whitepaper, appendix
+    # table (RTX 4090): "Peak BF16 Tensor TFLOPS with FP32 Accumulate" 165.2 / 330.4*, TF32 82.6 / 165.2*, FP8 with
+    # FP32 accumulate 330.3 / 660.6*; 24 GB GDDR6X, 1,008 GB/s. nvidia-smi: "NVIDIA GeForce RTX 4090" 24564 MiB.
+    Accelerator("rtx4090", "RTX 4090 24GB", (("rtx4090",), ("rtx", "4090")), 24_564, 165.2, 82.6, 330.3, 1008.0,
+                "PCIe Gen4 x16, 64 GB/s (no NVLink)"),
+    # NVIDIA Ampere GA102 GPU architecture whitepaper, appendix table (RTX 3090): "Peak BF16 Tensor TFLOPS with
+    # FP32 Accumulate" 71 / 142*, TF32 35.6 / 71*; no FP8; 24 GB GDDR6X, 936 GB/s.
+    # nvidia-smi: "NVIDIA GeForce RTX 3090" 24576 MiB.
+    Accelerator("rtx3090", "RTX 3090 24GB", (("rtx3090",), ("rtx", "3090")), 24_576, 71.0, 35.6, None, 936.0,
+                "PCIe Gen4 x16, 64 GB/s (NVLink bridge 112.5 GB/s)"),
     # T4 datasheet: FP16 65 (dense), FP32 8.1; no BF16 or TF32 tensor cores (bf16 is emulated: no peak);
     # GDDR6 320 GB/s. nvidia-smi: "Tesla T4" 15360 MiB.
     Accelerator("t4", "T4 16GB", (("t4",),), 15_360, None, 8.1, None, 320.0, "PCIe Gen3 x16, 32 GB/s"),

@@ -96,22 +96,11 @@ class CostProjection:
 def estimated_step_time(spec: JobSpec, peak_tflops: float) -> float:
     """Seconds per optimizer step at `cost.assumed_mfu` of `peak_tflops` per device, with full rows
     (global batch × seq len tokens; packing fills ~95-99 %, so this is slightly pessimistic); a DPO run whose
-    reference is the adapters off, and a GRPO run with a KL, also run the reference's forward every step."""
-    from shardline.model.flops import ParamCounts, flops_per_token
-    from shardline.planning.memory import model_shape, param_budget
-    from shardline.spec.objective import reference_forward
+    reference is the adapters off, and a GRPO run with a KL, also run the reference's forward every step; full
+    activation checkpointing runs its blocks' forward again (`shardline.planning.step_time`)."""
+    from shardline.planning.step_time import step_time
 
-    shape = model_shape(spec.model)
-    pb = param_budget(shape, spec.model.lora)
-    embedding = shape.vocab * shape.hidden
-    matmul = pb.total - embedding + (embedding if shape.tie else 0)  # lm_head counts even when tied
-    trainable = pb.trainable if spec.model.lora.enabled else matmul
-    counts = ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie)
-    per_token = flops_per_token(counts, shape.layers, shape.heads * shape.hd, spec.train.seq_len, shape.windows)
-    if reference_forward(spec):  # DPO's adapters-off reference, GRPO's KL: one more forward of every matmul
-        per_token += 2 * matmul
-    tokens = spec.train.global_batch_size * spec.train.seq_len
-    return per_token * tokens / (spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu)
+    return step_time(spec, peak_tflops).seconds
 
 
 def _sampling_lines(spec: JobSpec, peak: float, gpu, train_s: float) -> tuple[float, str] | None:
@@ -219,39 +208,60 @@ def previous_cost_usd(metrics_file: Path) -> float:
     return last
 
 
-def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run: Path | None = None) -> list[str]:
-    """What `shardline plan` prints about money: the projected cost of `train.max_steps` steps."""
+def estimate_step(spec: JobSpec, device_kind: str, device_name: str) -> tuple[float, str, str | None]:
+    """(seconds per step, where the figure comes from, GRPO's sampling line or None) before a run: the catalogue's
+    peak of the GPU (or the CPU probe ÷ the node's processes) at `cost.assumed_mfu`, recompute and NF4
+    dequantization included (`shardline.planning.step_time`)."""
     import torch
 
     from shardline.model.flops import probe_cpu_peak_tflops, table_peak_tflops
+    from shardline.planning.step_time import step_time
 
+    gpu = match_device(device_name) if device_kind == "cuda" else None
+    precision = choose_precision(spec.train.precision, accelerator=device_kind != "cpu",
+                                 native_bf16=gpu is None or gpu.bf16_tflops is not None).precision
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if spec.train.peak_tflops is not None:
+        peak, where = spec.train.peak_tflops, "train.peak_tflops"
+    elif device_kind in ("cuda", "tpu") and (table := table_peak_tflops(device_name, dtype)) is not None:
+        peak, where = table, f"{device_name} dense {precision}"
+    else:  # this host's CPU, shared by the node's processes as in training
+        peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
+        peak /= spec.parallel.nproc_per_node or 1
+        where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
+    parts = step_time(spec, peak, gpu.hbm_gbps if gpu is not None else None, 2 if precision == "bf16" else 4)
+    step_s = parts.seconds
+    source = (f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s "
+              f"({where}){parts.describe()}")
+    sampling = _sampling_lines(spec, peak, gpu, step_s)
+    if sampling is None:
+        return step_s, source, None
+    return step_s + sampling[0], source + "; GRPO's sampling included", sampling[1]
+
+
+def devices(n: int) -> str:
+    return f"{n} device{'s' if n != 1 else ''}"
+
+
+def time_line(spec: JobSpec, step_s: float, source: str) -> str:
+    """`plan`'s line of the run's duration: `train.max_steps` × seconds per step, on the spec's devices."""
+    hours = spec.train.max_steps * step_s / 3600
+    return (f"time: {spec.train.max_steps} steps × {step_s:.3g} s/step = {hours:.3g} h on {devices(spec.world_size)} "
+            f"({source}); startup, evaluation and checkpoint time not included")
+
+
+def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run: Path | None = None) -> list[str]:
+    """What `shardline plan` prints about time and money: the projected cost of `train.max_steps` steps."""
+    sampling = None
     if from_run is not None:
         step_s, source = measured_step_time(spec, from_run)
     else:
-        gpu = match_device(device_name) if device_kind == "cuda" else None
-        precision = choose_precision(spec.train.precision, accelerator=device_kind != "cpu",
-                                     native_bf16=gpu is None or gpu.bf16_tflops is not None).precision
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        if spec.train.peak_tflops is not None:
-            peak, where = spec.train.peak_tflops, "train.peak_tflops"
-        elif device_kind in ("cuda", "tpu") and (table := table_peak_tflops(device_name, dtype)) is not None:
-            peak, where = table, f"{device_name} dense {precision}"
-        else:  # this host's CPU, shared by the node's processes as in training
-            peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
-            peak /= spec.parallel.nproc_per_node or 1
-            where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
-        step_s = estimated_step_time(spec, peak)
-        source = f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s ({where})"
-        sampling = _sampling_lines(spec, peak, gpu, step_s)
-        if sampling:
-            step_s += sampling[0]
-            source += "; GRPO's sampling included"
+        step_s, source, sampling = estimate_step(spec, device_kind, device_name)
     key = device_name if device_kind in ("cuda", "tpu") else "cpu"
     p = project_cost(spec, key, step_s, source)
-    lines = [f"time: {p.steps} steps × {p.step_time_s:.3g} s/step = {p.hours:.3g} h on {p.devices} devices "
-             f"({source}); startup, evaluation and checkpoint time not included"]
-    if from_run is None and sampling:
-        lines.append(sampling[1])
+    lines = [time_line(spec, step_s, source)]
+    if sampling:
+        lines.append(sampling)
     if p.total_usd is None:
         lines.append(f"cost: unknown — {p.price.source}")
     else:

@@ -31,7 +31,8 @@ I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
 - temporaries: the unsharded lm_head gradient c·V·d (held through backward), block backward
   intermediates, the root's fp32 reduce-scatter buffer, AdamW's foreach temporaries (CPU, unfused).
 The peak is the largest of five moments: start of backward, first block reduce-scatter, end of backward,
-root reduce-scatter, optimizer step. Fixed runtime memory and CPU allocator retention: `plan.devices`.
+root reduce-scatter, optimizer step. Fixed runtime memory and CPU allocator retention: `plan.devices`; a CPU
+run's measured runtime and the steady-state growth of its kernel caches: `plan.cpu_runtime`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from pydantic import ValidationError
 
 from shardline.errors import SpecError
 from shardline.model.families import (
@@ -55,6 +54,7 @@ from shardline.model.families import (
     layer_windows,
 )
 from shardline.model.nf4_layout import nf4_bytes, nf4_quantizable
+from shardline.planning.cpu_runtime import steady_growth_bytes
 from shardline.planning.devices import (
     CPU_RETAINED_BLOCKS_PLAIN,
     CPU_RETAINED_BLOCKS_RECOMPUTE,
@@ -356,6 +356,27 @@ class MemoryPlan:
     """GRPO: the keys and values of this rank's sampled sequences, when sampling is the peak moment."""
     moment_bytes: dict[str, int] = field(default_factory=dict)
     """Every moment's bytes (`phase` is the largest), without the allocator's and the runtime's."""
+    growth: int = 0
+    """CPU: what kernel caches and the allocator reach over a long run (`shardline.planning.cpu_runtime`)."""
+    runtime_source: str = "typical"
+    """How the runtime was obtained: "typical" (a constant, `plan.devices`) or "measured at startup" (a run's)."""
+    growth_basis: str = ""
+
+    @property
+    def tensor_bytes(self) -> int:
+        """The tensors at the peak moment: what neither the allocator, the caches nor the runtime hold."""
+        return self.total_bytes - self.allocator - self.growth - self.runtime
+
+    def terms(self) -> str:
+        """The planned peak by what it counts, as a run's last line names it."""
+        parts = [f"tensors {self.tensor_bytes / GiB:.2f}"]
+        if self.allocator:
+            parts.append(f"allocator retention {self.allocator / GiB:.2f}")
+        if self.growth:
+            parts.append(f"caches and heap growth {self.growth / GiB:.2f} (steady state, {self.growth_basis})")
+        if self.metric_bytes == self.total_bytes:
+            parts.append(f"runtime {self.runtime / GiB:.2f} ({self.runtime_source})")
+        return " + ".join(parts) + ("" if self.metric_bytes == self.total_bytes else " (no runtime: CUDA's allocated)")
 
     @property
     def total_bytes(self) -> int:
@@ -372,13 +393,14 @@ class MemoryPlan:
 
 
 COMPONENTS = ("params", "grads", "optimizer", "gather_buffers", "activations", "logits", "kv_cache", "temporaries",
-              "allocator", "runtime")
+              "allocator", "growth", "runtime")
 LABELS = {
     "params": "parameters (shards; frozen ones in the compute dtype or NF4)", "grads": "gradients (fp32 shards)",
     "optimizer": "optimizer state (AdamW, 2 × fp32)", "gather_buffers": "FSDP gather buffers (root + 2 blocks)",
     "activations": "activations", "logits": "logits + cross-entropy", "kv_cache": "KV cache (GRPO's sampling)",
     "temporaries": "temporary buffers",
-    "allocator": "allocator retention (glibc)", "runtime": "runtime (context / process)",
+    "allocator": "allocator retention (glibc)",
+    "growth": "caches + heap growth, steady state", "runtime": "runtime (context / process)",
 }
 
 
@@ -403,15 +425,17 @@ def kv_cache_bytes(shape: ModelShape, c: int, sequences: int, tokens: int) -> in
     return 2 * shape.layers * shape.kv_heads * shape.hd * c * sequences * tokens
 
 
-def _as_device(device: Device | str | None) -> Device:
+def as_device(device: Device | str | None) -> Device:
+    """A `Device`, a catalogue name, or None: this machine's device."""
     if device is None:
         return current_device()
     return get_device(device) if isinstance(device, str) else device
 
 
-def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan:
-    """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine)."""
-    dev = _as_device(device)
+def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
+    """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine);
+    `runtime_bytes`: a CPU run's own runtime, measured at startup (`cpu_runtime.resident_bytes`)."""
+    dev = as_device(device)
     shape = model_shape(spec.model)
     p, t, lora = spec.parallel, spec.train, spec.model.lora
     real = param_budget(shape, lora)
@@ -477,19 +501,24 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None) -> MemoryPlan
     moment_bytes = {name: int(params + opt + sum(m.values())) for name, m in moments.items()}
     parts = {k: int(x) for k, x in parts.items()}
     parts = {"grads": 0, "gather_buffers": 0, "activations": 0, "logits": 0, "kv_cache": 0, "temporaries": 0} | parts
-    allocator = 0
+    allocator, growth, basis = 0, 0, ""
+    runtime, runtime_source = dev.runtime_bytes, "typical"
     if dev.kind == "cpu":
         transient = sum(x for k, x in parts.items() if k != "grads")
         blocks = CPU_RETAINED_BLOCKS_RECOMPUTE if n_ckpt else CPU_RETAINED_BLOCKS_PLAIN
         allocator = int(CPU_RETAINED_TRANSIENT * transient + blocks * block)
+        growth, basis = steady_growth_bytes(c)
+        if runtime_bytes:
+            runtime, runtime_source = runtime_bytes, "measured at startup"
     capacity = dev.memory_bytes
     if dev.kind == "cpu":
         capacity //= spec.parallel.nproc_per_node or 1  # the processes of a node share its RAM
     return MemoryPlan(
         params=int(params), optimizer=int(opt), **parts,
-        allocator=allocator, runtime=dev.runtime_bytes, phase=phase, device=dev, capacity_bytes=capacity,
+        allocator=allocator, runtime=runtime, phase=phase, device=dev, capacity_bytes=capacity,
         host_offload_bytes=int(host), total_params=real.total, trainable_params=real.trainable, dp_shard=shard,
-        saved_activations=int(saved), family=shape.family, moment_bytes=moment_bytes,
+        saved_activations=int(saved), family=shape.family, moment_bytes=moment_bytes, growth=growth,
+        runtime_source=runtime_source, growth_basis=basis,
     )
 
 
@@ -499,91 +528,9 @@ def _loss_bytes(t: TrainSpec, n: int, v: int, d: int, c: int) -> int:
     return 12 * min(n, k) * v + 2 * c * n * d if k else 12 * n * v
 
 
-def planned_peak_bytes(spec: JobSpec) -> int:
+def planned_peak_bytes(spec: JobSpec, runtime_bytes: int | None = None) -> int:
     """The planned counterpart of the trainer's `mem_peak_bytes` on the device this process runs on."""
-    return plan_memory(spec).metric_bytes
-
-
-# ---- making it fit ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Suggestion:
-    overrides: list[str]
-    plan: MemoryPlan
-
-    @property
-    def command_line(self) -> str:
-        return " ".join(f"--set {o}" for o in self.overrides)
-
-
-AC_ORDER = ("none", "selective", "full")
-
-
-def _variant(spec: JobSpec, changes: dict[str, object]) -> JobSpec | None:
-    data = spec.model_dump(mode="json")
-    for key, value in changes.items():
-        section, field = key.split(".")
-        data[section][field] = value
-    try:
-        return JobSpec.model_validate(data)
-    except (ValidationError, SpecError):
-        return None
-
-
-def _candidates(spec: JobSpec, device: Device):
-    """Changes in order of disruption: AC level (inner), micro-batch, shard layout, offload, more GPUs (outer)."""
-    p, t = spec.parallel, spec.train
-    current = AC_ORDER.index(p.activation_checkpointing)
-    acs: list[dict[str, object]] = [{}]
-    for level in AC_ORDER[max(current, 1):]:
-        if level != p.activation_checkpointing or p.activation_checkpointing_every != 1:
-            acs.append({"parallel.activation_checkpointing": level, "parallel.activation_checkpointing_every": 1})
-    micro = [t.micro_batch_size]
-    while micro[-1] % 2 == 0:
-        micro.append(micro[-1] // 2)
-    gpu_factors = (1,) if device.kind == "cpu" else (1, 2, 4, 8)
-    offloads = (False,) if device.kind == "cpu" or p.offload else (False, True)
-    world = spec.world_size
-    for factor in gpu_factors:
-        for offload in offloads:
-            layouts = [p.dp_replicate] + ([1] if p.dp_replicate > 1 else [])
-            for replicate in layouts:
-                for mb in micro:
-                    for ac in acs:
-                        change: dict[str, object] = {}
-                        if factor > 1:
-                            change["launch.nnodes"] = spec.launch.nnodes * factor
-                        if replicate != p.dp_replicate or factor > 1 or p.dp_shard is not None:
-                            change["parallel.dp_replicate"] = replicate
-                            change["parallel.dp_shard"] = world * factor // (replicate * p.tp)
-                        if offload:
-                            change["parallel.offload"] = True
-                        if mb != t.micro_batch_size:
-                            change["train.micro_batch_size"] = mb
-                        yield change | ac
-
-
-def suggest(spec: JobSpec, device: Device | str | None = None, offload: bool = True) -> Suggestion | None:
-    """The least disruptive change that makes `spec` fit `device`, or None (already fits, or nothing found)."""
-    dev = _as_device(device)
-    if plan_memory(spec, dev).fits:
-        return None
-    for change in _candidates(spec, dev):
-        if not offload and change.get("parallel.offload"):
-            continue
-        variant = _variant(spec, change) if change else None
-        if variant is None:
-            continue
-        plan = plan_memory(variant, dev)
-        if plan.fits:
-            shown = {k: v for k, v in change.items() if _get(spec, k) != v}
-            return Suggestion([f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items()],
-                              plan)
-    return None
-
-
-def _get(spec: JobSpec, key: str) -> object:
-    section, field = key.split(".")
-    return getattr(getattr(spec, section), field)
+    return plan_memory(spec, runtime_bytes=runtime_bytes).metric_bytes
 
 
 def gib(n: float) -> str:
@@ -591,6 +538,11 @@ def gib(n: float) -> str:
 
 
 def plan_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
-    """(label, GiB) rows of the non-zero components."""
-    return [(LABELS[f], gib(getattr(plan, f))) for f in COMPONENTS if getattr(plan, f)]
+    """(label, GiB) rows of the non-zero components; on the CPU the runtime and the growth say where they come
+    from."""
+    labels = dict(LABELS)
+    if plan.device.kind == "cpu":
+        labels["runtime"] = f"runtime ({plan.runtime_source})"
+        labels["growth"] = f"{LABELS['growth']} ({plan.growth_basis})"
+    return [(labels[f], gib(getattr(plan, f))) for f in COMPONENTS if getattr(plan, f)]
 

@@ -138,14 +138,14 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
     pb = param_budget(shape, spec.model.lora)
     nf4 = nf4_block_weights(shape, spec.model.lora)  # a QLoRA base's NF4 weights: outside FSDP, not in these rows
     shard = plan.dp_shard
-    seen = sum(getattr(plan, f) for f in COMPONENTS if f not in ("allocator", "runtime"))
+    seen = sum(getattr(plan, f) for f in COMPONENTS if f not in ("allocator", "growth", "runtime"))
     training = {name: b for name, b in plan.moment_bytes.items() if name != "GRPO sampling"}
     return {"device": plan.device.name, "step_peak": max(training.values()),
             "sampling_peak": plan.moment_bytes.get("GRPO sampling"),
             "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
             "grads": 4 * pb.trainable / shard, "optimizer": 8 * pb.trainable / shard,
             "gather_buffers": compute_bytes * (pb.root + 2 * (pb.block - sum(nf4))),
-            "peak": seen, "phase": plan.phase, "unseen": plan.allocator + plan.runtime,
+            "peak": seen, "phase": plan.phase, "unseen": plan.allocator + plan.growth + plan.runtime,
             "offloaded": plan.host_offload_bytes}
 
 

@@ -53,7 +53,8 @@ from shardline.parallel.context import check_context_parallel
 from shardline.parallel.fsdp import block_wrapping, data_parallel_rank, device_mesh, parallelize
 from shardline.parallel.mesh import DistContext
 from shardline.parallel.tensor import check_tensor_parallel, split_weights, splits_vocabulary
-from shardline.planning.memory import planned_peak_bytes
+from shardline.planning.cpu_runtime import resident_bytes
+from shardline.planning.memory import MemoryPlan, plan_memory
 from shardline.precision import choose_precision, cuda_native_bf16, emulated_bf16_warning
 from shardline.procfs import process_start_epoch
 from shardline.resilience.faults import maybe_fail
@@ -143,6 +144,8 @@ class Trainer:
         self.dp_rank, self.dp_world = data_parallel_rank(ctx.rank, ctx.world, spec.parallel.ranks_per_row)
         # per data-parallel rank: tensor-parallel peers draw the same dropout masks on their replicated inputs
         torch.manual_seed(spec.train.seed + self.dp_rank)
+        # the CPU plan's runtime: what this worker holds before its model (imports, process group, tokenizer, data)
+        self.startup_rss = resident_bytes() if ctx.device.type == "cpu" else 0
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
@@ -278,11 +281,13 @@ class Trainer:
             self._say("sources: " + " · ".join(f"{s['name']} ({s['format']}) {s['tokens'].get('train', 0):,} train "
                                                f"tokens, {100 * s['share_of_train_tokens']:.1f}%"
                                                for s in data_sources))
-        self.planned_peak = _planned_peak(self.spec)
-        if self.planned_peak:
-            self._say(f"memory plan: peak {self.planned_peak / 2**30:.2f} GiB per device (shardline plan)")
+        self.memory_plan = _memory_plan(self.spec, self.startup_rss)
+        self.planned_peak = self.memory_plan.metric_bytes if self.memory_plan else None
+        if self.memory_plan:
+            self._say(f"memory plan: peak {self.memory_plan.metric_bytes / 2**30:.2f} GiB per device "
+                      f"({self.memory_plan.terms()}; shardline plan)")
         self._event(event="setup", family=self.family.name, flops_per_token=self.flops_per_token, formula=FORMULA,
-                    planned_peak_bytes=self.planned_peak,
+                    planned_peak_bytes=self.planned_peak, startup_rss_bytes=self.startup_rss,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
                     tensor_parallel_weights=split_weights(self.model),
@@ -910,6 +915,7 @@ class Trainer:
             "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
             "mem_peak_bytes": max((r.mem_peak_bytes for r in records), default=0),
             "mem_planned_bytes": self.planned_peak,
+            "mem_planned_terms": _planned_terms(self.memory_plan),
             "dataset_version": self.data.version,
             "checkpoint_stall_s_total": round(sum(self.checkpoint_stalls), 3),
             # A stop signal waits for the current step to end (GRPO: the steps up to the next sampling too), then
@@ -929,10 +935,9 @@ class Trainer:
                 f"MFU {100 * summary['mean_mfu']:.1f}% (causal half only: {100 * summary['mean_mfu_causal']:.1f}%; "
                 f"HFU {100 * summary['mean_hfu']:.1f}%; steps > {WARMUP_STEPS_EXCLUDED})"
             )
-            if self.planned_peak:
-                measured = summary["mem_peak_bytes"]
+            if self.memory_plan and (measured := summary["mem_peak_bytes"]):
                 self._say(f"peak memory {measured / 2**30:.2f} GiB measured vs {self.planned_peak / 2**30:.2f} GiB "
-                          f"planned ({100 * (self.planned_peak / measured - 1):+.0f}%)")
+                          f"planned ({100 * (self.planned_peak / measured - 1):+.0f}%: {self.memory_plan.terms()})")
             self._say(f"checkpoints stalled training {summary['checkpoint_stall_s_total']:.2f}s in total; "
                       f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step"
                       + (f" × {mu} (train.grpo.num_iterations)" if (mu := self._steps_per_sampling()) > 1 else "")
@@ -1006,12 +1011,22 @@ def _recompute_fraction(spec: JobSpec) -> float:
     return 1.0 / spec.parallel.activation_checkpointing_every
 
 
-def _planned_peak(spec: JobSpec) -> int | None:
-    """The planner's per-device peak for this run, or None where the model shape is unknown offline."""
+def _memory_plan(spec: JobSpec, startup_rss: int) -> MemoryPlan | None:
+    """The planner's per-device peak for this run on this device (a CPU run's runtime: `startup_rss`, measured), or
+    None where the model shape is unknown offline."""
     try:
-        return planned_peak_bytes(spec)
+        return plan_memory(spec, runtime_bytes=startup_rss or None)
     except SpecError:
         return None
+
+
+def _planned_terms(plan: MemoryPlan | None) -> dict | None:
+    """The planned peak's parts for summary.json: tensors, allocator retention, steady-state growth, runtime."""
+    if plan is None:
+        return None
+    return {"tensors": plan.tensor_bytes, "allocator": plan.allocator, "growth": plan.growth,
+            "growth_basis": plan.growth_basis, "runtime": plan.runtime, "runtime_source": plan.runtime_source,
+            "runtime_in_metric": plan.metric_bytes == plan.total_bytes}
 
 
 def _mean(values) -> float:

@@ -1,0 +1,77 @@
+"""Seconds per optimizer step before a run: model FLOPs at `cost.assumed_mfu` of the device's peak, the forward that
+activation checkpointing runs again, and a QLoRA base's NF4 dequantization (memory-bound, at the device's bandwidth).
+
+- model FLOPs: `shardline.model.flops.flops_per_token` over global batch × seq len tokens (full rows), plus the
+  reference's forward where DPO or GRPO's KL runs one;
+- recompute: full AC on every k-th block runs the forward of 1/k of the blocks once more (2 FLOPs per weight of a
+  block and 4·a·T of attention per token), at the same MFU; selective AC recomputes no matmul;
+- dequantization: every NF4 weight is dequantized for each forward and backward of each micro-batch (and for the
+  recomputed forward): torchao writes and reads (8 + 3c) bytes of temporaries per element
+  (`memory.nf4_dequantize_bytes`) besides reading the NF4 storage — counted at the catalogue's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardline.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step's seconds on one device, by what takes them."""
+
+    compute_s: float
+    recompute_s: float = 0.0
+    dequantize_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.recompute_s + self.dequantize_s
+
+    def describe(self) -> str:
+        """The parts beyond the model FLOPs, for `plan`'s time line ('' when there are none)."""
+        parts = [f"{label} {s:.3g} s" for label, s in (("recompute", self.recompute_s),
+                                                          ("NF4 dequantization", self.dequantize_s)) if s]
+        return f" (incl. {', '.join(parts)})" if parts else ""
+
+
+def recompute_fraction(spec: JobSpec) -> float:
+    """Share of the blocks whose forward runs twice: full checkpointing of every k-th block."""
+    p = spec.parallel
+    return 1.0 / p.activation_checkpointing_every if p.activation_checkpointing == "full" else 0.0
+
+
+def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = None, compute_bytes: int = 2) -> StepTime:
+    """Seconds per step at `cost.assumed_mfu` of `peak_tflops` per device; `memory_gbps` (the device's memory
+    bandwidth, GB/s) prices a QLoRA base's dequantization into `compute_bytes` per element (left out where the
+    bandwidth is unknown)."""
+    from shardline.model.flops import ParamCounts, flops_per_token
+    from shardline.model.nf4_layout import nf4_bytes
+    from shardline.planning.memory import model_shape, nf4_block_weights, nf4_dequantize_bytes, param_budget
+    from shardline.spec.objective import reference_forward
+
+    shape = model_shape(spec.model)
+    pb = param_budget(shape, spec.model.lora)
+    embedding = shape.vocab * shape.hidden
+    matmul = pb.total - embedding + (embedding if shape.tie else 0)  # lm_head counts even when tied
+    trainable = pb.trainable if spec.model.lora.enabled else matmul
+    counts = ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie)
+    width, t = shape.heads * shape.hd, spec.train
+    per_token = flops_per_token(counts, shape.layers, width, t.seq_len, shape.windows)
+    if reference_forward(spec):  # DPO's adapters-off reference, GRPO's KL: one more forward of every matmul
+        per_token += 2 * matmul
+    tokens = t.global_batch_size * t.seq_len
+    rate = spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu
+    fraction = recompute_fraction(spec)
+    recompute = fraction * (2.0 * pb.layers * pb.block + 4.0 * shape.layers * width * t.seq_len)
+    dequantize = 0.0
+    weights = nf4_block_weights(shape, spec.model.lora)
+    if weights and memory_gbps:
+        c = compute_bytes  # the temporaries written once and read once, the NF4 storage read; whole on every rank
+        per_pass = pb.layers * sum(nf4_bytes(n, c) + 2 * nf4_dequantize_bytes(n, c) for n in weights)
+        micro_batches = t.global_batch_size // (spec.world_size // spec.parallel.ranks_per_row * t.micro_batch_size)
+        dequantize = (2 + fraction) * micro_batches * per_pass / (memory_gbps * 1e9)
+    return StepTime(per_token * tokens / rate, recompute * tokens / rate, dequantize)
