@@ -1,19 +1,21 @@
 """Hang detection names the rank: a SIGSTOPped worker is named (step, phase, stack top, host) within the timeout,
-the live ranks' stacks are on disk, and torchrun restarts the group from the last checkpoint to the end."""
+the live ranks' stacks are on disk, and torchrun restarts the group from the last checkpoint; a rank alive but stuck
+in its own code is named too, and with no restart left the run fails with exit 76."""
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from shardline.errors import EXIT_HANG, SpecError
-from shardline.failures import read_failures
+from shardline.failures import WorkerFailure, read_failures
 from shardline.resilience.watchdog import Heartbeat, hang_message, heartbeat_interval, judge
 from shardline.rundir import read_manifest
 from shardline.spec.resolve import load_spec
@@ -24,7 +26,9 @@ MARGIN_S = 3 * heartbeat_interval(TIMEOUT_S) + 0.2 + LOADED_SLACK_S
 """Above the timeout, from the watchdog's own schedule: a stall is seen at the next interval's read and confirmed by
 a second read 2 intervals + 0.2 s later; then a loaded 2-core machine. Anything below the collective timeout
 (1800 s) still shows the watchdog, not the collective, ended the wait."""
-STUCK_S = 300  # rank 1's injected sleep in the second test
+STEPS, EVERY = 160, 20
+STUCK_AT = 140  # the step rank 1 sleeps in after the restart: past any checkpoint the first hang could resume from
+STUCK_S = 300  # rank 1's injected sleep there
 
 
 def _beat(rank: int, seq: int, step: int, phase: str = "training") -> Heartbeat:
@@ -94,17 +98,36 @@ def _step_with_checkpoint(run_dir, step: int):
     return None
 
 
-@pytest.mark.slow
-def test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint(tmp_path):
-    runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), "parallel.nproc_per_node=2", "train.precision=fp32", "train.max_steps=160",
-            "checkpoint.every_steps=20", f"launch.hang_timeout_seconds={TIMEOUT_S}", "launch.max_restarts=1",
+@dataclass
+class TwoHangs:
+    run_dir: Path
+    console: str
+    exit_code: int
+    ended: float
+    stopped_pid: int
+    stopped_at: float
+    first_stack_rank_0: str
+    first_failure: WorkerFailure
+    """rank 0's stack dump and rank 1's failure record of the first hang (the second hang's replace them)."""
+
+
+@pytest.fixture(scope="module")
+def two_hangs(tmp_path_factory) -> TwoHangs:
+    """One run, two hangs: the test SIGSTOPs rank 1 after step 30 of the first attempt; in the group torchrun then
+    restarts (launch.max_restarts=1), a drill has rank 1 sleep inside step 140 (alive, heartbeat still beating)
+    while rank 0 waits in a collective; with no restart left, the run ends."""
+    tmp = tmp_path_factory.mktemp("hangs")
+    runs = tmp / "runs"
+    sets = [*small_overrides(runs), "parallel.nproc_per_node=2", "train.precision=fp32", f"train.max_steps={STEPS}",
+            f"checkpoint.every_steps={EVERY}", f"launch.hang_timeout_seconds={TIMEOUT_S}", "launch.max_restarts=1",
             "launch.grace_seconds=3", "observe.metrics_port=null", "observe.report=false"]
-    log = tmp_path / "console.txt"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               SHARDLINE_FAULT=f"train_step:rank=1:step={STUCK_AT}:action=slow:seconds={STUCK_S}:restart=1")
+    log = tmp / "console.txt"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "shardline.cli", "train", "tiny",
                                  *[a for kv in sets for a in ("--set", kv)]], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+                                stderr=subprocess.STDOUT, env=env)
     stopped_pid = None
     try:
         run_dir = _wait(lambda: next((p.parent for p in runs.glob("*/spec.yaml")), None), "run directory", 120,
@@ -115,76 +138,78 @@ def test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_
         stopped_pid = ranks["rank 1"]
         os.kill(stopped_pid, signal.SIGSTOP)
         stopped_at = time.time()
-        hang = _wait(lambda: next(iter(_events(run_dir, "hang")), None), "hang event", TIMEOUT_S + 60, proc, log)
-        detected_s = hang["time"] - stopped_at
-        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+        _wait(lambda: next(iter(_events(run_dir, "hang")), None), "hang event", TIMEOUT_S + 60, proc, log)
+        first_stack = (run_dir / "logs" / "stack-rank-0.txt").read_text()  # written before the event
+        _wait(lambda: read_manifest(run_dir).get("hangs"), "the hang in the manifest", 60, proc, log)  # written last
+        [first_failure] = [f for f in read_failures(run_dir) if f.error_type == "HangDetected"]
+        exit_code = proc.wait(timeout=STUCK_S - 60)
+        ended = time.time()
     finally:
         if stopped_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped_pid, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
-    console = log.read_text()
+    return TwoHangs(run_dir, log.read_text(), exit_code, ended, stopped_pid, stopped_at, first_stack,
+                    first_failure)
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint(two_hangs):
+    run_dir, console, hang = two_hangs.run_dir, two_hangs.console, _events(two_hangs.run_dir, "hang")[0]
+    detected_s = hang["time"] - two_hangs.stopped_at
     # named within the timeout and a margin, by its heartbeat having stopped: where and on which host. Earlier than
     # the timeout by at most the second rank 0 may already have waited in a collective before the SIGSTOP
     assert TIMEOUT_S - 1 <= detected_s <= TIMEOUT_S + MARGIN_S, (detected_s, console[-3000:])
     assert hang["ranks"] == [1] and hang["stopped"] == [1] and hang["reported_by"] == 0
     where = hang["where"]["1"]
-    assert where["host"] == socket.gethostname() and where["pid"] == stopped_pid and where["step"] >= 30
+    assert where["host"] == socket.gethostname() and where["pid"] == two_hangs.stopped_pid and where["step"] >= 30
     assert where["phase"] in ("training", "checkpoint", "validation") and "(" in where["stack_top"]
     assert "error: rank 0: hang: rank(s) 1 stopped arriving" in console
     assert "hang: rank(s) 1 stopped arriving" in (run_dir / "logs" / "rank-0.log").read_text()
     # the live rank's stacks, every thread, on disk
-    stack = (run_dir / "logs" / "stack-rank-0.txt").read_text()
+    stack = two_hangs.first_stack_rank_0
     assert "Thread" in stack and "shardline-watchdog" not in stack.splitlines()[0]
     assert "trainer.py" in stack or "checkpoint.py" in stack
     # the failure record and the manifest name it; the run's own exit code restarts it
-    [failure] = [f for f in read_failures(run_dir) if f.error_type == "HangDetected"]
+    failure = two_hangs.first_failure
     assert failure.rank == 1 and failure.host == socket.gethostname() and failure.committed_step is not None
-    manifest = read_manifest(run_dir)
-    assert manifest["status"] == "finished" and manifest["hangs"][0]["ranks"] == [1]
-    assert f"exited with code {EXIT_HANG}" not in console  # told once, as a hang
-    # resumed from the last committed checkpoint and finished
+    first = read_manifest(run_dir)["hangs"][0]
+    assert first["ranks"] == [1] and first["attempt"] == 0
+    assert f"exited with code {EXIT_HANG}" not in console  # told as a hang, not as an exit code
+    # resumed from the last committed checkpoint and trained on (to the drill of the second hang)
     [resume] = [e for e in _events(run_dir, "resume") if e["time"] > hang["time"]]
     assert resume["step"] == failure.committed_step
     after = [r for r in read_metrics(run_dir, "train") if r["time"] > resume["time"]]
-    assert after[0]["step"] == resume["step"] + 1 and after[-1]["step"] == 160
+    assert after[0]["step"] == resume["step"] + 1 and after[-1]["step"] == STUCK_AT - 1
     first_step_s = after[0]["time"] - hang["time"]
     print(f"\nSIGSTOP → hang event {detected_s:.1f}s (timeout {TIMEOUT_S}s); hang event → resume "
           f"{resume['time'] - hang['time']:.1f}s → first step {first_step_s:.1f}s")
-    (tmp_path / "timings.json").write_text(json.dumps({"detected_s": detected_s, "first_step_s": first_step_s}))
 
 
 @pytest.mark.slow
-def test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76(tmp_path):
-    """Rank 1 sleeps inside step 8 (alive, heartbeat still beating) while rank 0 waits in a collective: both dump
-    their stacks, rank 1 is named as outside the collective, and the run's failure record and exit code say hang."""
-    sets = [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=2", "train.precision=fp32",
-            "train.max_steps=12", "checkpoint.every_steps=4", f"launch.hang_timeout_seconds={TIMEOUT_S}",
-            "launch.grace_seconds=3", "observe.metrics_port=null", "observe.report=false"]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
-               SHARDLINE_FAULT=f"train_step:rank=1:step=8:action=slow:seconds={STUCK_S}")
-    proc = subprocess.run([sys.executable, "-m", "shardline.cli", "train", "tiny",
-                           *[a for kv in sets for a in ("--set", kv)]],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=2 * STUCK_S + 60)
-    ended = time.time()
-    assert proc.returncode == EXIT_HANG, proc.stderr[-3000:]
-    run_dir = next(p.parent for p in (tmp_path / "runs").glob("*/spec.yaml"))
-    [hang] = _events(run_dir, "hang")
-    # orderings from the last step done (7) instead of a bound on the whole run, whose startup a loaded machine
+def test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76(two_hangs):
+    """Rank 1 sleeps inside step 140 of the restarted group (no restart left) while rank 0 waits in a collective:
+    both dump their stacks, rank 1 is named as outside the collective, and the run's failure record and exit code
+    say hang."""
+    run_dir, console = two_hangs.run_dir, two_hangs.console
+    assert two_hangs.exit_code == EXIT_HANG, console[-3000:]
+    [_, hang] = _events(run_dir, "hang")
+    # orderings from the last step done (139) instead of a bound on the whole run, whose startup a loaded machine
     # stretches: the hang is named within the timeout and its margin, and the run ended before rank 1's sleep did
     # (nobody waited for it, or for the 1800 s collective timeout)
     last_step_at = read_metrics(run_dir, "train")[-1]["time"]
     assert TIMEOUT_S <= hang["time"] - last_step_at <= TIMEOUT_S + MARGIN_S, (hang["time"] - last_step_at)
-    assert ended - last_step_at < STUCK_S
-    assert hang["ranks"] == [1] and hang["stopped"] == [] and hang["where"]["1"]["step"] == 7
+    assert two_hangs.ended - last_step_at < STUCK_S
+    assert hang["ranks"] == [1] and hang["stopped"] == [] and hang["where"]["1"]["step"] == STUCK_AT - 1
     assert "maybe_fail (faults.py" in hang["where"]["1"]["stack_top"]
     for rank, frame in ((0, "distributed_c10d.py"), (1, "faults.py")):  # every live rank's stack, on disk
         assert frame in (run_dir / "logs" / f"stack-rank-{rank}.txt").read_text()
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and manifest["exit_code"] == EXIT_HANG
     failure = manifest["failure"]
-    assert failure["rank"] == 1 and failure["error_type"] == "HangDetected" and failure["committed_step"] == 4
-    assert "rank 1 failed while training in step 8 of 12: HangDetected: hang: rank(s) 1 alive but outside the " \
-           "collective" in failure["message"]
-    assert proc.stderr.count("hang: rank(s) 1") >= 1 and "Traceback" not in proc.stderr
+    assert failure["rank"] == 1 and failure["error_type"] == "HangDetected"
+    assert failure["committed_step"] == (STUCK_AT - 1) // EVERY * EVERY
+    assert f"rank 1 failed while training in step {STUCK_AT} of {STEPS}: HangDetected: hang: rank(s) 1 alive but " \
+           "outside the collective" in failure["message"]
+    assert console.count("hang: rank(s) 1") >= 2 and "Traceback" not in console
