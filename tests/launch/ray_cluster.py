@@ -25,6 +25,12 @@ FAST_NODE_DEATH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_chec
 """The GCS declares a killed node dead after ~1.5 s instead of Ray's default ~15 s (3 s × 5 failed checks): the
 cluster is one host, where a check that fails is a node that is gone."""
 
+FAST_REGROUP = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+"""Ray Train gives up on a worker group whose placement group is not ready after 10 s instead of 60 s. After a node
+is lost, its elastic controller still counts the dead node's CPUs until Ray's autoscaling coordinator refreshes
+(every 20 s), so its first restart asks for the old size and can only time out; here, where free resources are
+reserved at once, 10 s is ample for a group that fits."""
+
 
 class RayHead:
     """`with RayHead(tmp) as head:` — head.address is the Jobs API URL."""
@@ -35,7 +41,8 @@ class RayHead:
         self.dashboard_port = free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
-                        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **FAST_NODE_DEATH)
+                        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                        **FAST_NODE_DEATH, **FAST_REGROUP)
 
     def __enter__(self) -> RayHead:
         ray = Path(sys.executable).parent / "ray"

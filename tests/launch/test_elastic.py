@@ -15,7 +15,6 @@ import yaml
 from shardline.engines.command import node_torchrun_command
 from shardline.engines.registry import get_backend
 from shardline.errors import SpecError
-from shardline.run_status import read_status
 from shardline.spec.resolve import load_spec, spec_to_yaml
 from tests.conftest import REPO, free_port, read_metrics, small_overrides
 
@@ -66,9 +65,10 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
     nodes = {}
     # node 0 hosts the rendezvous store and survives; node 1 is lost. Node 1 starts first and waits for the
     # store, so both are in the first round (a node joining late makes torchrun restart the group to admit it).
+    # A node without a heartbeat for 3 keep-alive intervals is dead: 6 s here instead of torch's 15 s.
     for node in (1, 0):
         env = dict(os.environ, PET_RDZV_ENDPOINT=endpoint, TOKENIZERS_PARALLELISM="false",
-                   PET_RDZV_CONF=f"is_host={int(node == 0)},last_call_timeout=5")
+                   PET_RDZV_CONF=f"is_host={int(node == 0)},last_call_timeout=5,keep_alive_interval=2")
         log = (tmp_path / f"node{node}.log").open("w")
         nodes[node] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True)
@@ -81,7 +81,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
             assert time.monotonic() < deadline and survivor.poll() is None, (tmp_path / "node0.log").read_text()[-3000:]
             time.sleep(0.2)
         _lose_node(lost)
-        assert survivor.wait(timeout=200) == 0, (tmp_path / "node0.log").read_text()[-5000:]
+        assert survivor.wait(timeout=400) == 0, (tmp_path / "node0.log").read_text()[-5000:]
     finally:
         for p in nodes.values():
             if p.poll() is None:
@@ -97,7 +97,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
 def test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_divide(target):
     """torchrun changes the world size by whole nodes (16, 24, 32 here, all dividing 384 / 2); Ray Train's elastic
     worker group may run any count from 16 to 32, and 17 does not divide."""
-    from shardline.engines.registry import get_backend
+    from shardline.engines.ray_train import num_workers
 
     overrides = ["run.id=el", "launch.nnodes=4", "launch.min_nnodes=2", "parallel.nproc_per_node=8",
                  "train.micro_batch_size=2", "launch.image=img:1"]
@@ -107,41 +107,10 @@ def test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_
     assert refused.value.field == "train.global_batch_size" and "17 × 2" in refused.value.problem
     ok = load_spec("tiny", [*overrides, "launch.nnodes=2", "launch.min_nnodes=1", "parallel.nproc_per_node=2",
                             "train.global_batch_size=24"])  # sizes 2, 3, 4 all divide 24 / 2
+    assert num_workers(ok) == (2, 4) and num_workers(load_spec("tiny", ["parallel.nproc_per_node=2"])) == 2
     rendered = get_backend(target).render(ok)
     if target == "rayjob":
         rayjob = next(d for d in yaml.safe_load_all("\n---\n".join(rendered.values())) if d and d["kind"] == "RayJob")
         group = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
         assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (1, 2, 2)
 
-
-@pytest.mark.slow
-def test_ray_train_elastic_loses_a_node_and_finishes_on_the_node_left(session_dir, prepared, tmp_path):
-    """A two-node Ray cluster on this host (head + a second `ray start`, one CPU each); an elastic spec
-    (launch.min_nnodes=1 of 2) trains on both, the second node is killed outright after a checkpoint, and Ray
-    Train restarts the worker group at the size the cluster still fits: world size 1, resumed, finished."""
-    import ray.train  # noqa: F401  ray[default,train], in the test extra: missing fails, never skips
-
-    from shardline.engines.backend import wait_for
-    from tests.launch.ray_cluster import RayHead, RayNode, submit_until_committed
-
-    with RayHead(tmp_path, cpus=1) as head, RayNode(head, cpus=1) as node:
-        spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
-                                  "launch.nnodes=2", "launch.min_nnodes=1", "parallel.nproc_per_node=1",
-                                  f"launch.ray.address={head.address}", "launch.ray.gpus_per_worker=0",
-                                  "launch.ray.max_failures=2", "observe.metrics_port=null", "train.max_steps=12",
-                                  "checkpoint.every_steps=3"])
-        backend, record, run = submit_until_committed(spec, step=3, timeout=300)
-        assert [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"] == [2]  # both nodes
-        node.kill()
-        code = wait_for(backend, record, timeout_s=400, poll_s=1)
-        logs = "\n".join(backend.logs(record, None, False))
-    assert code == 0, logs[-5000:]
-    manifest = json.loads((run / "manifest.json").read_text())
-    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
-    assert resumes and resumes[-1]["world"] == 1 and resumes[-1]["step"] >= 3, resumes
-    assert [e["world"] for e in read_metrics(run, "event") if e["event"] == "setup"][-1] == 1
-    assert {r["step"] for r in read_metrics(run, "train")} == set(range(1, 13))
-    assert manifest["status"] == "finished"
-    goodput = read_status(run).goodput
-    print(f"ray elastic: 2 workers, lost a node, resumed at step {resumes[-1]['step']} on 1 worker; "
-          f"recovery {goodput.attempts[-1].recovery_s:.1f} s")

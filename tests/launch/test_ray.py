@@ -1,5 +1,6 @@
-"""Ray backends: the job entrypoint, the KubeRay RayJob against its CRD, and a real local Ray cluster that
-trains under TorchTrainer, loses a worker, restarts from the checkpoint and finishes."""
+"""Ray backends: the job entrypoint, the KubeRay RayJob against its CRD, and a real local Ray cluster (one head
+for the module) where an elastic run under TorchTrainer loses a worker, then a node, resumes from its checkpoint each
+time and finishes."""
 
 import functools
 import json
@@ -7,6 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import jsonschema
@@ -170,33 +172,58 @@ def _train_workers(head) -> list[int]:
     return pids
 
 
+def _events(run: Path, name: str) -> list[dict]:
+    return [e for e in read_metrics(run, "event") if e["event"] == name]
+
+
+def _trained_after_a_resume(run: Path) -> bool:
+    """The restarted group resumed and then trained a step."""
+    resumes = _events(run, "resume")
+    return bool(resumes) and any(r["time"] > resumes[0]["time"] for r in read_metrics(run, "train"))
+
+
 @pytest.mark.slow
-def test_ray_train_loses_a_worker_restarts_from_the_checkpoint_and_finishes(ray_head, session_dir, prepared,
+def test_ray_train_loses_a_worker_then_a_node_resumes_each_time_and_finishes(ray_head, session_dir, prepared,
                                                                              tmp_path):
-    spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
-                              "parallel.nproc_per_node=2", f"launch.ray.address={ray_head.address}",
-                              "launch.ray.gpus_per_worker=0", "launch.ray.max_failures=1",
-                              "observe.metrics_port=null", "train.max_steps=12", "checkpoint.every_steps=3"])
-    backend, record, run = submit_until_committed(spec, step=3, timeout=240)
-    victims = _train_workers(ray_head)
-    assert len(victims) == 2, victims
-    os.kill(victims[-1], signal.SIGKILL)
-    code = wait_for(backend, record, timeout_s=300, poll_s=1)
-    logs = "\n".join(backend.logs(record, None, False))
+    """One elastic run (launch.min_nnodes=1 of 2) on the module's head and a second node (two CPUs each, two per
+    worker: one worker per node): a killed worker process costs a restart at the same size, 2; the second node
+    killed outright costs one at the size the cluster still fits, 1. Each resumes from the last checkpoint."""
+    from tests.launch.ray_cluster import RayNode
+
+    with RayNode(ray_head, cpus=2) as node:
+        spec = load_spec("tiny", [*small_overrides(session_dir / "runs"), f"run.dir={tmp_path / 'runs'}",
+                                  "launch.nnodes=2", "launch.min_nnodes=1", "parallel.nproc_per_node=1",
+                                  f"launch.ray.address={ray_head.address}", "launch.ray.gpus_per_worker=0",
+                                  "launch.ray.cpus_per_worker=2", "launch.ray.max_failures=2",
+                                  "observe.metrics_port=null", "train.max_steps=24", "checkpoint.every_steps=3"])
+        backend, record, run = submit_until_committed(spec, step=3, timeout=300)
+        assert [e["world"] for e in _events(run, "setup")] == [2]  # both nodes
+        victims = _train_workers(ray_head)
+        assert len(victims) == 1, victims  # the other worker is the second node's
+        os.kill(victims[0], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while not _trained_after_a_resume(run):
+            assert time.monotonic() < deadline and backend.status(record).phase == "running", \
+                "\n".join(backend.logs(record, None, False))[-4000:]
+            time.sleep(0.2)
+        node.kill()
+        code = wait_for(backend, record, timeout_s=400, poll_s=1)
+        logs = "\n".join(backend.logs(record, None, False))
     assert code == 0, logs[-5000:]
-    resumes = [e for e in read_metrics(run, "event") if e["event"] == "resume"]
-    assert resumes and resumes[0]["step"] >= 3 and resumes[0]["world"] == 2
-    steps = {r["step"] for r in read_metrics(run, "train")}
-    assert steps == set(range(1, 13))
+    resumes = _events(run, "resume")
+    assert [e["world"] for e in resumes] == [2, 1] and 3 <= resumes[0]["step"] <= resumes[1]["step"], resumes
+    assert [e["world"] for e in _events(run, "setup")] == [2, 2, 1]
+    assert {r["step"] for r in read_metrics(run, "train")} == set(range(1, 25))
     assert json.loads((run / "manifest.json").read_text())["status"] == "finished"
     state = backend.status(record)
-    assert state.phase == "succeeded" and state.restarts == len(resumes) >= 1
+    assert state.phase == "succeeded" and state.restarts == len(resumes)
     assert "finished under Ray Train" in logs
     goodput = read_status(run).goodput  # each Ray Train restart is an attempt with its recovery time
     assert len(goodput.attempts) == 1 + len(resumes) and goodput.attempts[-1].ended_by == "finished"
     assert all(a.recovery_s > 0 for a in goodput.attempts[1:])
     assert sum(goodput.buckets.values()) == pytest.approx(goodput.wall_s, rel=0.01)
-    print(f"ray worker lost: recovery {goodput.attempts[1].recovery_s:.1f} s; {goodput.line()}")
+    print(f"ray: lost a worker (recovery {goodput.attempts[1].recovery_s:.1f} s), then a node (recovery "
+          f"{goodput.attempts[2].recovery_s:.1f} s); {goodput.line()}")
     assert any(line.startswith("[rank 1]") for line in backend.logs(record, 1, False))
 
 
