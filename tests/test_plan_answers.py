@@ -116,6 +116,7 @@ def test_suggestions_come_in_the_order_a_user_tries_them_each_fitting_with_its_o
     for fix, line in zip(found[:3], lines, strict=False):  # each layout's own time, not the spec's that does not fit
         seconds = estimate_step(fix.spec, "cuda", device.name)[0]
         assert f"{seconds:.3g} s/step" in line and fix.command_line in line, (line, seconds)
+    assert "time as given, which does not fit" in out  # the spec's own time, said to be of a layout that does not fit
     assert _step_seconds(out) != pytest.approx(estimate_step(found[0].spec, "cuda", device.name)[0])
 
 

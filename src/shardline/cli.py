@@ -252,7 +252,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardline.planning.cost import plan_cost_lines
 
     for line in plan_cost_lines(spec, plan.device.kind, plan.device.name,
-                                Path(args.from_run) if args.from_run else None):
+                                Path(args.from_run) if args.from_run else None, plan.fits):
         console.print(line, highlight=False, markup=False)
     if plan.host_offload_bytes:
         console.print(f"host memory for offloaded state: {gib(plan.host_offload_bytes)} GiB per rank, "

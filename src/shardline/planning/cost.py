@@ -243,14 +243,17 @@ def devices(n: int) -> str:
     return f"{n} device{'s' if n != 1 else ''}"
 
 
-def time_line(spec: JobSpec, step_s: float, source: str) -> str:
-    """`plan`'s line of the run's duration: `train.max_steps` × seconds per step, on the spec's devices."""
+def time_line(spec: JobSpec, step_s: float, source: str, fits: bool = True) -> str:
+    """`plan`'s line of the run's duration: `train.max_steps` × seconds per step, on the spec's devices (a layout
+    that does not fit says so: each way to fit has its own time)."""
     hours = spec.train.max_steps * step_s / 3600
-    return (f"time: {spec.train.max_steps} steps × {step_s:.3g} s/step = {hours:.3g} h on {devices(spec.world_size)} "
+    lead = "time" if fits else "time as given, which does not fit (each way to fit below has its own)"
+    return (f"{lead}: {spec.train.max_steps} steps × {step_s:.3g} s/step = {hours:.3g} h on {devices(spec.world_size)} "
             f"({source}); startup, evaluation and checkpoint time not included")
 
 
-def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run: Path | None = None) -> list[str]:
+def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run: Path | None = None,
+                    fits: bool = True) -> list[str]:
     """What `shardline plan` prints about time and money: the projected cost of `train.max_steps` steps."""
     sampling = None
     if from_run is not None:
@@ -259,7 +262,7 @@ def plan_cost_lines(spec: JobSpec, device_kind: str, device_name: str, from_run:
         step_s, source, sampling = estimate_step(spec, device_kind, device_name)
     key = device_name if device_kind in ("cuda", "tpu") else "cpu"
     p = project_cost(spec, key, step_s, source)
-    lines = [time_line(spec, step_s, source)]
+    lines = [time_line(spec, step_s, source, fits)]
     if sampling:
         lines.append(sampling)
     if p.total_usd is None:
