@@ -83,6 +83,9 @@ def test_memory_gb_with_a_device_keeps_its_speed_and_alone_names_the_speed_it_as
     assert f"H100 80GB ({h100.bf16_tflops:g} TFLOP/s dense bf16)" in said and "--device" in said, said
     assert _step_seconds(out) == pytest.approx(step_time(load_spec("llama-3.1-8b-lora"), h100.bf16_tflops).seconds,
                                                rel=5e-3)
+    out = _plan(capsys, "tiny", "--memory-gb", "3")  # this CPU host: the capacity given, the speed it probes
+    assert re.search(r"capacity \(2 processes share the host\)\s+│\s+1.50", out), out
+    assert "--memory-gb without --device: the capacity given, the speed this host's CPU probes at" in out
 
 
 # ---- the catalogue's consumer and mid-range cards -------------------------------------------------------------

@@ -14,6 +14,7 @@ The walk-through in docs/python-api.md is executed by the tests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -137,8 +138,11 @@ def planning_device(spec: JobSpec, device: str | None = None, memory_gb: float |
         return get_device(gpu.key, memory_gb)
     found = current_device()
     if found.kind == "cpu" and (gpu := spec_gpu(spec)) is not None and spec.model.path is not None:
-        found = get_device(gpu.key, memory_gb)
-    return found
+        return get_device(gpu.key, memory_gb)
+    if memory_gb is None:
+        return found
+    return dataclasses.replace(found, name=f"{found.name}, {memory_gb:g} GiB given",
+                               memory_bytes=int(memory_gb * 2**30))
 
 
 def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = None) -> Plan:

@@ -226,7 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planned = plan_spec(spec, args.device, args.memory_gb)
     plan, device = planned.memory, planned.device
     console.print(world.line(device.name), highlight=False, markup=False)
-    if args.memory_gb is not None and args.device is None and device.kind == "cuda":
+    if args.memory_gb is not None and args.device is None:
         from shardline.planning.advice import assumed_speed
 
         console.print(assumed_speed(device, spec.train.precision), highlight=False, markup=False)

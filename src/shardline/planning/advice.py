@@ -16,6 +16,9 @@ from shardline.spec import JobSpec
 
 def assumed_speed(device: Device, precision: str) -> str:
     """`--memory-gb` without `--device`: whose speed the time line assumes, and how to name the card."""
+    if device.kind == "cpu":
+        return ("--memory-gb without --device: the capacity given, the speed this host's CPU probes at; name a GPU "
+                "for its speed (e.g. --device rtx4090)")
     chosen = planned_precision(precision, device)
     peak = table_peak_tflops(device.name, torch.bfloat16 if chosen == "bf16" else torch.float32)
     speed = f" ({peak:g} TFLOP/s dense {chosen})" if peak is not None else ""
