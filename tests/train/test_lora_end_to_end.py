@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from shardline.data.prepare import PreparedData
-from shardline.export import build_plain
+from shardline.export import build_plain, export_run
 from shardline.rundir import read_spec
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
@@ -46,10 +46,10 @@ def test_lora_run_with_generation_eval_exits_0_and_exports_reproduce_its_validat
     val = [r["val_loss"] for r in read_metrics(run_dir, "eval") if "val_loss" in r][-1]
     data = PreparedData(run_dir.parent.parent / "prepared-cache" / json.loads((run_dir / "manifest.json").read_text())
                         ["dataset_version"])
-    for flags in ([], ["--merge-lora"]):
-        out = tmp_path / f"export{len(flags)}"
-        assert run_cli("export", str(run_dir), "--out", str(out), *flags).returncode == 0
-        if flags:
+    for merge in (False, True):  # in this process: test_training exports through the CLI
+        out = tmp_path / f"export-merged-{merge}"
+        export_run(run_dir, out, merge_lora=merge)
+        if merge:
             model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         else:  # the base of an arch-built model is shardline's seeded init, rebuilt as shardline_base.json says
             spec = read_spec(run_dir / "spec.yaml")

@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from shardline.data.prepare import PreparedData
-from shardline.export import build_plain, checkpoint_store, load_model_entry
+from shardline.export import build_plain, checkpoint_store, export_run, load_model_entry
 from shardline.rundir import read_spec
 from tests.conftest import only_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
@@ -54,7 +54,7 @@ def test_qlora_trains_resumes_exactly_and_exports_an_adapter_and_a_dequantized_m
     vocab = data.meta["vocab_size"]
     # the run's model rebuilt in this process: its NF4 base dequantized (fp32), the adapters from the checkpoint
     adapter = tmp_path / "adapter"
-    assert run_cli("export", str(run_a), "--out", str(adapter)).returncode == 0
+    export_run(run_a, adapter)  # in this process: test_training exports through the CLI
     ids = json.loads((adapter / "shardline_base.json").read_text())["special_ids"]
     ours = build_plain(spec, vocab, ids)
     load_model_entry(ours, store, 6, lora=True)
@@ -74,7 +74,7 @@ def test_qlora_trains_resumes_exactly_and_exports_an_adapter_and_a_dequantized_m
 
     # --merge-lora: the dequantized base with the adapters merged, loaded by transformers alone
     merged_dir = tmp_path / "merged"
-    assert run_cli("export", str(run_a), "--out", str(merged_dir), "--merge-lora", "--dtype", "fp32").returncode == 0
+    export_run(run_a, merged_dir, merge_lora=True, dtype="fp32")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     ids_in = torch.arange(3, 3 + 48).view(2, 24) % vocab
     with torch.no_grad():
