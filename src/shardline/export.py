@@ -11,6 +11,10 @@ paths of the model `from_pretrained` builds from it — a multimodal Gemma 3, wh
 it under `model.language_model.` — and export proves on a meta-device copy of that base that peft loads every adapter
 weight into a module and leaves none of its LoRA modules without one. The result is built in a temporary sibling
 directory and renamed into place, so `out` is either complete or absent.
+
+A mixture of experts is written in its input checkpoint's layout: one tensor per expert and projection as the hub
+keeps them (transformers' `save_pretrained` reverts its fused experts), or fused where `model.path` stored them
+fused (`input_layout_is_fused`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from shardline.data.prepare import prepare
 from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
 from shardline.model.build import build_model, causal_lm
+from shardline.model.expert_layout import stores_fused_experts
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.nf4 import dequantize_base
 from shardline.model.sharded_load import materialize
@@ -188,7 +193,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         if full:
             # Module.to casts parameter by parameter in place: at most one extra tensor at a time, never a second
             # model; save_pretrained then writes config.json's `dtype` from the weights.
-            _save_full((model.merge_and_unload() if lora else model).to(weights_dtype), ids, tmp)
+            _save_full((model.merge_and_unload() if lora else model).to(weights_dtype), ids, tmp,
+                       original_format=not input_layout_is_fused(spec))
         else:
             base = _save_adapter(model.to(weights_dtype), spec, len(tok), ids, tmp, out)
             (tmp / BASE_INFO).write_text(json.dumps(_base_info(spec, len(tok), ids, base), indent=2) + "\n")
@@ -228,10 +234,19 @@ def _tokenizer(store: CheckpointStore, step: int, spec: JobSpec, run_dir: Path,
     return data.tokenizer(), data.version
 
 
-def _save_full(model: nn.Module, ids: dict[str, int], out: Path) -> None:
+def input_layout_is_fused(spec: JobSpec) -> bool:
+    """Whether `model.path` stores a mixture of experts' routed experts fused (`mlp.experts.gate_up_proj`), not per
+    expert as the hub does."""
+    from shardline.model.sharded_load import _stored_keys  # the one place that finds a checkpoint's files
+
+    return spec.model.path is not None and stores_fused_experts(_stored_keys(spec.model.path))
+
+
+def _save_full(model: nn.Module, ids: dict[str, int], out: Path, original_format: bool = True) -> None:
+    """`save_pretrained` of the full model; `original_format`: in transformers' original (hub) key layout."""
     model.config.use_cache = True  # training turns the KV cache off; inference wants it
     model.generation_config = GenerationConfig(**ids)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, save_original_format=original_format)
     if not (out / "generation_config.json").exists():
         model.generation_config.save_pretrained(out)
 

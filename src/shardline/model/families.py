@@ -2,8 +2,8 @@
 transformers config): which family it is, what it adds to Llama's math, and its default LoRA targets.
 
 Models are always transformers' own classes built from the config; this module only names what the planner,
-the FLOP count and LoRA need to know, and refuses what shardline cannot train (mixture-of-experts, encoder-
-decoders, vision towers) with the list of what it can.
+the FLOP count and LoRA need to know, and refuses what shardline cannot train (the mixture-of-experts families
+outside Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE, encoder-decoders, vision towers) with the list of what it can.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ class Family:
     qk_norm: bool = False
     sandwich_norms: bool = False
     """Norms before and after attention and MLP (Gemma 2/3): four per block instead of two."""
+    experts: bool = False
+    """A mixture of experts: routed experts held fused (`mlp.experts.gate_up_proj [E, 2I, H]`,
+    `shardline.model.moe`)."""
     tested: bool = True
 
 
@@ -45,11 +48,30 @@ FAMILIES: tuple[Family, ...] = (
     Family("Gemma 3", ("gemma3_text",), ATTENTION, "QK-norm, local/global layers, pre+post norms, scaled and tied "
            "embeddings", qk_norm=True, sandwich_norms=True),
     Family("Phi-3", ("phi3",), FUSED_ATTENTION, "fused qkv_proj and gate_up_proj (Phi-3 and Phi-4)", fused=True),
+    Family("Qwen3-MoE", ("qwen3_moe",), ATTENTION, "Qwen3's attention; top-k routed experts in every sparse layer",
+           qk_norm=True, experts=True),
+    Family("Qwen2-MoE", ("qwen2_moe",), ATTENTION, "q/k/v biases; top-k routed experts beside a shared expert "
+           "behind a sigmoid gate", qkv_bias=True, experts=True),
+    Family("Mixtral", ("mixtral",), ATTENTION, "Mistral's attention; top-2 routed experts (hub keys under "
+           "block_sparse_moe, w1/w3/w2)", experts=True),
+    Family("OLMoE", ("olmoe",), ATTENTION, "QK-norm over the whole projections; top-k routed experts",
+           experts=True),
 )
 LLAMA = FAMILIES[0]
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TRAINED_EXPERTS = ", ".join(f.name for f in FAMILIES if f.experts)
+REFUSED_EXPERTS = {
+    "gpt_oss": "gpt-oss is not laid out like the trained mixtures: attention sinks that SDPA does not take, experts "
+               "stored [E, H, 2I] with biases and gate/up interleaved, a clamped SwiGLU and MXFP4 hub weights",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention (MLA) and its grouped, bias-corrected routing are not "
+                   "implemented",
+    "llama4": "Llama 4 interleaves dense and MoE layers with chunked attention, and its checkpoints are multimodal",
+    "llama4_text": "Llama 4 interleaves dense and MoE layers with chunked attention, and its checkpoints are "
+                   "multimodal",
+}
+"""Mixture-of-experts families refused by name, and why."""
 
 
 MULTIMODAL_LANGUAGE_MODELS = {"gemma3": "gemma3_text"}
@@ -89,7 +111,8 @@ def _as_dict(config: Any) -> dict:
 
 def family_of(config: Any, where: str = "model.path") -> Family:
     """The family of a config; an untested decoder-only type plans as Llama and says so (`tested=False`).
-    Mixture-of-experts, encoder-decoder and multimodal configs are a `SpecError` naming what is supported."""
+    Mixture-of-experts configs outside the four trained families (gpt-oss, DeepSeek-V3 and Llama 4 with their
+    reasons), encoder-decoder and multimodal configs are a `SpecError` naming what is supported."""
     cfg = _as_dict(config)
     model_type = str(cfg.get("model_type", ""))
     if model_type in MULTIMODAL_LANGUAGE_MODELS and "text_config" in cfg:
@@ -97,9 +120,15 @@ def family_of(config: Any, where: str = "model.path") -> Family:
     refused = None
     if cfg.get("is_encoder_decoder"):
         refused = "an encoder-decoder"
+    elif model_type in REFUSED_EXPERTS:
+        raise SpecError(where, f"{model_type} is a mixture-of-experts model shardline does not train: "
+                        f"{REFUSED_EXPERTS[model_type]}", f"the mixtures that train: {TRAINED_EXPERTS}; "
+                        f"dense: {SUPPORTED}")
+    elif model_type in BY_MODEL_TYPE and BY_MODEL_TYPE[model_type].experts:
+        return BY_MODEL_TYPE[model_type]
     elif any(section.get(k) for section in (cfg, *(v for v in cfg.values() if isinstance(v, dict)))
              for k in _EXPERT_FIELDS):  # also a nested block's experts (DBRX: ffn_config.moe_num_experts)
-        refused = "a mixture-of-experts model"
+        refused = f"a mixture-of-experts model of an untested family (the mixtures that train: {TRAINED_EXPERTS})"
     elif "vision_config" in cfg or "text_config" in cfg:
         refused = "a multimodal model (a vision tower beside the language model)"
     if refused:

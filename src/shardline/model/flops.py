@@ -17,6 +17,10 @@ Training FLOPs of a step (PaLM appendix B; torchtitan `get_dense_model_nparams_a
   Per token that is 12·L·a·T for a context of T tokens (one document filling the row: the planner's
   `flops_per_token`). Packed rows of ~92-token documents in 512-token rows keep 1/5 of the T² pairs;
   counting T² would inflate MFU with work nobody needs.
+- A mixture of experts counts the weights a token runs through (active parameters): of the routed experts'
+  fused weights only top-k of E, `N_active = N − (1 − k/E)·N_experts` for trainable and frozen alike (the router,
+  a shared expert and dense layers count whole); with hardware FLOPs alike, since the experts implementation runs
+  each token through its k experts only.
 - No halving for the causal mask (the torchtitan/PaLM convention, so numbers compare with theirs);
   MFU with the causal half only is reported beside it (MaxText halves).
 
@@ -35,9 +39,11 @@ import torch
 from torch import nn
 
 from shardline.hardware import match_device
+from shardline.model.moe import active_expert_fraction, expert_parameters
 
 FORMULA = ("(6·N_trainable + 4·N_frozen)·tokens + 12·(heads·head_dim)·Σ layers Σ documents len² (the band "
-           "|i − j| < window on sliding-window layers) (PaLM/torchtitan, no causal halving)")
+           "|i − j| < window on sliding-window layers) (PaLM/torchtitan, no causal halving; N: active parameters, "
+           "top-k of E routed experts)")
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,25 @@ class ParamCounts:
     embedding: int
     tied: bool = False
     """The output projection is the embedding matrix (counted in trainable/frozen and in embedding)."""
+    experts_trainable: int = 0
+    """Of `trainable`, the routed experts' weights (a mixture of experts)."""
+    experts_frozen: int = 0
+    active_experts: float = 1.0
+    """The share of the routed experts' weights a token runs through: top-k / E."""
 
     @property
     def total(self) -> int:
         """Distinct parameters."""
         return self.trainable + self.frozen + self.embedding - (self.embedding if self.tied else 0)
+
+    @property
+    def active_trainable(self) -> float:
+        """Trainable matmul weights one token runs through (all of them in a dense model)."""
+        return self.trainable - (1.0 - self.active_experts) * self.experts_trainable
+
+    @property
+    def active_frozen(self) -> float:
+        return self.frozen - (1.0 - self.active_experts) * self.experts_frozen
 
 
 def count_params(model: nn.Module) -> ParamCounts:
@@ -72,7 +92,11 @@ def count_params(model: nn.Module) -> ParamCounts:
             trainable += embed.numel()
         else:
             frozen += embed.numel()
-    return ParamCounts(trainable=trainable, frozen=frozen, embedding=embed.numel(), tied=tied)
+    experts = expert_parameters(model)
+    return ParamCounts(trainable=trainable, frozen=frozen, embedding=embed.numel(), tied=tied,
+                       experts_trainable=sum(p.numel() for p in experts if p.requires_grad),
+                       experts_frozen=sum(p.numel() for p in experts if not p.requires_grad),
+                       active_experts=active_expert_fraction(model.config))
 
 
 def window_causal_pairs(length: int, window: int | None) -> int:
@@ -95,7 +119,7 @@ def flops_per_token(counts: ParamCounts, num_layers: int, width: int, seq_len: i
     attention width (heads × head_dim), `windows` each layer's sliding window (empty: all global)."""
     layers = windows or (None,) * num_layers
     context = sum(window_pairs(seq_len, w) for w in layers) / seq_len
-    return 6.0 * counts.trainable + 4.0 * counts.frozen + 12.0 * width * context
+    return 6.0 * counts.active_trainable + 4.0 * counts.active_frozen + 12.0 * width * context
 
 
 @dataclass(frozen=True)
@@ -132,7 +156,7 @@ class FlopsModel:
 
     def model(self, work: StepWork, causal: bool = False) -> float:
         """The headline's FLOPs (`causal`: with the causal half of attention only)."""
-        dense = 6.0 * self.counts.trainable + 4.0 * self.counts.frozen
+        dense = 6.0 * self.counts.active_trainable + 4.0 * self.counts.active_frozen
         pairs = work.causal_pairs if causal else work.pairs
         banded = work.window_causal_pairs if causal else work.window_pairs
         global_layers = self.num_layers - self.windowed_layers
@@ -141,8 +165,8 @@ class FlopsModel:
     def hardware(self, work: StepWork) -> float:
         """FLOPs the kernels execute: padding slots, the attention pairs computed (a windowed per-document
         kernel still computes its whole causal span), recomputed forwards."""
-        weights = self.counts.trainable + self.counts.frozen
-        dense = (6.0 * self.counts.trainable + 4.0 * self.counts.frozen) * work.slots
+        weights = self.counts.active_trainable + self.counts.active_frozen
+        dense = (6.0 * self.counts.active_trainable + 4.0 * self.counts.active_frozen) * work.slots
         attention = 12.0 * self.num_layers * self.width * work.executed_pairs
         recompute = self.recompute_fraction * (2.0 * weights * work.slots
                                                + 4.0 * self.num_layers * self.width * work.executed_pairs)

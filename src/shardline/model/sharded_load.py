@@ -15,6 +15,10 @@ it. Measured (bench/RESULTS-memory.md): 2 ranks loading a 1.1B bf16 checkpoint p
 every rank into the HF cache (its file locks make that safe); staging a checkpoint on node-local disk
 (`model.local_cache`) is not done here.
 
+A mixture of experts' fused expert weights (`mlp.experts.gate_up_proj [E, 2I, H]`) are read from the per-expert
+tensors hub checkpoints store (`shardline.model.expert_layout`): a rank whose shard holds experts a..b reads only
+those experts' tensors.
+
 Random init (no `model.path`, and LoRA adapters always) is HF's / peft's scheme, made deterministic per
 parameter and independent of the world size: each tensor is cut into fixed blocks of rows
 (`INIT_BLOCK_ELEMENTS` elements), block b of parameter `name` is drawn on the CPU from a generator seeded by
@@ -24,6 +28,7 @@ parameter and independent of the world size: each tensor is cut into fixed block
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -33,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -41,7 +47,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardline.errors import SpecError
+from shardline.model.expert_layout import StackedExperts, model_keys
 from shardline.model.families import is_multimodal_checkpoint, language_model_key
+from shardline.model.moe import is_moe
 from shardline.model.nf4 import is_nf4, to_nf4
 from shardline.spec import ModelSpec
 
@@ -98,7 +106,7 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
             random = params
         else:
             random = [p for p in params if _is_lora(p.name)]
-            _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path, quantized, device)
+            _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path, quantized, device, base)
         _fill_all_random(random, spec.init_seed, std)
         if spec.path is None:
             for p, attr in quantized:
@@ -251,9 +259,29 @@ class _Stored:
     """The tensor's name in the file (a multimodal checkpoint's `model.language_model.…`)."""
 
 
-def _checkpoint_files(path: str) -> dict[str, _Stored]:
-    """Model parameter name → where its tensor is stored; a multimodal checkpoint's language model only."""
+@dataclass(frozen=True)
+class _Experts:
+    """A fused expert parameter stored per expert: `parts[j][e]` is projection j of expert e, the parts
+    concatenated on their dim 0 (gate, then up), the experts stacked."""
+
+    parts: tuple[tuple[_Stored, ...], ...]
+
+    @property
+    def file(self) -> Path:
+        return self.parts[0][0].file
+
+
+Source = _Stored | _Experts
+
+
+def _checkpoint_files(path: str, model: nn.Module | None = None) -> dict[str, Source]:
+    """Model parameter name → where its tensor is stored; a multimodal checkpoint's language model only; a mixture of
+    experts' fused weights by transformers' conversion mapping of `model` (`shardline.model.expert_layout`)."""
     stored = _stored_keys(path)
+    if model is not None and is_moe(model.config):
+        return {name: _Experts(tuple(tuple(_Stored(stored[k], k) for k in part) for part in where.parts))
+                if isinstance(where, StackedExperts) else _Stored(stored[where], where)
+                for name, where in model_keys(model, stored).items()}
     if not is_multimodal_checkpoint(stored):
         return {key: _Stored(file, key) for key, file in stored.items()}
     return {name: _Stored(file, key) for key, file in stored.items() if (name := language_model_key(key))}
@@ -302,10 +330,11 @@ def _inside(root: Path, entry: object, named_in: Path) -> Path:
 
 
 def _load_checkpoint(params: list[_Param], path: str, quantized: list[tuple[_Param, str]] = (),
-                     device: torch.device | None = None) -> None:
+                     device: torch.device | None = None, model: nn.Module | None = None) -> None:
     """Copy each parameter's local slice from the checkpoint, reading only those bytes; each of `quantized` (meta NF4
-    weights and their attributes) is read whole into `device` in its dtype and quantized there."""
-    files = _checkpoint_files(path)
+    weights and their attributes) is read whole into `device` in its dtype and quantized there. `model` (the causal
+    LM) names how a mixture of experts' checkpoint stores its experts."""
+    files = _checkpoint_files(path, model)
     whole = {id(p): attr for p, attr in quantized}
     source: dict[str, _Param] = {}
     missing = []
@@ -332,7 +361,7 @@ def _load_checkpoint(params: list[_Param], path: str, quantized: list[tuple[_Par
             _copy_rows(*_local(p.param), files[key])
 
 
-def _copy_rows(dst: torch.Tensor, region: tuple[slice, ...], stored: _Stored) -> None:
+def _copy_rows(dst: torch.Tensor, region: tuple[slice, ...], stored: Source) -> None:
     """Fill `dst`, the `region` of a stored tensor, in pieces of at most `READ_CHUNK_BYTES` read at a time."""
     rows, rest = region[0], region[1:]
     step = max(1, READ_CHUNK_BYTES // (math.prod(dst.shape[1:]) * dst.element_size()))
@@ -341,24 +370,56 @@ def _copy_rows(dst: torch.Tensor, region: tuple[slice, ...], stored: _Stored) ->
         dst[a - rows.start : b - rows.start].copy_(_read(stored, (slice(a, b), *rest)))
 
 
-def _check_shapes(source: dict[str, _Param], stored: dict[str, _Stored]) -> None:
-    """Every checkpoint tensor has its parameter's shape (reads only the files' headers)."""
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for key in source:
-        by_file[stored[key].file].append(key)
-    for file, keys in by_file.items():
-        with safe_open(file, "pt") as f:
-            for key in keys:
-                shape, expected = tuple(f.get_slice(stored[key].key).get_shape()), tuple(source[key].param.shape)
-                if shape != expected:
-                    raise SpecError("model.path", f"{file.name}: {key} has shape {shape}, the model expects "
-                                    f"{expected}", "check that config.json belongs to these weights")
+def _check_shapes(source: dict[str, _Param], stored: dict[str, Source]) -> None:
+    """Every checkpoint tensor has its parameter's shape (reads only the files' headers); per-expert tensors stack
+    to the fused parameter's shape."""
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def shape_of(s: _Stored) -> tuple[int, ...]:
+            if s.file not in opened:
+                opened[s.file] = stack.enter_context(safe_open(s.file, "pt"))
+            return tuple(opened[s.file].get_slice(s.key).get_shape())
+
+        for key in sorted(source, key=lambda k: str(stored[k].file)):
+            where = stored[key]
+            shape = _experts_shape(where, shape_of) if isinstance(where, _Experts) else shape_of(where)
+            expected = tuple(source[key].param.shape)
+            if shape != expected:
+                raise SpecError("model.path", f"{where.file.name}: {key} has shape {shape}, the model expects "
+                                f"{expected}", "check that config.json belongs to these weights")
 
 
-def _read(stored: _Stored, region: tuple[slice, ...]) -> torch.Tensor:
-    """`region` of a stored tensor; the file is mapped only meanwhile (mapped pages count in the RSS)."""
+def _experts_shape(experts: _Experts, shape_of: Callable[[_Stored], tuple[int, ...]]) -> tuple[int, ...] | str:
+    """The stacked shape [E, Σ part rows, …] of per-expert tensors, or a description of their mismatch."""
+    parts = [[shape_of(s) for s in part] for part in experts.parts]
+    if any(len(set(shapes)) != 1 for shapes in parts) or len({s[0][1:] for s in parts}) != 1:
+        return f"per-expert tensors of differing shapes {sorted({s for p in parts for s in p})}"
+    return (len(parts[0]), sum(p[0][0] for p in parts), *parts[0][0][1:])
+
+
+def _read(stored: Source, region: tuple[slice, ...]) -> torch.Tensor:
+    """`region` of a stored tensor; the file is mapped only meanwhile (mapped pages count in the RSS). Of stacked
+    experts: only the experts and rows of the region, each expert's parts read and concatenated."""
+    if isinstance(stored, _Experts):
+        return torch.stack([_read_expert([part[e] for part in stored.parts], region[1:])
+                            for e in range(region[0].start, region[0].stop)])
     with safe_open(stored.file, "pt") as f:
         return f.get_slice(stored.key)[region]
+
+
+def _read_expert(parts: list[_Stored], region: tuple[slice, ...]) -> torch.Tensor:
+    """`region` of one expert's parts concatenated on dim 0, reading only the rows it covers."""
+    rows, rest, pieces, offset = region[0], region[1:], [], 0
+    for stored in parts:
+        with safe_open(stored.file, "pt") as f:
+            tensor = f.get_slice(stored.key)
+            n = tensor.get_shape()[0]
+            a, b = max(rows.start, offset), min(rows.stop, offset + n)
+            if a < b:
+                pieces.append(tensor[(slice(a - offset, b - offset), *rest)])
+        offset += n
+    return torch.cat(pieces)
 
 
 def _few(names: list[str], n: int = 8) -> str:

@@ -23,6 +23,7 @@ from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
+from shardline.model import moe
 from shardline.model.build import causal_lm
 from shardline.model.document_attention import (
     DENSE_MASKS,
@@ -58,8 +59,18 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
     computes them, also for a family outside `shardline.model.families` (its head may do more than a linear
     map and Gemma 2's cap: `takes_chunked_loss`). The batch's document spans go to the model as varlen keywords:
     document-masked attention reads them (`flash_attention_2`, shardline's per-document SDPA); `eager` ignores them
-    and masks from the positions."""
-    return _token_loss(model, batch, chunk_tokens, "sum")
+    and masks from the positions.
+
+    A mixture of experts with its router auxiliary loss on (`shardline.model.moe`) adds, while gradients are on,
+    coef · aux · `batch.n_loss_tokens` (aux over this batch's real tokens): the step's loss is then transformers'
+    `cross-entropy + coef · aux`."""
+    lm = causal_lm(model)
+    coefficient = moe.aux_loss_coefficient(lm.config) if torch.is_grad_enabled() else 0.0
+    with moe.router_logits(lm, record=coefficient > 0) as routed:
+        loss = _token_loss(model, batch, chunk_tokens, "sum")
+    if coefficient:
+        loss = loss + moe.aux_loss_term(lm, routed, batch.spans, batch.input_ids.shape, batch.n_loss_tokens)
+    return loss
 
 
 def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None,
@@ -87,6 +98,7 @@ def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduct
             needed = not whole or any(w and w < seq for w in windows)
             if needed and (masks := dense_masks(batch.spans, rows, seq, device, windows)) is not None:
                 spans[DENSE_MASKS] = masks
+    spans.update(moe.forward_kwargs(lm.config))  # a mixture of experts: no aux loss of transformers' own here
     if chunk_tokens and takes_chunked_loss(lm.config, chunk_tokens):  # (chunk_tokens: narrowed for the call)
         return chunked_loss(lm, batch.labels, batch.n_loss_tokens, chunk_tokens, reduction, temperature,
                             input_ids=batch.input_ids, position_ids=batch.position_ids, **spans)

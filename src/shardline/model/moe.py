@@ -1,0 +1,116 @@
+"""Mixture-of-experts models as transformers 5 builds them: which parameters are routed experts, how many of them a
+token uses, and the family's router auxiliary (load-balancing) loss.
+
+The model math is transformers' own (`Qwen3MoeSparseMoeBlock` and its siblings: top-k routing, experts held fused
+as `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, run by transformers' experts implementation);
+FSDP2 shards those fused parameters on dim 0, the expert dimension, like any other parameter. Expert parallelism
+(tokens sent to the ranks that hold their experts) is not here yet.
+
+Auxiliary loss: on when the checkpoint's config says `output_router_logits: true` (hub configs ship false), with
+the config's `router_aux_loss_coef`. `aux_loss_term` computes it with the family's own `load_balancing_loss_func`
+over the router logits of every MoE layer of one micro-batch, real tokens only (a packed row's padding tail is
+left out), and weights it by the micro-batch's loss-bearing tokens, so that the step's loss (summed, divided by
+the step's loss tokens) is `cross-entropy + coef · aux` exactly as transformers computes it on one batch, and the
+token-weighted mean of the micro-batches' aux terms over several.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class DocumentSpans(Protocol):
+    """The documents of a batch (`shardline.data.spans.DocumentSpans`): span lengths over the flattened rows and
+    which spans are real (not a row's padding tail)."""
+
+    lengths: tuple[int, ...]
+    real: tuple[bool, ...]
+
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
+"""Where the configs of the trained families keep their number of routed experts."""
+
+
+def num_experts(config: Any) -> int:
+    """Routed experts per MoE layer; 0 for a dense config."""
+    return next((int(v) for f in EXPERT_COUNT_FIELDS if (v := getattr(config, f, None))), 0)
+
+
+def is_moe(config: Any) -> bool:
+    return num_experts(config) > 0
+
+
+def active_expert_fraction(config: Any) -> float:
+    """The share of routed-expert weights one token runs through: top-k of E (1 for a dense config)."""
+    experts = num_experts(config)
+    return config.num_experts_per_tok / experts if experts else 1.0
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' fused weights (parameters of each `….mlp.experts` module); a shared expert, the router
+    and dense layers are not among them."""
+    return [p for name, module in model.named_modules() if name.endswith("mlp.experts")
+            for p in module.parameters(recurse=False)]
+
+
+def aux_loss_coefficient(config: Any) -> float:
+    """The router auxiliary loss's weight in the training loss: the config's `router_aux_loss_coef` when its
+    `output_router_logits` is true, else 0 (off: the default of hub configs)."""
+    if not is_moe(config) or not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def forward_kwargs(config: Any) -> dict[str, Any]:
+    """Keywords for shardline's own forwards: an MoE model computes no aux loss of its own there (it would apply
+    shardline's placeholder attention mask to the tokens); `aux_loss_term` does instead."""
+    return {"output_router_logits": False} if is_moe(config) else {}
+
+
+@contextlib.contextmanager
+def router_logits(lm: nn.Module, record: bool) -> Iterator[list[torch.Tensor]]:
+    """The router logits ([tokens, E], one per MoE layer in order) of the forwards run inside, when `record`:
+    forward hooks on the family's router class (the one transformers records `router_logits` from)."""
+    found: list[torch.Tensor] = []
+    if not record:
+        yield found
+        return
+    recorder = type(lm)._can_record_outputs["router_logits"]
+    hooks = [m.register_forward_hook(lambda _m, _a, out: found.append(out[recorder.index]))
+             for m in lm.modules() if isinstance(m, recorder.target_class)]
+    try:
+        yield found
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def real_tokens(spans: DocumentSpans | None, shape: torch.Size) -> torch.Tensor:
+    """[B, T] float mask of the tokens that are not a row's padding tail (all of them without spans)."""
+    if spans is None:
+        return torch.ones(shape)
+    real = torch.tensor(spans.real, dtype=torch.float32)
+    return real.repeat_interleave(torch.tensor(spans.lengths)).view(shape)
+
+
+def load_balancing_loss(lm: nn.Module, logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """The family's own Switch-style auxiliary loss (`load_balancing_loss_func` of its modeling module) over the
+    router logits of every MoE layer, counting the tokens `mask` ([B, T]) keeps."""
+    module = next(sys.modules[c.__module__] for c in type(lm).__mro__  # FSDP subclasses the family's class
+                  if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
+    loss_func = module.load_balancing_loss_func
+    config = lm.config
+    return loss_func(tuple(logits), num_experts(config), config.num_experts_per_tok,
+                     mask.to(logits[0].device))
+
+
+def aux_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpans | None, shape: torch.Size,
+                  loss_tokens: int) -> torch.Tensor:
+    """What one micro-batch adds to the summed training loss: coef · aux · its loss-bearing tokens."""
+    aux = load_balancing_loss(lm, logits, real_tokens(spans, shape))
+    return aux * (aux_loss_coefficient(lm.config) * loss_tokens)

@@ -1,0 +1,334 @@
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, OLMoE) against
+transformers' own model on the same weights: checkpoints saved by transformers (per-expert keys) load into the fused
+experts and export back with the input's key set; the loss and every gradient of shardline's training forward equal
+transformers' with the router auxiliary loss on and off; one training step of the Trainer on an in-process rank
+(FSDP2 sharding the fused experts on dim 0) equals transformers on each packed document alone; LoRA trains attention
+with the experts and the router frozen; FLOPs count the active experts; what is not supported is a named error.
+
+Tiny configs from transformers' own config classes, fp32, dims multiples of 8, init std 0.2: at that scale a token
+routed to the wrong experts moves the loss (checked below), so the oracles could fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    PreTrainedTokenizerBase,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+from shardline.data.loader import IGNORE_INDEX, Batch
+from shardline.data.prepare import prepare
+from shardline.data.spans import document_spans
+from shardline.data.tokenizer import train_bpe
+from shardline.errors import SpecError
+from shardline.export import _save_full
+from shardline.model import moe
+from shardline.model.build import build_model
+from shardline.model.families import family_of
+from shardline.model.flops import flops_per_token
+from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.sharded_load import _checkpoint_files, _read
+from shardline.parallel.context import check_context_parallel
+from shardline.parallel.tensor import check_tensor_parallel
+from shardline.rundir import create_run
+from shardline.spec import LoraSpec, ModelSpec
+from shardline.tasks.text_to_sql.generate import generate_splits
+from shardline.training.evaluate import token_loss_sum
+from shardline.training.trainer import Trainer
+from tests.adam_oracle import BETAS
+from tests.conftest import small_spec
+from tests.oracle import IGNORE, documents_of_rows
+
+EXPERTS, TOP_K, AUX_COEF = 8, 2, 0.05
+COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=TOP_K,
+              router_aux_loss_coef=AUX_COEF)
+CONFIGS = {
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=EXPERTS, moe_intermediate_size=32, intermediate_size=64,
+                                       head_dim=16)),
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=EXPERTS, moe_intermediate_size=32, intermediate_size=64,
+                                       shared_expert_intermediate_size=48)),
+    "mixtral": (MixtralConfig, dict(num_local_experts=EXPERTS, intermediate_size=32)),
+    "olmoe": (OlmoeConfig, dict(num_experts=EXPERTS, intermediate_size=32)),
+}
+FAMILIES = list(CONFIGS)
+PER_EXPERT_KEY = {"qwen3_moe": "model.layers.0.mlp.experts.7.gate_proj.weight",
+                  "qwen2_moe": "model.layers.0.mlp.experts.7.up_proj.weight",
+                  "mixtral": "model.layers.0.block_sparse_moe.experts.7.w3.weight",
+                  "olmoe": "model.layers.0.mlp.experts.7.down_proj.weight"}
+STEP = ("train.precision=fp32", "train.micro_batch_size=2", "train.global_batch_size=2", "train.warmup_steps=0",
+        "train.lr=1e-3", "train.weight_decay=0.1", "train.peak_tflops=1", "checkpoint.async_save=false",
+        "model.arch.vocab_size=512", "train.max_steps=1")
+
+
+def write_checkpoint(name: str, tok: PreTrainedTokenizerBase, path: Path, **overrides) -> Path:
+    cls, extra = CONFIGS[name]
+    config = cls(**COMMON, **extra, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id, **overrides)
+    torch.manual_seed(sum(map(ord, name)))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerBase:
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    return train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tok, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: write_checkpoint(name, tok, root / name) for name in FAMILIES}
+
+
+def stored_keys(path: Path) -> set[str]:
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return set(f.keys())
+
+
+def reference(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def ours(path: Path) -> torch.nn.Module:
+    return build_model(ModelSpec(path=str(path)), 0, {})
+
+
+# ---- families, loading and export -----------------------------------------------------------------------------
+def test_per_expert_checkpoints_load_into_the_fused_experts_and_export_with_the_inputs_keys(checkpoints, tmp_path):
+    for name, path in checkpoints.items():
+        keys = stored_keys(path)
+        assert PER_EXPERT_KEY[name] in keys and not any(k.endswith("experts.gate_up_proj") for k in keys), name
+        model, theirs = ours(path), reference(path)
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == EXPERTS
+        want = theirs.state_dict()
+        got = model.state_dict()
+        assert got.keys() == want.keys(), name
+        diff = max((got[k] - want[k]).abs().max().item() for k in got)
+        print(f"{name}: loaded weights vs transformers' from_pretrained: max abs diff {diff}")
+        assert diff == 0.0, name
+        # a rank holding experts 2..5 and rows 8..40 of gate_up reads only those experts' tensors, gate and up parts
+        fused = "model.layers.1.mlp.experts.gate_up_proj"
+        stored = _checkpoint_files(str(path), model)[fused]
+        region = (slice(2, 5), slice(8, 40), slice(0, 64))
+        assert torch.equal(_read(stored, region), want[fused][region]), name
+
+        out = tmp_path / name
+        _save_full(model, {}, out)  # what `shardline export` writes for a full fine-tune
+        assert stored_keys(out) == keys, name
+        _save_full(model, {}, tmp_path / f"{name}-fused", original_format=False)
+        fused_keys = stored_keys(tmp_path / f"{name}-fused")
+        assert fused in fused_keys and PER_EXPERT_KEY[name] not in fused_keys
+        # a fused checkpoint loads as it is and exports fused again (the input's layout)
+        again = ours(tmp_path / f"{name}-fused")
+        assert all(torch.equal(again.state_dict()[k], want[k]) for k in want), name
+
+
+def test_families_accept_the_four_mixtures_and_refuse_the_others_by_name():
+    from transformers import DbrxConfig, DeepseekV3Config, GptOssConfig, Llama4TextConfig, PhimoeConfig
+
+    assert [family_of(cls(**extra)).name for cls, extra in CONFIGS.values()] == [
+        "Qwen3-MoE", "Qwen2-MoE", "Mixtral", "OLMoE"]
+    assert all(family_of(cls(**extra)).experts for cls, extra in CONFIGS.values())
+    with pytest.raises(SpecError, match="attention sinks.*\\[E, H, 2I\\].*interleaved.*clamped SwiGLU.*MXFP4") as e:
+        family_of(GptOssConfig())
+    assert "Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE" in e.value.fix
+    for config, why in ((DeepseekV3Config(), "latent attention"), (Llama4TextConfig(), "Llama 4")):
+        with pytest.raises(SpecError, match=why) as e:
+            family_of(config)
+        assert "Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE" in e.value.fix and "Llama (llama)" in e.value.fix
+    for config in (DbrxConfig(), PhimoeConfig()):
+        with pytest.raises(SpecError, match="untested family .*Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE"):
+            family_of(config)
+    config = Qwen3MoeConfig(**CONFIGS["qwen3_moe"][1])
+    with pytest.raises(SpecError, match="mixture of experts") as e:
+        check_tensor_parallel(config, 2)
+    assert e.value.where == "parallel.tp"
+    with pytest.raises(SpecError, match="mixture of experts"):
+        check_context_parallel(config, 2)
+
+
+# ---- the training forward against transformers' ------------------------------------------------------------
+def _batch(seed: int) -> tuple[Batch, torch.Tensor]:
+    """Two rows of one document each, the second with a 9-token padding tail, as the loader builds them; and the
+    attention mask transformers is given for the same rows."""
+    rows, seq, real = 2, 48, torch.tensor([48, 39])
+    ids = torch.randint(3, 400, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.arange(seq)[None] < real[:, None]
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = torch.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
+    positions = torch.arange(seq).repeat(rows, 1)
+    positions[1, 39:] = torch.arange(seq - 39)  # the packer's padding tail: its own span, positions from 0
+    spans = document_spans(positions, real)
+    return Batch(ids, labels, positions, int(mask[:, 1:].sum()), int(real.sum()), spans), mask
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_loss_and_every_gradient_equal_transformers_with_the_aux_loss_on_and_off(checkpoints, name):
+    """shardline's training forward (per-document SDPA on the loader's rows, router logits recorded by hooks, the
+    padding tail left out of the aux loss) against transformers' own loss with labels and an attention mask."""
+    batch, mask = _batch(seed=1)
+    model, theirs = ours(checkpoints[name]), reference(checkpoints[name])
+    for aux in (False, True):
+        model.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+        model.config.output_router_logits = aux  # what a config.json with output_router_logits: true says
+        assert moe.aux_loss_coefficient(model.config) == (AUX_COEF if aux else 0.0)
+        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        loss.backward()
+        out = theirs(input_ids=batch.input_ids, attention_mask=mask.long(),
+                     labels=torch.where(mask, batch.input_ids, IGNORE_INDEX), output_router_logits=aux)
+        out.loss.backward()
+        if aux:  # the auxiliary term is large enough here that leaving it out would fail the oracle
+            assert out.aux_loss.item() * AUX_COEF > 1e-3
+        grads = {k: p.grad for k, p in theirs.named_parameters()}
+        diffs = {k: (p.grad - grads[k]).abs().max().item() for k, p in model.named_parameters()}
+        print(f"{name} aux={aux}: loss {loss.item():.7f} vs transformers {out.loss.item():.7f}; every gradient: "
+              f"max abs diff {max(diffs.values()):.2e} ({max(diffs, key=diffs.get)})")
+        assert loss.item() == pytest.approx(out.loss.item(), rel=1e-6, abs=1e-6)
+        assert diffs.keys() == grads.keys()
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[key], atol=2e-6, rtol=1e-4,
+                                       msg=lambda m, k=key, aux=aux: f"aux={aux} {k}: {m}")
+
+
+def test_mis_routing_moves_the_loss_beyond_the_oracles_tolerance(checkpoints):
+    """The oracle's teeth: rolling the experts by one (each token served by its neighbour's weights) or dropping the
+    routing weights' normalisation changes the loss far beyond the 1e-6 the oracle allows."""
+    batch, _ = _batch(seed=2)
+    model = ours(checkpoints["qwen3_moe"])
+    with torch.no_grad():
+        base = token_loss_sum(model, batch).item() / batch.n_loss_tokens
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(experts.gate_up_proj.roll(1, 0))
+            experts.down_proj.copy_(experts.down_proj.roll(1, 0))
+        rolled = token_loss_sum(model, batch).item() / batch.n_loss_tokens
+    print(f"qwen3_moe: experts rolled by one change the loss by {abs(rolled - base) / base:.2e} relative")
+    assert abs(rolled - base) / base > 1e-3
+
+
+# ---- the Trainer, one in-process rank -----------------------------------------------------------------------
+def _per_document(model: torch.nn.Module, data, rows: list[int]) -> tuple[torch.Tensor, int, tuple]:
+    """Summed next-token loss over the documents of packed `rows`, each alone through transformers' model, the
+    number of loss tokens, and every MoE layer's router logits over all those documents' tokens."""
+    packed = data.rows("train")
+    total, count, routed = torch.zeros((), dtype=torch.float64), 0, []
+    for r in rows:
+        at = 0
+        for doc in documents_of_rows(data, [r]):
+            ids = torch.tensor([doc])
+            keep = torch.tensor(packed.loss_mask[r, at: at + len(doc)], dtype=torch.bool)[None]
+            out = model(input_ids=ids, output_router_logits=True)
+            labels = torch.where(keep, ids, IGNORE)[0, 1:]
+            total = total + torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), labels,
+                                                              ignore_index=IGNORE, reduction="sum").double()
+            count += int((labels != IGNORE).sum())
+            routed.append(out.router_logits)
+            at += len(doc)
+    return total, count, tuple(torch.cat(layer) for layer in zip(*routed, strict=True))
+
+
+TRAINED = {"qwen3_moe": False, "qwen2_moe": True}
+"""The families trained one step by the Trainer, and whether their config turns the auxiliary loss on."""
+
+
+@pytest.fixture(scope="module")
+def trained(ctx, checkpoints, tok, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("moe-runs")
+    results = {}
+    for name, aux in TRAINED.items():
+        path = checkpoints[name]
+        if aux:  # the checkpoint's config.json turns the router's auxiliary loss on
+            path = write_checkpoint(name, tok, root / f"{name}-aux", output_router_logits=True)
+        spec, run_dir = create_run(small_spec(root, f"model.path={path}", f"run.id=moe-{name}", *STEP))
+        trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+        record = trainer.train_step()
+        rows = [r for line in trainer.sample_trace.read_text().splitlines()[:1] for r in json.loads(line)["rows"]]
+        named = dict(trainer.model.named_parameters())
+        results[name] = dict(path=path, aux=aux, record=record, rows=rows, trainer=trainer,
+                             expert_placement=named["model.layers.0.mlp.experts.gate_up_proj"].placements,
+                             moments={k: _full(trainer.optimizer.state[p]["exp_avg"]) for k, p in named.items()})
+    return results
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_one_trainer_step_equals_transformers_on_each_document_alone(name, trained):
+    """FSDP2 (one rank) shards the fused experts on the expert dimension; the step's loss is the cross-entropy of
+    every packed document alone through transformers (plus coef · aux over all their tokens where the config turns
+    it on), and its gradients (the first Adam moments: (1 − β1) · the clipped gradient) are transformers'."""
+    got = trained[name]
+    assert str(got["expert_placement"]) == "(Shard(dim=0),)"
+    plain = AutoModelForCausalLM.from_pretrained(got["path"], dtype=torch.float32, attn_implementation="eager")
+    total, count, routed = _per_document(plain, got["trainer"].data, got["rows"])
+    loss = total / count
+    if got["aux"]:
+        loss_func = sys.modules[type(plain).__module__].load_balancing_loss_func
+        loss = loss + AUX_COEF * loss_func(routed, EXPERTS, TOP_K)
+    assert got["record"].tokens == count
+    print(f"{name} (aux {'on' if got['aux'] else 'off'}): shardline {got['record'].loss:.7f} vs transformers "
+          f"{loss.item():.7f}")
+    assert got["record"].loss == pytest.approx(loss.item(), rel=1e-5)
+    loss.backward()
+    t = got["trainer"].spec.train
+    torch.nn.utils.clip_grad_norm_(list(plain.parameters()), t.max_grad_norm or float("inf"))
+    diffs = {}
+    for key, p in plain.named_parameters():
+        want = (1 - BETAS[0]) * p.grad
+        diffs[key] = (got["moments"][key] - want).abs().max().item()
+        torch.testing.assert_close(got["moments"][key], want, atol=1e-7, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+    print(f"{name}: first moments vs (1 − β1)·transformers' clipped gradient: max abs diff {max(diffs.values()):.2e}")
+
+
+def test_flops_count_the_active_experts(trained):
+    """6·N per token with N the active parameters: of each layer's routed experts only top-k of E."""
+    trainer = trained["qwen3_moe"]["trainer"]
+    config = trainer.model.config
+    per_layer = EXPERTS * (2 * 32 * 64 + 64 * 32)  # gate_up [E, 2I, H] + down [E, H, I]
+    counts = trainer.params
+    assert counts.experts_trainable == config.num_hidden_layers * per_layer
+    assert counts.active_trainable == counts.trainable - (1 - TOP_K / EXPERTS) * counts.experts_trainable
+    dense = flops_per_token(counts.__class__(counts.trainable, counts.frozen, counts.embedding), 2, 64, 192)
+    assert dense - trainer.flops_per_token == pytest.approx(6 * (1 - TOP_K / EXPERTS) * counts.experts_trainable)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------------------
+def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoints, tmp_path):
+    path = checkpoints["qwen3_moe"]
+    spec, run_dir = create_run(small_spec(tmp_path, f"model.path={path}", "run.id=moe-lora", *STEP,
+                                          "model.lora.enabled=true", "model.lora.r=4", "train.lr=1e-2"))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    before = {k: _full(p) for k, p in trainer.model.named_parameters()}
+    trainable = sorted(k for k, p in trainer.model.named_parameters() if p.requires_grad)
+    assert trainable and all(".lora_" in k and "self_attn" in k for k in trainable)
+    trainer.train_step()
+    changed = sorted(k for k, p in trainer.model.named_parameters() if not torch.equal(_full(p), before[k]))
+    assert changed and all(".lora_B" in k or ".lora_A" in k for k in changed)
+    assert not any("experts" in k or "mlp.gate" in k for k in changed)
+
+    model = build_model(ModelSpec(path=str(path)), 0, {}, device="meta")
+    for targets in (["experts"], ["gate_up_proj"], ["q_proj", "down_proj"], ["gate"]):
+        with pytest.raises(SpecError, match="routed experts .* not supported yet") as e:
+            apply_lora(model, LoraSpec(enabled=True, target_modules=targets))
+        assert e.value.where == "model.lora.target_modules"
+    with pytest.raises(SpecError, match="nf4 with a mixture of experts"):
+        quantize_frozen_base(model, LoraSpec(enabled=True, quantize_base="nf4"), "bf16")
