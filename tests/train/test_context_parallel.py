@@ -15,14 +15,16 @@ from transformers import Gemma2Config
 
 from shardline.errors import SpecError
 from shardline.parallel.context import check_context_parallel
+from shardline.rundir import run_path
 from shardline.spec.resolve import load_spec
-from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import REPO, read_metrics
 from tests.train.test_preemption import _losses
+from tests.train.world_worker import created, run_world
 
 STEPS = 5
-COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "train.warmup_steps=0", "checkpoint.every_steps=2",
-          "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=2", "observe.report=false",
-          "train.seq_len=256", "train.eval_examples=6"]
+COMMON = ["parallel.nproc_per_node=4", "train.precision=fp32", f"train.max_steps={STEPS}", "train.warmup_steps=0",
+          "checkpoint.every_steps=2", "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=2",
+          "observe.report=false", "train.seq_len=256", "train.eval_examples=6"]
 
 
 def test_cp_rules_name_the_field_and_the_fix():
@@ -73,18 +75,23 @@ def test_a_ranks_tokens_attend_over_the_whole_row_as_per_document_attention_does
             assert max(diffs.values()) < 1e-12, (case, diffs)  # float64
 
 
-def _sets(runs: Path, *extra: str) -> list[str]:
-    return [a for o in [*small_overrides(runs), *COMMON, *extra] for a in ("--set", o)]
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict[str, Path]:
+    """Four runs on one 4-rank world (world_worker.py), by name → run directory: FSDP ×4, FSDP 2 × CP 2, HSDP 2 × CP 2,
+    and FSDP ×4 resumed from the CP run's step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("cp")
+    cp = created(root / "cp", *COMMON, "parallel.cp=2")
+    specs = {"fsdp": created(root / "fsdp", *COMMON), "cp": cp,
+             "hsdp-cp": created(root / "hsdp-cp", *COMMON, "parallel.cp=2", "parallel.dp_replicate=2",
+                                "parallel.dp_shard=1"),
+             "resumed": created(root / "resumed", *COMMON, f"checkpoint.resume_from={run_path(cp)}@2")}
+    run_world(root, [{"spec": spec, "fit": True} for spec in specs.values()])
+    return {name: run_path(spec) for name, spec in specs.items()}
 
 
 @pytest.mark.slow
-def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp_path):
-    runs = {}
-    for name, extra in (("fsdp", []), ("cp", ["parallel.cp=2"]),
-                        ("hsdp-cp", ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"])):
-        out = run_cli("train", *_sets(tmp_path / name, *extra), "--nproc", "4")
-        assert out.returncode == 0, out.stdout[-3000:]
-        runs[name] = only_run(tmp_path / name)
+def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(layouts):
+    runs = {name: layouts[name] for name in ("fsdp", "cp", "hsdp-cp")}
     meshes = {name: next(e for e in read_metrics(runs[name], "event") if e["event"] == "setup")["mesh"]
               for name in ("cp", "hsdp-cp")}
     assert meshes == {"cp": {"dp_shard": 2, "cp": 2}, "hsdp-cp": {"dp_replicate": 2, "dp_shard": 1, "cp": 2}}
@@ -103,10 +110,9 @@ def test_fsdp_x_cp_trains_fsdps_losses_and_its_checkpoint_resumes_without_cp(tmp
     assert len(preds["fsdp"]) == 6 and preds["cp"] == preds["fsdp"] and preds["hsdp-cp"] == preds["fsdp"]
 
     # the step-2 checkpoint of FSDP 2 × CP 2 resumes as FSDP ×4 and trains FSDP's steps 3-5
-    resumed = tmp_path / "resumed"
-    out = run_cli("train", *_sets(resumed, f"checkpoint.resume_from={runs['cp']}@2"), "--nproc", "4")
-    assert out.returncode == 0, out.stdout[-3000:]
-    after = _losses(only_run(resumed))
+    resumes = [e for e in read_metrics(layouts["resumed"], "event") if e["event"] == "resume"]
+    assert [(e["step"], e["world"]) for e in resumes] == [(2, 4)]
+    after = _losses(layouts["resumed"])
     assert sorted(after) == [3, 4, 5]
     for step in after:
         assert after[step] == pytest.approx(losses["fsdp"][step], rel=1e-5), step

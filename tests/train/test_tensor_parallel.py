@@ -5,8 +5,6 @@ transformers loads with the run's validation loss. The spec rules name each brok
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +15,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 from shardline.checkpointing.state import rng_source_rank
 from shardline.data.prepare import PreparedData
 from shardline.errors import SpecError
-from shardline.export import build_plain
+from shardline.export import build_plain, export_run
 from shardline.parallel.fsdp import enable_async_tp
 from shardline.parallel.tensor import check_tensor_parallel
-from shardline.rundir import create_run, read_spec
+from shardline.rundir import read_spec, run_path
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
-from tests.conftest import REPO, only_run, read_metrics, run_cli, small_overrides, workers
+from tests.conftest import read_metrics, workers
 from tests.oracle import unpacked_loss
 from tests.train.test_preemption import _losses, _start, _wait_for_step
+from tests.train.world_worker import created, run_world
 
 STEPS = 8
 COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "checkpoint.every_steps=4", "train.lr=1e-2",
@@ -93,28 +92,76 @@ def test_clipping_over_several_meshes_equals_torchs_clip_on_plain_tensors():
         torch.testing.assert_close(p.grad, t.grad)
 
 
-def _sets(runs: Path, *extra: str) -> list[str]:
-    return [a for o in [*small_overrides(runs), *COMMON, *extra] for a in ("--set", o)]
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where the module's runs live, beside the one prepared-data cache they share."""
+    return tmp_path_factory.mktemp("tp")
 
 
 @pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory):
-    """FSDP alone on the same 4 ranks (its run directory): the losses tensor parallel must reproduce."""
-    runs = tmp_path_factory.mktemp("fsdp4")
-    out = run_cli("train", *_sets(runs), "--nproc", "4")
-    assert out.returncode == 0, out.stdout[-3000:]
-    return only_run(runs)
-
-
-@pytest.mark.slow
-def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fsdp_reference):
-    reference = _losses(fsdp_reference)
-    runs = tmp_path / "tp"
+def killed_tp_run(root) -> Path:
+    """FSDP 2 × TP 2 through `shardline train`, its last worker killed -9 at step 6 with step 4 committed: the run
+    directory of the run that restarted and finished."""
+    runs = root / "killed"
     proc = _start(runs, *COMMON, "parallel.tp=2", "launch.max_restarts=1", nproc=4)
     run = _wait_for_step(runs, 6, proc, committed=4)
     os.kill(workers(run)[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-6000:]
+    return run
+
+
+LORA = ["model.lora.enabled=true", "model.lora.r=4"]
+DROPPING = [*LORA, "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
+
+
+@pytest.fixture(scope="module")
+def world(root, killed_tp_run) -> dict[str, Path]:
+    """The module's other runs on one 4-rank world (world_worker.py), by name → run directory: FSDP ×4 (the losses
+    tensor parallel must reproduce), FSDP ×4 resumed from the killed run's step 4, LoRA under FSDP and under TP,
+    TP with selective checkpointing and compile, and the runs whose tensor-parallel peers are compared."""
+    def spec(name: str, *extra: str) -> JobSpec:
+        return created(root / name, *COMMON, "parallel.nproc_per_node=4", *extra)
+
+    lora = [*LORA, "model.lora.dropout=0", "train.max_steps=4", "checkpoint.every_steps=100", "train.eval_examples=6"]
+    # tp 1 → 2: the tp 1 run's 4 data-parallel ranks saved their own RNG streams at step 2 (of 4)
+    tp1 = spec("lora-tp1", *DROPPING, "train.max_steps=4", "checkpoint.every_steps=2")
+    jobs = {
+        "fsdp": {"spec": spec("fsdp"), "fit": True},
+        "reshard": {"spec": spec("reshard", f"checkpoint.resume_from={killed_tp_run}@4"), "fit": True},
+        "lora-fsdp": {"spec": spec("lora-fsdp", *lora), "fit": True},
+        "lora-tp": {"spec": spec("lora-tp", *lora, "parallel.tp=2"), "fit": True},
+        "whole-full": {"spec": spec("whole-full", "parallel.tp=2"), "steps": 3},
+        "whole-lora": {"spec": spec("whole-lora", "parallel.tp=2", *DROPPING), "steps": 3},
+        "lora-tp1": {"spec": tp1, "steps": 2, "save": True},
+        "lora-resumed": {"spec": spec("lora-resumed", *DROPPING, "train.max_steps=4", "checkpoint.every_steps=2",
+                                      "parallel.tp=2", f"checkpoint.resume_from={run_path(tp1)}@2"), "steps": 2},
+        # last: compiled blocks leave nothing behind for the runs before them
+        "compiled": {"spec": spec("compiled", "train.max_steps=3", "checkpoint.every_steps=100", "parallel.tp=2",
+                                  "parallel.activation_checkpointing=selective", "parallel.compile=true",
+                                  "train.eval_examples=4", "train.eval_max_new_tokens=4"), "fit": True},
+    }
+    for name in ("whole-full", "whole-lora", "lora-resumed"):
+        jobs[name]["out"] = str(root / f"{name}.json")
+    run_world(root, list(jobs.values()))
+    return {name: run_path(job["spec"]) for name, job in jobs.items()}
+
+
+def _peers(world: dict[str, Path], name: str) -> tuple[dict[str, float], dict[str, float]]:
+    """world_worker.py's largest difference between tensor-parallel peers per parameter TP leaves whole, and how far
+    the job's steps moved it."""
+    out = json.loads((world[name].parent.parent / f"{name}.json").read_text())
+    return out["peers"], out["moved"]
+
+
+def _dataset(run: Path) -> PreparedData:
+    return PreparedData(run.parent.parent / "prepared-cache" / json.loads((run / "manifest.json").read_text())
+                        ["dataset_version"])
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, killed_tp_run, world):
+    run, reference = killed_tp_run, _losses(world["fsdp"])
     setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
     # 2 blocks × (q, k, v, o, gate, up, down) and the untied head split over tp; FSDP over the other 2 ranks
     assert setup["mesh"] == {"dp_shard": 2, "tp": 2} and setup["tensor_parallel_weights"] == 15
@@ -131,72 +178,59 @@ def test_fsdp_x_tp_trains_resumes_after_kill_9_reshards_and_exports(tmp_path, fs
     assert traces[0] == traces[1] and traces[2] == traces[3] and traces[0] != traces[2]
 
     # The step-4 checkpoint of FSDP 2 × TP 2 resumes as FSDP 4 (tp 1) with the same losses.
-    reshard = tmp_path / "reshard"
-    out = run_cli("train", *_sets(reshard, f"checkpoint.resume_from={run}@4"), "--nproc", "4")
-    assert out.returncode == 0, out.stdout[-3000:]
-    resumed = _losses(only_run(reshard))
+    resumed = _losses(world["reshard"])
     assert sorted(resumed) == list(range(5, STEPS + 1))
     for step in resumed:
         assert resumed[step] == pytest.approx(reference[step], rel=2e-5), step
 
     # Export: one Hugging Face model, which transformers loads with the run's validation loss.
-    assert run_cli("export", str(run), "--out", str(tmp_path / "hf")).returncode == 0
+    export_run(run, tmp_path / "hf")
     val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
-    data = PreparedData(runs.parent / "prepared-cache" / json.loads((run / "manifest.json").read_text())
-                        ["dataset_version"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    assert unpacked_loss(model, data) == pytest.approx(val, rel=1e-5)
+    assert unpacked_loss(model, _dataset(run)) == pytest.approx(val, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_tp_with_selective_checkpointing_and_compile_trains_fsdps_losses_and_generates(tmp_path, fsdp_reference):
+def test_tp_with_selective_checkpointing_and_compile_trains_fsdps_losses_and_generates(world):
     """Sequence parallel's DTensors inside compiled, checkpointed blocks (a batch of another shape once made dynamo's
     dynamic shapes fail: blocks compile per shape under TP) train FSDP ×4's losses (plain blocks; its first 3 steps
-    do not depend on the schedule's length: warm-up is 2 steps); greedy generation runs through them too."""
-    out = run_cli("train", *_sets(tmp_path / "tp", "train.max_steps=3", "checkpoint.every_steps=100", "parallel.tp=2",
-                                  "parallel.activation_checkpointing=selective", "parallel.compile=true",
-                                  "train.eval_examples=4"), "--nproc", "4")
-    assert out.returncode == 0, out.stdout[-3000:]
-    run = only_run(tmp_path / "tp")
-    losses, reference = _losses(run), _losses(fsdp_reference)
+    do not depend on the schedule's length: warm-up is 2 steps); greedy generation runs through them too (4 tokens:
+    each length is a shape to compile)."""
+    run = world["compiled"]
+    losses, reference = _losses(run), _losses(world["fsdp"])
     assert sorted(losses) == [1, 2, 3]
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=2e-5), step
     # equal losses alone would pass with TP, compile or selective checkpointing dropped: the run says what it built
-    setups = {name: next(e for e in read_metrics(r, "event") if e["event"] == "setup")
-              for name, r in (("tp", run), ("fsdp", fsdp_reference))}
-    assert setups["tp"]["mesh"] == {"dp_shard": 2, "tp": 2} and setups["tp"]["tensor_parallel_weights"] == 15
-    assert setups["tp"]["loss_parallel"]
-    assert setups["tp"]["blocks"] == {"blocks": 2, "compiled": 2, "checkpointed": 2, "selective": 2}
+    setups = {name: next(e for e in read_metrics(world[name], "event") if e["event"] == "setup")
+              for name in ("compiled", "fsdp")}
+    assert setups["compiled"]["mesh"] == {"dp_shard": 2, "tp": 2}
+    assert setups["compiled"]["tensor_parallel_weights"] == 15 and setups["compiled"]["loss_parallel"]
+    assert setups["compiled"]["blocks"] == {"blocks": 2, "compiled": 2, "checkpointed": 2, "selective": 2}
     assert setups["fsdp"]["blocks"] == {"blocks": 2, "compiled": 0, "checkpointed": 0, "selective": 0}
     assert len(json.loads((run / "eval.json").read_text())["samples"]) == 4
 
 
 @pytest.mark.slow
-def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
+def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path, world):
     """LoRA's factors follow the split: lora_B column-wise beside a column-wise base, lora_A row-wise beside a
     row-wise one, the other factor replicated. Without dropout FSDP 2 × TP 2 trains the losses FSDP ×4 trains, generates
     the same SQL, and the exported adapter reloads with the run's validation loss."""
-    lora = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0", "train.max_steps=4",
-            "checkpoint.every_steps=100", "train.eval_examples=6"]
-    losses = {}
-    for name, extra in (("fsdp", []), ("tp", ["parallel.tp=2"])):
-        out = run_cli("train", *_sets(tmp_path / name, *lora, *extra), "--nproc", "4")
-        assert out.returncode == 0, out.stdout[-3000:]
-        losses[name] = _losses(only_run(tmp_path / name))
+    runs = {name: world[f"lora-{name}"] for name in ("fsdp", "tp")}
+    losses = {name: _losses(run) for name, run in runs.items()}
+    assert sorted(losses["tp"]) == [1, 2, 3, 4]
     for step, loss in losses["fsdp"].items():
         assert losses["tp"][step] == pytest.approx(loss, rel=2e-5), step
     # Greedy generation under TP: one-token steps run on whole rows (no sequence shard of one token), and the
     # SQL evaluation writes what FSDP's run writes.
-    preds = {name: [s["pred"] for s in json.loads((only_run(tmp_path / name) / "eval.json").read_text())["samples"]]
-             for name in losses}
+    preds = {name: [s["pred"] for s in json.loads((run / "eval.json").read_text())["samples"]]
+             for name, run in runs.items()}
     assert len(preds["tp"]) == 6 and preds["tp"] == preds["fsdp"]
-    run = only_run(tmp_path / "tp")
-    assert run_cli("export", str(run), "--out", str(tmp_path / "adapter")).returncode == 0
+    run = runs["tp"]
+    export_run(run, tmp_path / "adapter")
     spec = read_spec(run / "spec.yaml")
     spec.model.lora.enabled = False
-    data = PreparedData(tmp_path / "prepared-cache" / json.loads((run / "manifest.json").read_text())
-                        ["dataset_version"])
+    data = _dataset(run)
     base = build_plain(spec, data.meta["vocab_size"],
                        json.loads((tmp_path / "adapter" / "shardline_base.json").read_text())["special_ids"])
     model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
@@ -206,16 +240,12 @@ def test_lora_under_tp_trains_like_fsdp_and_its_adapter_reloads(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path, lora):
+def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(world, lora):
     """Norms, embeddings and LoRA's replicated factors are copies on each TP rank: after 3 steps (with LoRA dropout:
     peers must draw the same masks) they must be bitwise equal across peers, or the ranks silently train different
     models. Equal because frozen proves nothing: full training moves the norms and embeddings, LoRA its factors.
     (QK-norm, whose gradient is a partial sum over a rank's heads: tests/model.)"""
-    extra = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.5",
-             "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"] if lora else []
-    spec = load_spec("tiny", [*small_overrides(tmp_path / "runs"), *COMMON, "parallel.nproc_per_node=4",
-                              "parallel.tp=2", *extra])
-    peers, moved = _peer_differences(tmp_path, spec, steps=3)
+    peers, moved = _peers(world, "whole-lora" if lora else "whole-full")
     assert any("layernorm" in n for n in peers) and any("embed_tokens" in n for n in peers)
     assert any(n.endswith("model.norm.weight") for n in peers)
     if lora:  # the replicated factors: lora_A beside a column-wise base (q, v), lora_B beside a row-wise one (o, down)
@@ -228,19 +258,12 @@ def test_what_tp_leaves_whole_stays_identical_on_tensor_parallel_peers(tmp_path,
 
 
 @pytest.mark.slow
-def test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical(tmp_path):
-    """Two data-parallel ranks of a tp=1 run (their own RNG streams) resume at tp=2 as tensor-parallel peers: both must
-    restore one saved stream (that of their data-parallel index), or LoRA dropout draws other masks on each and the
-    replicated factors drift apart — silently, since the checkpoint keeps one copy of a replicated tensor."""
-    lora = [*COMMON, "train.max_steps=4", "checkpoint.every_steps=2", "model.lora.enabled=true", "model.lora.r=4",
-            "model.lora.dropout=0.5", "model.lora.target_modules=[q_proj,v_proj,o_proj,down_proj]"]
-    out = run_cli("train", *[a for o in [*small_overrides(tmp_path / "tp1"), *lora] for a in ("--set", o)],
-                  "--nproc", "2")
-    assert out.returncode == 0, out.stdout[-3000:]
-    spec = load_spec("tiny", [*small_overrides(tmp_path / "tp2"), *lora, "parallel.nproc_per_node=2",
-                              "parallel.tp=2", f"checkpoint.resume_from={only_run(tmp_path / 'tp1')}@2"])
-    peers, moved = _peer_differences(tmp_path, spec, steps=2)
-    resumes = [e for e in read_metrics(only_run(tmp_path / "tp2"), "event") if e["event"] == "resume"]
+def test_lora_resumed_at_another_tp_keeps_tensor_parallel_peers_identical(world):
+    """Data-parallel ranks of a tp=1 run (their own RNG streams) resume at tp=2 as tensor-parallel peers: each pair
+    must restore one saved stream (that of their data-parallel index), or LoRA dropout draws other masks on each and
+    the replicated factors drift apart — silently, since the checkpoint keeps one copy of a replicated tensor."""
+    peers, moved = _peers(world, "lora-resumed")
+    resumes = [e for e in read_metrics(world["lora-resumed"], "event") if e["event"] == "resume"]
     assert [(e["step"], e["rng_restored"]) for e in resumes] == [(2, True)]
     # replicated factors beside a column-wise (q, v: lora_A) and a row-wise (o, down: lora_B) base
     replicated = [n for n in peers if ("q_proj.lora_A" in n or "o_proj.lora_B" in n)]
@@ -261,19 +284,3 @@ def test_rng_streams_a_rank_restores_follow_its_data_parallel_index_when_the_lay
     assert sources(4, 1, 2, 1) == [0, 1, None, None]  # the world grows
     assert sources(4, 2, 4, 4) == [0, 0, None, None]  # context × tensor parallel rows are peers too
     assert sources(2, 1, 0, 1) == [None, None]  # a checkpoint without RNG streams
-
-
-def _peer_differences(tmp_path: Path, spec: JobSpec, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """tp_worker.py's largest difference between tensor-parallel peers, and how far its `steps` steps moved it, per
-    parameter TP leaves whole, after it resumed (if the spec says so) and trained `steps` steps of `spec` (a new
-    run)."""
-    spec, _ = create_run(spec)
-    (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world_size}",
-           str(Path(__file__).with_name("tp_worker.py")), str(tmp_path / "spec.json"), str(steps),
-           str(tmp_path / "out.json")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
-    return out["peers"], out["moved"]
