@@ -42,6 +42,14 @@ def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return proc
 
 
+def export(run_dir: Path, out: Path, *flags: str) -> Path:
+    """`shardline export` in this process (its imports are paid already): the launch is what costs, not the verb."""
+    from shardline.cli import main
+
+    assert main(["export", str(run_dir), "--out", str(out), *flags]) == 0
+    return out
+
+
 def train_run(model: Path, data: Path, root: Path, nproc: int, *extra: str) -> Path:
     cli("train", *run_sets(model, data, root, nproc, *extra))
     return only_run(root / "runs")

@@ -13,14 +13,19 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardline.data.prepare import prepare
+from shardline.rundir import create_run
 from shardline.spec import ModelSpec
+from shardline.spec.resolve import load_spec
 from shardline.tasks.text_to_sql.prompt import CHAT_USER
+from shardline.training.trainer import Trainer
 from tests.conftest import REPO, read_metrics
 from tests.oracle import documents_of_rows, unpacked_loss
 from tests.real.checkpoint import smollm2_dir
-from tests.real.runs import cli, prepared_of, run_sets, train_run, user_sql_file
+from tests.real.runs import cli, export, prepared_of, run_sets, train_run, user_sql_file
 
 pytestmark = pytest.mark.slow
 IGNORE = -100
@@ -41,12 +46,29 @@ def user_file(tmp_path_factory) -> Path:
     return user_sql_file(tmp_path_factory.mktemp("user-data"))
 
 
-def _train(real, data, root, nproc, *extra) -> Path:
-    return train_run(real, data, root, nproc, "data.prompt_format=chat", *extra)
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The module's runs: one data.cache_dir, so the user's file is prepared once for all of them."""
+    return tmp_path_factory.mktemp("smollm2")
 
 
 def _sets(real: Path, data: Path, root: Path, nproc: int, *extra: str) -> list[str]:
     return run_sets(real, data, root, nproc, "data.prompt_format=chat", *extra)
+
+
+LORA_RUN = ["train.precision=fp32", "train.eval_examples=4", "train.eval_max_new_tokens=24", "model.lora.enabled=true",
+            "model.lora.r=8"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(real, user_file, root) -> Path:
+    """2 ranks, fp32, LoRA: one step (LoRA B starts at zero: step 1's loss is the pretrained model's) and its
+    checkpoint, then a resume to step 2 with validation and the SQL generation eval."""
+    run_dir = train_run(real, user_file, root, 2, "data.prompt_format=chat", "train.max_steps=1", *LORA_RUN,
+                        "train.eval_examples=0")
+    cli("train", str(run_dir), *_sets(real, user_file, root, 2, "train.max_steps=2",
+                                      "checkpoint.allow_spec_change=true", *LORA_RUN))
+    return run_dir
 
 
 # ---- the expected encoding, from the tokenizer's own chat template ------------------------------------------
@@ -86,11 +108,8 @@ def _oracle_loss(model, docs: list[tuple[int, ...]], reference: dict[tuple[int, 
 
 # ---- tests -------------------------------------------------------------------------------------------------
 
-def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(real, tok, user_file, tmp_path):
-    from shardline.data.prepare import prepare
-    from shardline.spec.resolve import load_spec
-
-    args = _sets(real, user_file, tmp_path, 1)
+def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(real, tok, user_file, root):
+    args = _sets(real, user_file, root, 1)
     data = prepare(load_spec("tiny", args[1::2]))
     assert tok.pad_token_id == tok.eos_token_id  # the tokenizer pads with EOS; padding must not hide EOS's loss
     assert data.meta["pad_id"] != tok.eos_token_id
@@ -112,41 +131,52 @@ def test_chat_examples_carry_loss_on_the_answer_and_the_final_end_of_turn_only(r
     assert n_docs == data.stats["splits"]["train"]["kept"] == len(reference) - 16
 
 
-# bf16 with one row: CPUs without bf16 matrix units (AVX2 only) emulate it at ~2 GFLOP/s, and two ranks' worth of
-# rows would take minutes there; the two-rank bf16 reduction is covered by the tiny model's FSDP tests.
-@pytest.mark.parametrize(("nproc", "precision", "tol", "n_rows"),
-                         [(2, "fp32", 2e-4, 2), (1, "bf16", 5e-3, 1)])
-def test_first_logged_loss_equals_transformers_on_the_same_examples_one_at_a_time(
-        real, tok, user_file, tmp_path, nproc, precision, tol, n_rows):
-    """Packing, masking, position ids, the block-diagonal mask and the loss normalisation, against transformers."""
-    run_dir = _train(real, user_file, tmp_path, nproc, "train.max_steps=1", f"train.precision={precision}",
-                     f"train.global_batch_size={n_rows}",
-                     "model.lora.enabled=true")  # LoRA B starts at zero: step 0 is the pretrained model itself
-    logged = read_metrics(run_dir, "train")[0]
-    assert logged["step"] == 1
-    rows = [r for rank in range(nproc)
-            for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
-            if rec["step"] == 1 for r in rec["rows"]]
-    assert len(rows) == n_rows
-    docs = documents_of_rows(prepared_of(run_dir), rows)
+def _step_one_documents(tok, user_file: Path, data, rows: list[int]):
+    docs = documents_of_rows(data, rows)
     reference = _reference_documents(tok, user_file)
     assert docs and all(d in reference for d in docs), "a packed document differs from the template's rendering"
+    return docs, reference, sum(len(d) - reference[d] for d in docs)
+
+
+def test_first_logged_loss_on_two_ranks_equals_transformers_on_the_same_examples_one_at_a_time(
+        real, tok, user_file, lora_run):
+    """Packing, masking, position ids, the block-diagonal mask and the loss normalisation over 2 fp32 ranks, against
+    transformers (the round trip's run: its step 1 is the pretrained model's)."""
+    logged = read_metrics(lora_run, "train")[0]
+    assert logged["step"] == 1
+    rows = [r for rank in range(2)
+            for rec in map(json.loads, (lora_run / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
+            if rec["step"] == 1 for r in rec["rows"]]
+    assert len(rows) == 2
+    docs, reference, n_loss = _step_one_documents(tok, user_file, prepared_of(lora_run), rows)
     exact = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval(), docs, reference)
-    n_loss = sum(len(d) - reference[d] for d in docs)
     assert logged["tokens"] == n_loss
-    if precision == "fp32":
-        print(f"{nproc} rank(s) fp32: shardline {logged['loss']:.6f} vs transformers {exact:.6f} "
-              f"over {len(docs)} examples, {n_loss} loss tokens")
-        assert logged["loss"] == pytest.approx(exact, rel=tol)
-        return
-    # bf16: both shardline and transformers' own bf16 model round every activation to bf16 (eps 7.8e-3) in kernels
-    # whose blocking differs by CPU class; the scale of that noise is measured here, as transformers' bf16 loss's
-    # distance from the exact (fp32) loss, and shardline's bf16 loss must be as close to exact, within 3× of it
-    # (and of the `tol` floor: a masking or normalisation error moves the loss by tens of percent)
-    theirs = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.bfloat16).eval(), docs, reference)
-    print(f"1 rank bf16: shardline {logged['loss']:.6f}, transformers bf16 {theirs:.6f}, exact (fp32) {exact:.6f} "
+    print(f"2 ranks fp32: shardline {logged['loss']:.6f} vs transformers {exact:.6f} "
           f"over {len(docs)} examples, {n_loss} loss tokens")
-    assert abs(logged["loss"] - exact) <= max(3 * abs(theirs - exact), tol * exact)
+    assert logged["loss"] == pytest.approx(exact, rel=2e-4)
+
+
+def test_first_bf16_loss_is_as_close_to_the_exact_loss_as_transformers_own_bf16(ctx, real, tok, user_file, root):
+    """The Trainer on one in-process rank, bf16, one row (CPUs without bf16 matrix units emulate it at ~2 GFLOP/s;
+    the two-rank bf16 reduction is covered by the tiny model's FSDP tests)."""
+    args = _sets(real, user_file, root / "bf16", 1, f"data.cache_dir={root / 'prepared'}", "train.max_steps=1",
+                 "train.precision=bf16", "train.global_batch_size=1", "model.lora.enabled=true")
+    spec, run_dir = create_run(load_spec("tiny", args[1::2]))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    logged = trainer.train_step()  # LoRA B starts at zero: step 1 is the pretrained model itself
+    rows = [r for rec in map(json.loads, trainer.sample_trace.read_text().splitlines()) for r in rec["rows"]]
+    assert len(rows) == 1
+    docs, reference, n_loss = _step_one_documents(tok, user_file, trainer.data, rows)
+    assert logged.tokens == n_loss
+    # Both shardline and transformers' own bf16 model round every activation to bf16 (eps 7.8e-3) in kernels whose
+    # blocking differs by CPU class; the scale of that noise is measured here, as transformers' bf16 loss's distance
+    # from the exact (fp32) loss, and shardline's bf16 loss must be as close to exact, within 3× of it (and of a
+    # 5e-3 floor: a masking or normalisation error moves the loss by tens of percent)
+    exact = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval(), docs, reference)
+    theirs = _oracle_loss(AutoModelForCausalLM.from_pretrained(real, dtype=torch.bfloat16).eval(), docs, reference)
+    print(f"1 rank bf16: shardline {logged.loss:.6f}, transformers bf16 {theirs:.6f}, exact (fp32) {exact:.6f} "
+          f"over {len(docs)} examples, {n_loss} loss tokens")
+    assert abs(logged.loss - exact) <= max(3 * abs(theirs - exact), 5e-3 * exact)
 
 
 def test_sharded_load_of_the_real_checkpoint_matches_from_pretrained_and_stays_tied(real, tmp_path):
@@ -168,26 +198,18 @@ def test_sharded_load_of_the_real_checkpoint_matches_from_pretrained_and_stays_t
     assert ref.config.num_attention_heads == 9 and ref.config.num_key_value_heads == 3
 
 
-def test_lora_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_transformers(real, user_file, tmp_path):
-    """2 ranks: train → validation → SQL generation eval → checkpoint → resume → export (adapter and merged) →
+def test_lora_train_eval_resume_export_round_trip_reproduces_shardline_in_plain_transformers(real, lora_run, tmp_path):
+    """2 ranks: train → checkpoint → resume → validation → SQL generation eval → export (adapter and merged) →
     peft/transformers. The full fine-tune's round trip, tied export included, runs on Gemma 3 (test_real_gemma3)."""
-    extra = ["train.precision=fp32", "train.eval_examples=4", "train.eval_max_new_tokens=24",
-             "model.lora.enabled=true", "model.lora.r=8"]
-    run_dir = _train(real, user_file, tmp_path, 2, "train.max_steps=1", *extra, "train.eval_examples=0")
-    cli("train", str(run_dir), *_sets(real, user_file, tmp_path, 2, "train.max_steps=2",
-                                      "checkpoint.allow_spec_change=true", *extra))
-    assert json.loads((run_dir / "eval.json").read_text())["n"] == 4  # the generation eval ran, and exited 0
-    evals = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r]
-    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2]
-    assert any(r["event"] == "resume" for r in read_metrics(run_dir, "event") if r.get("step") == 1)
+    assert json.loads((lora_run / "eval.json").read_text())["n"] == 4  # the generation eval ran, and exited 0
+    evals = [r for r in read_metrics(lora_run, "eval") if "val_loss" in r]
+    assert [r["step"] for r in read_metrics(lora_run, "train")] == [1, 2]
+    assert any(r["event"] == "resume" for r in read_metrics(lora_run, "event") if r.get("step") == 1)
     shardline_val = evals[-1]["val_loss"]
-    data = prepared_of(run_dir)
-    exported = tmp_path / "export"
-    cli("export", str(run_dir), "--out", str(exported))
+    data = prepared_of(lora_run)
     base = AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, exported).eval()
-    merged_dir = tmp_path / "merged"
-    cli("export", str(run_dir), "--out", str(merged_dir), "--merge-lora", "--dtype", "fp32")  # auto: bf16, as SmolLM2
+    model = PeftModel.from_pretrained(base, export(lora_run, tmp_path / "export")).eval()
+    merged_dir = export(lora_run, tmp_path / "merged", "--merge-lora", "--dtype", "fp32")  # auto: bf16, as SmolLM2
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert merged.config.tie_word_embeddings and model.get_base_model().config.tie_word_embeddings
     assert unpacked_loss(merged, data) == pytest.approx(shardline_val, rel=1e-4)
