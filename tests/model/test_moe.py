@@ -163,6 +163,13 @@ def test_families_accept_the_four_mixtures_and_refuse_the_others_by_name():
         check_context_parallel(config, 2)
 
 
+def test_the_planner_refuses_a_mixture_by_name_rather_than_size_it_dense(checkpoints):
+    from shardline.planning.memory import model_shape
+
+    with pytest.raises(SpecError, match="Qwen3-MoE is a mixture of experts, which the planner does not size yet"):
+        model_shape(ModelSpec(path=str(checkpoints["qwen3_moe"])))
+
+
 # ---- the training forward against transformers' ------------------------------------------------------------
 def _batch(seed: int) -> tuple[Batch, torch.Tensor]:
     """Two rows of one document each, the second with a 9-token padding tail, as the loader builds them; and the
@@ -259,9 +266,10 @@ def trained(ctx, checkpoints, tok, tmp_path_factory) -> dict[str, dict]:
         spec, run_dir = create_run(small_spec(root, f"model.path={path}", f"run.id=moe-{name}", *STEP))
         trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
         record = trainer.train_step()
+        trainer.save_checkpoint()
         rows = [r for line in trainer.sample_trace.read_text().splitlines()[:1] for r in json.loads(line)["rows"]]
         named = dict(trainer.model.named_parameters())
-        results[name] = dict(path=path, aux=aux, record=record, rows=rows, trainer=trainer,
+        results[name] = dict(path=path, aux=aux, record=record, rows=rows, trainer=trainer, run_dir=run_dir,
                              expert_placement=named["model.layers.0.mlp.experts.gate_up_proj"].placements,
                              moments={k: _full(trainer.optimizer.state[p]["exp_avg"]) for k, p in named.items()})
     return results
@@ -309,6 +317,24 @@ def test_flops_count_the_active_experts(trained):
     assert counts.active_trainable == counts.trainable - (1 - TOP_K / EXPERTS) * counts.experts_trainable
     dense = flops_per_token(counts.__class__(counts.trainable, counts.frozen, counts.embedding), 2, 64, 192)
     assert dense - trainer.flops_per_token == pytest.approx(6 * (1 - TOP_K / EXPERTS) * counts.experts_trainable)
+
+
+def test_export_writes_the_inputs_keys_and_loads_in_transformers_with_shardlines_logits(trained, tmp_path):
+    """`shardline export` of the trained run (the DCP checkpoint read into a plain model, saved by transformers):
+    the per-expert key set of the input checkpoint, and transformers' model of it computes the trained logits."""
+    from shardline.export import export_run
+
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
+    for name, got in trained.items():
+        out = export_run(got["run_dir"], tmp_path / name)
+        assert stored_keys(out) == stored_keys(got["path"]), name
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        model = got["trainer"].model.eval()
+        with torch.no_grad():
+            theirs, ours_ = exported(input_ids=ids).logits, model(input_ids=ids).logits
+        model.train()
+        print(f"{name}: exported logits vs the trained model's: max abs diff {(theirs - ours_).abs().max():.2e}")
+        torch.testing.assert_close(ours_, theirs, atol=1e-5, rtol=1e-5, msg=name)
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------------------

@@ -257,10 +257,10 @@ def test_a_multimodal_gemma3_checkpoint_trains_its_language_model_with_the_logit
         assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
 
 
-def test_mixture_of_experts_checkpoints_are_refused_by_name(tmp_path):
-    from transformers import Qwen3MoeConfig
+def test_mixture_of_experts_checkpoints_of_untested_families_are_refused_by_name(tmp_path):
+    from transformers import PhimoeConfig  # the families that train: tests/model/test_moe.py
 
-    Qwen3MoeConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    PhimoeConfig(vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
     with pytest.raises(SpecError, match="mixture-of-experts.*Qwen3 \\(qwen3\\)") as e:
         build_model(ModelSpec(path=str(tmp_path)), 0, {}, device="meta")
     assert e.value.where == "model.path"

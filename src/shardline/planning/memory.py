@@ -121,6 +121,10 @@ KNOWN_MODELS: dict[str, ModelShape] = {
 
 def _from_config(cfg: dict) -> ModelShape:
     family = family_of(cfg)
+    if family.experts:  # sizing routed experts, their shards and all-to-all buffers is the next phase's
+        raise SpecError("model.path", f"{family.name} is a mixture of experts, which the planner does not size yet "
+                        "(it would count the routed experts as one dense MLP)",
+                        "train it without a plan (docs/training.md#mixtures-of-experts); `plan` sizes dense models")
     heads = cfg["num_attention_heads"]
     return ModelShape(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
                       cfg.get("num_key_value_heads") or heads, cfg["vocab_size"],
