@@ -4,24 +4,23 @@ protocol (B) run through the real trainer on random-token rows, and report what 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import bench_module
 
 pytestmark = pytest.mark.slow  # one training launch per protocol
 
 
 @pytest.mark.parametrize("protocol", ["A", "B"])
-def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protocol):
+def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys, protocol):
     # B's HF run compiles the whole model (minutes); B runs a variant instead (--set: a changed learning rate).
     # A's baseline checkpoints whole blocks, as it must to fit an 80 GB GPU (the plain one differs by that flag only)
     extra = ["--baseline", "hf-checkpointed"] if protocol == "A" else ["--set", "train.lr=0.0005"]
-    res = subprocess.run([sys.executable, "bench/protocols.py", protocol, "--size", "small", "--out", str(tmp_path),
-                          *extra], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # the script's main in this process (its runs are processes of their own): no interpreter to start for it
+    returncode = bench_module("protocols").main([protocol, "--size", "small", "--out", str(tmp_path), *extra])
+    stdout, stderr = capsys.readouterr()
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     out = json.loads((tmp_path / f"protocol-{protocol}.json").read_text())
     sets = out["overrides"]
     assert out["steps_measured"] == [6, 7, 8, 9, 10] and out["world"] == 1
@@ -49,4 +48,4 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, protoco
         assert sets["train.lr"] == "0.0005"
         log = (tmp_path / "protocol-B-shardline.log").read_text()
         assert "step     1/10" in log and "lr 5.00e-04" in log.split("step     1/10")[1].splitlines()[0]
-    assert f"protocol {protocol} (small, world 1)" in res.stdout
+    assert f"protocol {protocol} (small, world 1)" in stdout
