@@ -1,24 +1,29 @@
 """A real pretrained non-Llama checkpoint, Gemma 3 270M (local/global attention, QK-norm, head_dim 256 ≠
-hidden/heads, scaled tied embeddings, a 262,144-token vocabulary), fully fine-tuned on 2 ranks on
-a user's text-to-SQL file: its first loss is transformers' own on the same documents one at a time and a
-pretrained model's (a random one reads ln V ≈ 12.5), training lowers the validation loss, and the export loads
-in transformers with shardline's validation loss, its embeddings still tied."""
+hidden/heads, scaled tied embeddings, a 262,144-token vocabulary), fully fine-tuned on a user's text-to-SQL file:
+its first loss is transformers' own on the same documents one at a time and a pretrained model's (a random one
+reads ln V ≈ 12.5), training lowers the validation loss, and the export loads in transformers with shardline's
+validation loss, its embeddings still tied."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import read_metrics
+from shardline.data.prepare import prepare
+from shardline.rundir import create_run
+from shardline.spec.resolve import load_spec
+from shardline.training.trainer import Trainer
 from tests.model.families import one_document_at_a_time
 from tests.oracle import unpacked_loss
 from tests.real.checkpoint import gemma3_dir
-from tests.real.runs import cli, prepared_of, train_run, user_sql_file
+from tests.real.runs import export, run_sets, user_sql_file
 
 pytestmark = pytest.mark.slow
 
@@ -37,29 +42,35 @@ def _pretrained(real: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(real, dtype=torch.float32).eval()
 
 
-def test_gemma3_fine_tunes_fully_on_two_ranks_from_its_pretrained_loss_and_exports_tied(real, user_file, tmp_path):
-    """A full fine-tune (LoRA on the Gemma 3 family is checked by tests/test_export.py's multimodal Gemma 3 adapter
-    and, on a real checkpoint through 2 ranks, by tests/real/test_real_checkpoint.py's SmolLM2 round trip)."""
-    run_dir = train_run(real, user_file, tmp_path, 2, "train.precision=fp32", "train.max_steps=2",
-                        "train.warmup_steps=0", "train.lr=5e-5", "model.lora.enabled=false")
-    train = read_metrics(run_dir, "train")
-    assert [r["step"] for r in train] == [1, 2]
-    data = prepared_of(run_dir)
-    rows = [r for rank in range(2)
-            for rec in map(json.loads, (run_dir / "logs" / f"samples-rank-{rank}.jsonl").read_text().splitlines())
-            if rec["step"] == 1 for r in rec["rows"]]
+def test_gemma3_fine_tunes_fully_from_its_pretrained_loss_and_exports_tied(ctx, real, user_file, tmp_path):
+    """A full fine-tune through the Trainer on one in-process rank (FSDP2 on its world-1 mesh): two ranks of a Gemma 3
+    full fine-tune, tied embeddings included, give one rank's loss and step in tests/model/test_families.py; the
+    launch path on real weights, two ranks, is tests/real/test_real_checkpoint.py's SmolLM2 round trip (LoRA on the
+    Gemma 3 family is checked by tests/test_export.py's multimodal Gemma 3 adapter)."""
+    args = run_sets(real, user_file, tmp_path, 1, "train.precision=fp32", "train.max_steps=2", "train.warmup_steps=0",
+                    "train.lr=5e-5", "train.seq_len=256", "model.lora.enabled=false")
+    spec, run_dir = create_run(load_spec("tiny", args[1::2]))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    train = [trainer.train_step() for _ in range(2)]
+    shardline_val = trainer.validate()
+    trainer.save_checkpoint(blocking=True)
+    data = trainer.data
+    rows = [r for rec in map(json.loads, trainer.sample_trace.read_text().splitlines()) if rec["step"] == 1
+            for r in rec["rows"]]
+    del trainer
+    gc.collect()
+    assert [r.step for r in train] == [1, 2] and len(rows) == 2
     base = _pretrained(real)
     with torch.no_grad():
         total, count = one_document_at_a_time(base, data, rows)
         before = unpacked_loss(base, data)
-    print(f"first loss shardline {train[0]['loss']:.5f} vs transformers {float(total) / count:.5f}; validation "
+    print(f"first loss shardline {train[0].loss:.5f} vs transformers {float(total) / count:.5f}; validation "
           f"{before:.4f} before")
-    assert train[0]["loss"] == pytest.approx(float(total) / count, rel=2e-4)
-    assert train[0]["loss"] < 0.5 * math.log(base.config.vocab_size)  # pretrained, not random
-    shardline_val = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r][-1]["val_loss"]
+    assert train[0].tokens == count
+    assert train[0].loss == pytest.approx(float(total) / count, rel=2e-4)
+    assert train[0].loss < 0.5 * math.log(base.config.vocab_size)  # pretrained, not random
     assert shardline_val < before - 0.05  # it learned the user's data
-    exported = tmp_path / "export"
-    cli("export", str(run_dir), "--out", str(exported), "--dtype", "fp32")  # the trained weights unrounded (auto: bf16)
+    exported = export(run_dir, tmp_path / "export", "--dtype", "fp32")  # the trained weights unrounded (auto: bf16)
     model = _pretrained(exported)
     from safetensors import safe_open
 
