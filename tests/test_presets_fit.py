@@ -12,7 +12,8 @@ import torch
 
 from shardline.cli import main
 from shardline.planning import memory
-from shardline.planning.memory import AC_ORDER, MemoryPlan, plan_memory
+from shardline.planning.fixes import AC_ORDER
+from shardline.planning.memory import MemoryPlan, plan_memory
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, preset_names
 
