@@ -4,8 +4,10 @@ oracle for them: transformers' own eager model on each packed document alone.
 Each config exercises what its family adds to Llama: sliding windows shorter than the documents (Mistral on
 every layer, Qwen2 and Gemma on some), Qwen3's QK-norm with head_dim ≠ hidden/heads, Gemma 2's attention and
 final-logit soft-capping (caps small enough to change the loss), Gemma 3's local/global layers and scaled tied
-embeddings, Phi-3's fused projections. Weights are drawn wider than the families' defaults (initializer_range)
-so that attention scores reach the caps and the windows change the result.
+embeddings, Phi-3's fused projections, Qwen3-MoE's routed experts (8, top-2, sharded by FSDP on the expert
+dimension; the other mixtures and the router's auxiliary loss: tests/model/test_moe.py). Weights are drawn wider
+than the families' defaults (initializer_range) so that attention scores reach the caps and the windows change the
+result (and a token routed to the wrong experts changes the loss).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from shardline.data.prepare import PreparedData
@@ -41,6 +44,7 @@ CONFIGS = {
     "gemma3": (Gemma3TextConfig, dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                       layer_types=["sliding_attention", "full_attention"])),
     "phi3": (Phi3Config, {}),
+    "qwen3_moe": (Qwen3MoeConfig, dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
 }
 FAMILIES = list(CONFIGS)
 

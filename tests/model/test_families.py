@@ -124,7 +124,8 @@ def test_first_loss_equals_transformers_one_document_at_a_time_and_one_step_equa
     lrs = [first["record"].lr, second["record"].lr]
     weights, second_moments = replay_adamw(initial, grads, lrs, t.weight_decay)
     for key in initial:
-        torch.testing.assert_close(second["params"][key], weights[key], atol=t.lr * 1e-4, rtol=0,
+        # to 1e-4 of the step, or one fp32 ulp of the weight (a norm's weights near 1 round by 1.2e-7 > lr·1e-4)
+        torch.testing.assert_close(second["params"][key], weights[key], atol=t.lr * 1e-4, rtol=2 ** -23,
                                    msg=lambda m, key=key: f"{name}: {key} weights after two steps: {m}")
         torch.testing.assert_close(second["exp_avg_sq"][key], second_moments[key], atol=1e-12, rtol=1e-4,
                                    msg=lambda m, key=key: f"{name}: {key} second moment after two steps: {m}")
@@ -143,7 +144,7 @@ def test_the_features_each_family_adds_are_in_its_checkpoint_and_change_the_loss
             other, _ = one_document_at_a_time(eager(checkpoints[name], **change), got["trainer"].data, got["rows"])
         assert float(other) != pytest.approx(float(full), rel=1e-4), name
     assert [family_of(eager(checkpoints[n]).config).name for n in FAMILIES] == [
-        "Llama", "Qwen2", "Qwen3", "Mistral", "Gemma 2", "Gemma 3", "Phi-3"]
+        "Llama", "Qwen2", "Qwen3", "Mistral", "Gemma 2", "Gemma 3", "Phi-3", "Qwen3-MoE"]
     assert layer_windows(eager(checkpoints["qwen2"]).config) == (None, 16)
     assert layer_windows(eager(checkpoints["mistral"]).config) == (16, 16)
 
@@ -151,11 +152,12 @@ def test_the_features_each_family_adds_are_in_its_checkpoint_and_change_the_loss
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_two_ranks_give_the_same_first_loss_and_step_as_one(checkpoints, one_rank, tmp_path, layout):
     """All families in one 2-rank torchrun — FSDP shards of every family's blocks, or tensor parallel 2 (each
-    rank half the heads, kv-heads and MLP columns; Phi-3's fused projections are refused): the same global batch
-    gives the same loss and the same weights after the step as one rank, and so as transformers."""
+    rank half the heads, kv-heads and MLP columns; Phi-3's fused projections and Qwen3-MoE's experts are refused):
+    the same global batch gives the same loss and the same weights after the step as one rank, and so as
+    transformers. Qwen3-MoE's fused experts are sharded on the expert dimension, each rank reading its 4 of 8."""
     jobs = []
     for name, path in checkpoints.items():
-        if layout == "tp" and name == "phi3":
+        if layout == "tp" and name in ("phi3", "qwen3_moe"):  # both refused by name (test_moe: the mixture's refusal)
             continue
         extra = ["parallel.nproc_per_node=2", *(["parallel.tp=2"] if layout == "tp" else [])]
         spec, _ = create_run(_spec(tmp_path, name, path, *extra))
