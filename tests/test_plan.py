@@ -33,7 +33,7 @@ from shardline.spec.resolve import load_spec, spec_to_yaml
 from shardline.training.evaluate import token_loss_sum
 from shardline.training.trainer import Trainer
 from tests.conftest import free_port, run_cli, small_spec
-from tests.model.families import COMMON, CONFIGS, FAMILIES
+from tests.model.families import COMMON, CONFIGS, DENSE_FAMILIES
 
 LORA_ALL = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 
@@ -61,7 +61,7 @@ def test_known_hub_models_have_their_published_sizes():
     assert model_shape(load_spec("llama-3.1-70b-fsdp").model) == KNOWN_MODELS["meta-llama/llama-3.1-70b"]
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
 @pytest.mark.parametrize("lora", [False, True])
 def test_every_familys_config_is_planned_with_its_exact_parameter_count(name, lora, tmp_path):
     """Biases (Qwen2), QK-norm (Qwen3, Gemma 3), four norms (Gemma), fused projections (Phi-3), head_dim ≠

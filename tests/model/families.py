@@ -47,6 +47,8 @@ CONFIGS = {
     "qwen3_moe": (Qwen3MoeConfig, dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
 }
 FAMILIES = list(CONFIGS)
+DENSE_FAMILIES = [name for name in FAMILIES if not name.endswith("_moe")]
+"""What the planner sizes and the dense FLOP formula counts (a mixture's FLOPs: tests/model/test_moe.py)."""
 
 
 def write_family_checkpoint(name: str, tok: PreTrainedTokenizerBase, path: Path) -> Path:

@@ -8,7 +8,7 @@ from shardline.model.families import layer_windows
 from shardline.model.flops import count_params, flops_per_token, table_peak_tflops, window_causal_pairs, window_pairs
 from shardline.model.lora import apply_lora
 from shardline.spec.resolve import load_spec
-from tests.model.families import COMMON, CONFIGS, FAMILIES
+from tests.model.families import COMMON, CONFIGS, DENSE_FAMILIES
 
 SEQ = 64
 
@@ -64,7 +64,7 @@ def test_lora_counts_frozen_weights_at_four_flops_per_parameter():
                                            a.num_layers, a.hidden_size, SEQ)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE_FAMILIES)
 def test_formula_matches_counted_flops_for_every_family(name):
     """Attention width heads × head_dim (Qwen3: 128 ≠ hidden 64), fused projections, biases, four norms."""
     from transformers import AutoModelForCausalLM
