@@ -48,7 +48,7 @@ CONFIGS = {
 }
 FAMILIES = list(CONFIGS)
 DENSE_FAMILIES = [name for name in FAMILIES if not name.endswith("_moe")]
-"""What the planner sizes and the dense FLOP formula counts (a mixture's FLOPs: tests/model/test_moe.py)."""
+"""What the planner sizes (it refuses a mixture of experts by name)."""
 
 
 def write_family_checkpoint(name: str, tok: PreTrainedTokenizerBase, path: Path) -> Path:

@@ -8,7 +8,7 @@ from shardline.model.families import layer_windows
 from shardline.model.flops import count_params, flops_per_token, table_peak_tflops, window_causal_pairs, window_pairs
 from shardline.model.lora import apply_lora
 from shardline.spec.resolve import load_spec
-from tests.model.families import COMMON, CONFIGS, DENSE_FAMILIES
+from tests.model.families import COMMON, CONFIGS, FAMILIES
 
 SEQ = 64
 
@@ -64,14 +64,17 @@ def test_lora_counts_frozen_weights_at_four_flops_per_parameter():
                                            a.num_layers, a.hidden_size, SEQ)
 
 
-@pytest.mark.parametrize("name", DENSE_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_formula_matches_counted_flops_for_every_family(name):
-    """Attention width heads × head_dim (Qwen3: 128 ≠ hidden 64), fused projections, biases, four norms."""
+    """Attention width heads × head_dim (Qwen3: 128 ≠ hidden 64), fused projections, biases, four norms; a mixture's
+    active experts (top-k of E: its eager experts compute only the routed tokens, which the counter sees; torch's
+    grouped mm, the CPU default, is not counted by FlopCounterMode)."""
     from transformers import AutoModelForCausalLM
 
     cls, extra = CONFIGS[name]
     config = cls(**COMMON, **extra, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # counted matmuls
+    eager = {"experts_implementation": "eager"} if name.endswith("_moe") else {}
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **eager)  # counted matmuls
     width = config.num_attention_heads * (getattr(config, "head_dim", None) or 64 // config.num_attention_heads)
     # eager attention computes every pair, windowed layers too: the formula without windows is what it runs
     formula = flops_per_token(count_params(model), config.num_hidden_layers, width, SEQ)
