@@ -317,6 +317,11 @@ def test_flops_count_the_active_experts(trained):
     assert counts.active_trainable == counts.trainable - (1 - TOP_K / EXPERTS) * counts.experts_trainable
     dense = flops_per_token(counts.__class__(counts.trainable, counts.frozen, counts.embedding), 2, 64, 192)
     assert dense - trainer.flops_per_token == pytest.approx(6 * (1 - TOP_K / EXPERTS) * counts.experts_trainable)
+    console = trainer.console = Console(record=True, width=400)
+    trainer.describe()  # the setup line says what the FLOPs count
+    active = counts.trainable - (1 - TOP_K / EXPERTS) * counts.experts_trainable
+    said = f"{active / 1e6:.3f}M active per token: {TOP_K / EXPERTS:.0%} of each layer's experts"
+    assert said in console.export_text()
 
 
 def test_export_writes_the_inputs_keys_and_loads_in_transformers_with_shardlines_logits(trained, tmp_path):

@@ -236,12 +236,20 @@ class Trainer:
         if self.ctx.is_main:
             self.console.print(message, highlight=False)
 
+    def _active_params(self) -> str:
+        """A mixture's matmul weights one token runs through (what its FLOPs and MFU count); empty if dense."""
+        p = self.params
+        if not (p.experts_trainable or p.experts_frozen):
+            return ""
+        return (f"; {(p.active_trainable + p.active_frozen) / 1e6:.3f}M active per token: "
+                f"{p.active_experts:.0%} of each layer's experts")
+
     def describe(self) -> None:
         p, t = self.params, self.spec.train
         self._say(
             f"model ({self.family.name}): {p.total / 1e6:.2f}M params ({p.trainable / 1e6:.3f}M trainable matmul, "
-            f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding) · world {self.ctx.world} "
-            f"({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
+            f"{p.frozen / 1e6:.3f}M frozen, {p.embedding / 1e6:.3f}M embedding{self._active_params()}) · world "
+            f"{self.ctx.world} ({self.ctx.device.type}) · grad accum {self.sampler.accum} · {t.precision}"
         )
         chunked = takes_chunked_loss(causal_lm(self.model).config, t.loss_chunk_tokens)
         if t.loss_chunk_tokens and not chunked:
