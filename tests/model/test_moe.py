@@ -342,11 +342,26 @@ def test_export_writes_the_inputs_keys_and_loads_in_transformers_with_shardlines
         torch.testing.assert_close(ours_, theirs, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_a_bf16_step_of_the_experts_is_the_fp32_step_to_bf16_precision(ctx, checkpoints, trained, tmp_path):
+    """bf16 (the default on GPUs and bf16 CPUs): the fused experts in bf16 compute under FSDP's mixed precision,
+    fp32 master weights; the step's loss and gradient norm are the fp32 step's to bf16's precision."""
+    spec, run_dir = create_run(small_spec(tmp_path, f"model.path={checkpoints['qwen3_moe']}", "run.id=moe-bf16",
+                                          *STEP, "train.precision=bf16"))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    record, fp32 = trainer.train_step(), trained["qwen3_moe"]["record"]
+    print(f"bf16 vs fp32 step: loss {record.loss:.5f} vs {fp32.loss:.5f}, grad norm {record.grad_norm:.4f} vs "
+          f"{fp32.grad_norm:.4f}")
+    assert trainer.model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32  # the master weights
+    assert record.loss == pytest.approx(fp32.loss, rel=2e-2)
+    assert record.grad_norm == pytest.approx(fp32.grad_norm, rel=5e-2)
+
+
 # ---- LoRA ---------------------------------------------------------------------------------------------------
 def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoints, tmp_path):
     path = checkpoints["qwen3_moe"]
     spec, run_dir = create_run(small_spec(tmp_path, f"model.path={path}", "run.id=moe-lora", *STEP,
-                                          "model.lora.enabled=true", "model.lora.r=4", "train.lr=1e-2"))
+                                          "model.lora.enabled=true", "model.lora.r=4", "train.lr=1e-2",
+                                          "train.precision=bf16"))  # LoRA's default precision
     trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
     before = {k: _full(p) for k, p in trainer.model.named_parameters()}
     trainable = sorted(k for k, p in trainer.model.named_parameters() if p.requires_grad)

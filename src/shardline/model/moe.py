@@ -26,11 +26,12 @@ from torch import nn
 
 
 class DocumentSpans(Protocol):
-    """The documents of a batch (`shardline.data.spans.DocumentSpans`): span lengths over the flattened rows and
-    which spans are real (not a row's padding tail)."""
+    """The documents of a batch (`shardline.data.spans.DocumentSpans`, which imports model.flops, so only its
+    shape here): span lengths over the flattened rows and which spans are real (not a row's padding tail)."""
 
     lengths: tuple[int, ...]
     real: tuple[bool, ...]
+
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
 """Where the configs of the trained families keep their number of routed experts."""
