@@ -20,6 +20,7 @@ from shardline.errors import SpecError
 from shardline.planning.devices import Device
 from shardline.planning.memory import MemoryPlan, as_device, plan_memory
 from shardline.spec import JobSpec
+from shardline.spec.resolve import set_field
 
 AC_ORDER = ("none", "selective", "full")
 KINDS = ("checkpointing and micro-batch", "QLoRA", "more devices", "offload")
@@ -43,11 +44,7 @@ class Suggestion:
 def _variant(spec: JobSpec, changes: dict[str, object]) -> JobSpec | None:
     data = spec.model_dump(mode="json")
     for key, value in changes.items():
-        section, *path = key.split(".")
-        target = data[section]
-        for part in path[:-1]:
-            target = target[part]
-        target[path[-1]] = value
+        set_field(data, key, value)
     try:
         return JobSpec.model_validate(data)
     except (ValidationError, SpecError):
