@@ -23,13 +23,18 @@ both first losses (equal in fp32: the same work). HF has no selective checkpoint
 blocks and compiles the whole model (`torch_compile`); `--baseline hf-checkpointed` checkpoints whole blocks for A
 too (HF Trainer + peft does not fit protocol A on an 80 GB H100 without it). A baseline that fails (out of memory,
 say) is recorded in the result with its last error line, and the command exits 1.
+
+The run is stopped once its last step is recorded: its final checkpoint, which no protocol times (two minutes for
+a 3.9B-parameter full fine-tune's weights and AdamW state on a GPU host's disk), is not waited for.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +58,48 @@ def child_env() -> dict[str, str]:
     """This environment without a torch.distributed job's variables: the runs below start their own."""
     job = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {k: v for k, v in os.environ.items() if k not in job and not k.startswith("TORCHELASTIC_")}
+
+
+RUN_MARK = "SHARDLINE_PROTOCOL_RUN"  # in the environment of every process of one protocol run
+
+
+def _last_step(runs: Path) -> int:
+    """The highest training step the run under `runs` has recorded so far (0 before its first)."""
+    last = 0
+    for metrics in runs.glob("*/metrics.jsonl"):
+        for line in metrics.read_text().splitlines():
+            if '"kind": "train"' in line:
+                with contextlib.suppress(ValueError, KeyError):  # a line being written
+                    last = max(last, json.loads(line)["step"])
+    return last
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process whose environment carries `RUN_MARK=mark`: torchrun starts its workers in sessions
+    of their own, so the launcher's process group does not reach them."""
+    needle = f"{RUN_MARK}={mark}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ValueError):  # gone, or not ours to read
+                pass
+
+
+def run_until_last_step(cmd: list[str], log: Path, runs: Path, steps: int) -> int:
+    """Run the trainer (its output into `log`) until it exits or has recorded step `steps`; then stop it."""
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**child_env(), RUN_MARK: mark})
+        while proc.poll() is None:
+            if _last_step(runs) >= steps:
+                _kill_marked(mark)
+                proc.wait()
+                return 0
+            time.sleep(0.5)
+    return proc.returncode
 
 
 def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
@@ -219,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
                *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
         started = time.time()
         # The run's own output goes to a log beside the result, as it comes: a run stopped at a time limit leaves it.
-        with open(args.out / f"protocol-{args.protocol}-shardline.log", "w") as log:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-        if proc.returncode != 0:
+        returncode = run_until_last_step(cmd, args.out / f"protocol-{args.protocol}-shardline.log",
+                                         Path(tmp, "runs"), int(sets["train.max_steps"]))
+        if returncode != 0:
             print((args.out / f"protocol-{args.protocol}-shardline.log").read_text()[-8000:], file=sys.stderr)
-            return proc.returncode
+            return returncode
         run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
         result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
                   "versions": versions()}

@@ -164,6 +164,22 @@ def mask_placeholder(rows: int, device: torch.device) -> torch.Tensor:
     return torch.ones(rows, 1, 1, 1, dtype=torch.bool, device=device)
 
 
+HOST_OFFSETS = "document_offsets"
+"""The model keyword that carries the varlen offsets for this attention, which reads them on the host: in a
+`HostOffsets`, since FSDP's root module moves every tensor argument to the device (on a GPU a synchronising copy
+per offset tensor and forward, then a read back in every layer) but passes other objects through."""
+
+
+class HostOffsets:
+    """The span offsets of a batch (`DocumentSpans.cu_seqlens`, int32 on the CPU), out of FSDP's reach: a tensor
+    still (not ints), so that a compiled block breaks at reading them instead of recompiling for every batch."""
+
+    __slots__ = ("cu_seqlens",)
+
+    def __init__(self, cu_seqlens: torch.Tensor) -> None:
+        self.cu_seqlens = cu_seqlens
+
+
 WHOLE_ROWS = "document_rows"
 """The model keyword saying that every row is one document, all of it real (`whole_rows`): attention is then plain
 causal SDPA over each row, with no mask, no gather and no span offsets read on the host, so a compiled block stays
@@ -319,7 +335,7 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
                   **kwargs) -> tuple[torch.Tensor, None]:
     """HF attention function: per-document causal SDPA when spans are given, else `sdpa` unchanged; scores
     capped as Gemma 2 caps them (`softcap`) on both paths; attention sinks refused by name."""
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = offsets.cu_seqlens if (offsets := kwargs.get(HOST_OFFSETS)) is not None else kwargs.get("cu_seq_lens_q")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if (shard := active_shard()) is not None:  # context parallel: this rank's queries over the whole row
         return context_parallel_attention(query, key, value, shard, int(window) if window else None, scaling), None

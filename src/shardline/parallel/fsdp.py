@@ -98,8 +98,15 @@ def apply_activation_checkpointing(model: nn.Module, spec: ParallelSpec) -> None
     if spec.activation_checkpointing == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _save_matmuls)
     # HF's own per-block checkpointing keeps parameter names unchanged (checkpoints, export).
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
-                                          every_n_layers=spec.activation_checkpointing_every)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                              every_n_layers=spec.activation_checkpointing_every)
+    elif spec.activation_checkpointing_every == 1:  # transformers before the rename (5.17 on the lent GPU images)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise SpecError("parallel.activation_checkpointing_every", "this transformers checkpoints every block or "
+                        "none (it has no activation_checkpointing_enable)",
+                        "upgrade transformers, or set parallel.activation_checkpointing_every=1")
 
 
 def block_wrapping(model: nn.Module) -> dict[str, int]:

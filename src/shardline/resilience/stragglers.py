@@ -30,7 +30,7 @@ def with_rank_slot(total: torch.Tensor, own_s: float, rank: int, world: int) -> 
     """[total, 0, …, own_s at 1 + rank, …, 0]: summed over ranks, slot 1 + r holds rank r's time."""
     packed = torch.zeros(world + 1, dtype=torch.float64, device=total.device)
     packed[0] = total
-    packed[1 + rank] = own_s
+    packed[1 + rank].fill_(own_s)  # a kernel argument: `packed[i] = x` copies x from the host, a sync on a GPU
     return packed
 
 

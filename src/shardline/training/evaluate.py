@@ -27,8 +27,10 @@ from shardline.model import moe
 from shardline.model.build import causal_lm
 from shardline.model.document_attention import (
     DENSE_MASKS,
+    HOST_OFFSETS,
     NAME,
     WHOLE_ROWS,
+    HostOffsets,
     dense_masks,
     mask_placeholder,
     uses_dense_mask,
@@ -84,8 +86,12 @@ def token_losses(model: nn.Module, batch: Batch, chunk_tokens: int | None = None
 def _token_loss(model: nn.Module, batch: Batch, chunk_tokens: int | None, reduction: str,
                 temperature: float = 1.0) -> torch.Tensor:
     attention, device = getattr(model.config, "_attn_implementation", ""), batch.input_ids.device
-    spans = {} if batch.spans is None else batch.spans.model_kwargs(  # flash reads the offsets on the device
-        device if "flash" in attention else torch.device("cpu"))
+    if batch.spans is None:
+        spans = {}
+    elif "flash" in attention:  # flash reads the varlen offsets on the device
+        spans = batch.spans.model_kwargs(device)
+    else:  # shardline's attention reads them on the host
+        spans = {HOST_OFFSETS: HostOffsets(batch.spans.cu_seqlens)}
     rows, seq = batch.input_ids.shape
     lm = causal_lm(model)
     if spans and attention == NAME:
