@@ -3,8 +3,8 @@ token uses, and the family's router auxiliary (load-balancing) loss.
 
 The model math is transformers' own (`Qwen3MoeSparseMoeBlock` and its siblings: top-k routing, experts held fused
 as `mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, run by transformers' experts implementation);
-FSDP2 shards those fused parameters on dim 0, the expert dimension, like any other parameter. Expert parallelism
-(tokens sent to the ranks that hold their experts) is not here yet.
+FSDP2 shards those fused parameters on dim 0, the expert dimension, like any other parameter; expert parallelism
+(`parallel.ep`: tokens sent to the ranks that hold their experts) is `shardline.parallel.expert`.
 
 Auxiliary loss: on when the checkpoint's config says `output_router_logits: true` (hub configs ship false), with
 the config's `router_aux_loss_coef`. `aux_loss_term` computes it with the family's own `load_balancing_loss_func`
@@ -52,11 +52,15 @@ def active_expert_fraction(config: Any) -> float:
     return config.num_experts_per_tok / experts if experts else 1.0
 
 
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Each MoE layer's routed-experts module (`….mlp.experts`, holding the fused weights), in layer order."""
+    return [module for name, module in model.named_modules() if name.endswith("mlp.experts")]
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The routed experts' fused weights (parameters of each `….mlp.experts` module); a shared expert, the router
     and dense layers are not among them."""
-    return [p for name, module in model.named_modules() if name.endswith("mlp.experts")
-            for p in module.parameters(recurse=False)]
+    return [p for module in expert_modules(model) for p in module.parameters(recurse=False)]
 
 
 def aux_loss_coefficient(config: Any) -> float:

@@ -10,11 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
 from shardline.model.nf4 import is_nf4, nf4_parameters
+from shardline.parallel.expert import apply_expert_parallel, expert_mesh
 from shardline.parallel.tensor import apply_tensor_parallel
 from shardline.spec import ParallelSpec, Precision
 
@@ -154,6 +156,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
     shard = partial(fully_shard, mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision(precision),
                     offload_policy=_offload_policy(spec, mesh.device_type),
                     ignored_params=nf4_parameters(model) or None)
+    if spec.ep > 1:  # each EP rank's experts sharded by FSDP over efsdp on dim 1 (`shardline.parallel.expert`)
+        experts = expert_mesh(mesh, spec.ep)
+        for i, module in enumerate(apply_expert_parallel(model, experts["ep"])):
+            _shard_named(partial(shard, mesh=experts["efsdp"], shard_placement_fn=lambda _: Shard(1)), module,
+                         f"the experts of MoE layer {i}", reshard_after_forward=spec.reshard_after_forward)
+            module.set_gradient_divide_factor(float(mesh.size()))  # the mean over all data-parallel ranks
     for i, layer in enumerate(layers):
         _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in

@@ -15,6 +15,7 @@ def check_combinations(spec: JobSections) -> None:
     world = spec.world_size
     check_tensor_parallel_degree(spec)
     check_context_parallel_degree(spec)
+    check_expert_parallel_degree(spec)
     data_parallel = world // p.ranks_per_row  # tensor- and context-parallel peers train the same rows
     per_step = data_parallel * t.micro_batch_size
     if t.global_batch_size % per_step:
@@ -120,6 +121,27 @@ def check_context_parallel_degree(spec: JobSections) -> None:
     if spec.model.attn_implementation != "sdpa":
         raise SpecError("model.attn_implementation", f"is {spec.model.attn_implementation}, but parallel.cp="
                         f"{p.cp} runs shardline's document attention", "set model.attn_implementation=sdpa")
+
+
+def check_expert_parallel_degree(spec: JobSections) -> None:
+    """ep borrows ranks from dp_shard; what it does not compose with (yet) is named. That the model has experts
+    and ep divides their number is checked on its config (`shardline.parallel.expert.check_expert_parallel`)."""
+    p = spec.parallel
+    if p.ep == 1:
+        return
+    others = {"parallel.tp": p.tp > 1, "parallel.cp": p.cp > 1, "parallel.dp_replicate": p.dp_replicate > 1,
+              "parallel.compile": p.compile, "parallel.offload": p.offload,
+              "model.lora.quantize_base": spec.model.lora.enabled and spec.model.lora.quantize_base != "none"}
+    for field, on in others.items():
+        if on:
+            raise SpecError("parallel.ep", f"{p.ep} with {field}: expert parallel composes with FSDP alone so far "
+                            "(tensor and context parallel split the tokens a MoE layer dispatches; HSDP, compile, "
+                            "offload and a quantized base are not built with it yet)",
+                            f"set parallel.ep=1, or leave {field} at its default")
+    shard = p.dp_shard or spec.world_size // (p.dp_replicate * p.ranks_per_row)
+    if shard % p.ep:
+        raise SpecError("parallel.ep", f"{p.ep} does not divide the {shard} data-parallel shard ranks it borrows "
+                        "from", f"choose an ep that divides {shard} (launch.nnodes × parallel.nproc_per_node)")
 
 
 def check_tensor_parallel_degree(spec: JobSections) -> None:

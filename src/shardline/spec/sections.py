@@ -376,6 +376,11 @@ class ParallelSpec(Section):
     """Context-parallel degree: each row's tokens split over this many ranks (load-balanced causal chunks), whose
     attention all-gathers the row's keys and values; for rows too long for one device. FSDP shards over
     data-parallel × cp ranks. 1 = off."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree (mixtures of experts): each MoE layer's routed experts split over this many
+    consecutive data-parallel ranks, E/ep experts each, tokens sent to the ranks that hold their experts by
+    all-to-all; borrowed from dp_shard (FSDP shards each rank's experts over dp_shard/ep ranks, the rest of the
+    model over all of them as without it). 1 = FSDP alone shards the experts."""
     offload: bool = False
     """Keep parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     reshard_after_forward: bool = True

@@ -1,0 +1,141 @@
+"""Expert parallel (`parallel.ep`): each MoE layer's routed experts split over `ep` data-parallel ranks, tokens sent
+to the ranks that hold their experts and their outputs sent back, as torchtitan does it.
+
+Layout: the data-parallel shard ranks are viewed as a mesh `[efsdp, ep]` (ep innermost: an EP group is consecutive
+ranks). Each routed-experts module's fused weights (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) become
+DTensors sharded on dim 0, the expert dimension, over `ep` (E/ep experts a rank); FSDP2 then shards them over
+`efsdp` on dim 1, so the pair of placements is plain `(Shard(1), Shard(0))` with no strided shard and DCP reshards
+them to any other EP size. Everything else of the model is sharded by FSDP over all data-parallel ranks as without
+EP. FSDP divides the experts' gradients by the data-parallel world, as it does the others': every rank's loss is
+scaled for that mean (`Trainer.train_step`), and a rank's expert gradients already hold the contributions of its
+whole EP group's tokens (the all-to-all's backward brings them).
+
+One MoE layer's forward on a rank (`ExpertParallelForward`): its N tokens × top-k routed copies sorted by expert;
+the per-expert counts exchanged with `all_to_all_single` (one small collective), then read on the host once (the
+splits of the token all-to-all are host integers: one host read per MoE layer and forward — the step's host-read
+budget, tests/train/test_host_reads.py, covers dense steps only); the copies sent with `all_to_all_single` with
+exact uneven splits (no capacity, no token dropped; gloo takes uneven splits on CPU, NCCL on GPU); the received
+rows grouped by local expert and run through each expert (`act(x·gate) * (x·up) · down`, transformers' own
+expert math, exact on CPU); the outputs sent back by the reverse all-to-all, weighted by their routing weights and
+summed per token. Both all-to-alls are autograd functions: backward sends the gradients the opposite way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from shardline.errors import SpecError
+from shardline.model.moe import expert_modules, num_experts
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The fused weights of a routed-experts module, expert dimension first."""
+
+
+def check_expert_parallel(config: object, ep: int) -> None:
+    """`parallel.ep` needs a mixture of experts whose expert count it divides."""
+    if ep == 1:
+        return
+    experts = num_experts(config)
+    if not experts:
+        raise SpecError("parallel.ep", f"{ep} on {getattr(config, 'model_type', 'this model')}, which has no "
+                        "routed experts", "set parallel.ep=1 (expert parallel splits a mixture of experts' experts)")
+    if experts % ep:
+        raise SpecError("parallel.ep", f"{ep} does not divide the model's {experts} routed experts per layer",
+                        f"choose an ep that divides {experts}")
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The data-parallel shard ranks of `mesh` as `[efsdp, ep]`: ep consecutive ranks share a layer's experts,
+    FSDP shards each EP rank's experts over the efsdp ranks that hold the same ones."""
+    shard = mesh["dp_shard"].size() if mesh.mesh_dim_names != ("dp_shard",) else mesh.size()
+    return init_device_mesh(mesh.device_type, (shard // ep, ep), mesh_dim_names=("efsdp", "ep"))
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Shard every routed-experts module's weights on the expert dimension over `ep_mesh` and run the module by
+    dispatch (this module's forward); returns the modules, for FSDP over the rest of the ranks."""
+    check_expert_parallel(model.config, ep_mesh.size())
+    modules = expert_modules(model)
+    for module in modules:
+        for name in EXPERT_WEIGHTS:
+            param = getattr(module, name)
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = ExpertParallelForward(module, ep_mesh.get_group())
+    return modules
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where one layer's routed token copies go. `order` sorts the copies (token-major, top-k inner) by expert;
+    `send`/`receive` are the rows exchanged with each EP rank (host integers); `grouped` sorts the received rows
+    by local expert and `per_expert` counts them."""
+
+    order: torch.Tensor
+    send: list[int]
+    receive: list[int]
+    grouped: torch.Tensor
+    per_expert: list[int]
+
+
+def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routing:
+    """The dispatch plan of one MoE layer: one count all-to-all and one host read."""
+    ranks = dist.get_world_size(group)
+    local = experts // ranks
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)  # [ranks × local]: what this rank sends each expert
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank × local]: what each rank sends mine
+    host = torch.cat([counts, received]).tolist()  # the layer's one host read: the splits are host integers
+    sent, got = host[:experts], host[experts:]
+    source_expert = torch.arange(local, device=flat.device).repeat(ranks)
+    grouped = torch.argsort(torch.repeat_interleave(source_expert, received), stable=True)
+    return Routing(order=order, send=[sum(sent[r * local:(r + 1) * local]) for r in range(ranks)],
+                   receive=[sum(got[r * local:(r + 1) * local]) for r in range(ranks)], grouped=grouped,
+                   per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)])
+
+
+def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+    """Each local expert on its consecutive rows (transformers' expert math: `act(x·gate) * (x·up) · down`)."""
+    gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (module.gate_up_proj, module.down_proj))
+    outputs = []
+    for e, part in enumerate(torch.split(rows, per_expert)):
+        gate, up = nn.functional.linear(part, gate_up[e]).chunk(2, dim=-1)
+        outputs.append(nn.functional.linear(module.act_fn(gate) * up, down[e]))
+    return torch.cat(outputs) if outputs else rows[:0]
+
+
+def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """`all_to_all_single` of rows with exact uneven splits, differentiable (backward sends the gradients back)."""
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), receive, send, group))
+
+
+class ExpertParallelForward:
+    """A routed-experts module's forward under expert parallel (same signature and result as transformers':
+    `(hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]`)."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        self.module, self.group = module, group
+        self.experts = module.gate_up_proj.shape[0]
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        plan = route(top_k_index, self.experts, self.group)
+        token = plan.order // k  # the token each sorted copy is of
+        sent = hidden_states[token]
+        arrived = exchange(sent, plan.receive, plan.send, self.group)
+        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert)
+        back = torch.empty_like(computed).index_copy(0, plan.grouped, computed)  # in arrival order again
+        returned = exchange(back, plan.send, plan.receive, self.group)
+        weighted = returned * top_k_weights.reshape(-1)[plan.order, None]
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, token, weighted.to(out.dtype))
