@@ -6,9 +6,9 @@ ranks). Each routed-experts module's fused weights (`gate_up_proj [E, 2I, H]`, `
 DTensors sharded on dim 0, the expert dimension, over `ep` (E/ep experts a rank); FSDP2 then shards them over
 `efsdp` on dim 1, so the pair of placements is plain `(Shard(1), Shard(0))` with no strided shard and DCP reshards
 them to any other EP size. Everything else of the model is sharded by FSDP over all data-parallel ranks as without
-EP. FSDP divides the experts' gradients by the data-parallel world, as it does the others': every rank's loss is
-scaled for that mean (`Trainer.train_step`), and a rank's expert gradients already hold the contributions of its
-whole EP group's tokens (the all-to-all's backward brings them).
+EP. The experts' gradients end as the mean over all data-parallel ranks, as every other gradient does (every rank's
+loss is scaled for that mean, `Trainer.train_step`): a rank's expert gradients hold its whole EP group's tokens (the
+all-to-all's backward brings them), are divided by ep (`run_experts`), and FSDP averages them over efsdp.
 
 One MoE layer's forward on a rank (`ExpertParallelForward`): its N tokens × top-k routed copies sorted by expert;
 the per-expert counts exchanged with `all_to_all_single` (one small collective), then read on the host once (the
@@ -103,9 +103,27 @@ def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> 
                    per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)])
 
 
-def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-    """Each local expert on its consecutive rows (transformers' expert math: `act(x·gate) * (x·up) · down`)."""
-    gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (module.gate_up_proj, module.down_proj))
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int], ranks: int) -> torch.Tensor:
+    """Each local expert on its consecutive rows (transformers' expert math: `act(x·gate) * (x·up) · down`).
+
+    The weights' gradients are divided by the EP group's size: they hold the whole group's tokens, and FSDP then
+    averages them over efsdp only; together that is the mean over all data-parallel ranks that FSDP takes of every
+    other gradient (`set_gradient_divide_factor` would say it too, but gloo has no pre-multiplied reduce-scatter)."""
+    gate_up, down = (_ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ranks)
+                     for w in (module.gate_up_proj, module.down_proj))
     outputs = []
     for e, part in enumerate(torch.split(rows, per_expert)):
         gate, up = nn.functional.linear(part, gate_up[e]).chunk(2, dim=-1)
@@ -133,7 +151,7 @@ class ExpertParallelForward:
         token = plan.order // k  # the token each sorted copy is of
         sent = hidden_states[token]
         arrived = exchange(sent, plan.receive, plan.send, self.group)
-        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert)
+        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert, dist.get_world_size(self.group))
         back = torch.empty_like(computed).index_copy(0, plan.grouped, computed)  # in arrival order again
         returned = exchange(back, plan.send, plan.receive, self.group)
         weighted = returned * top_k_weights.reshape(-1)[plan.order, None]

@@ -161,7 +161,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
         for i, module in enumerate(apply_expert_parallel(model, experts["ep"])):
             _shard_named(partial(shard, mesh=experts["efsdp"], shard_placement_fn=lambda _: Shard(1)), module,
                          f"the experts of MoE layer {i}", reshard_after_forward=spec.reshard_after_forward)
-            module.set_gradient_divide_factor(float(mesh.size()))  # the mean over all data-parallel ranks
     for i, layer in enumerate(layers):
         _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in

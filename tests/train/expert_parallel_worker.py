@@ -1,0 +1,106 @@
+"""torchrun worker for tests/train/test_expert_parallel.py (a script; pytest does not collect it): every expert-parallel
+case of one world size in one start (a start, the imports of torch and transformers, is most of a small case's time).
+
+    torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
+
+JOBS.json lists jobs, done in order:
+- `{"oracle": ep, "out": path, "broken": bool}`: a tiny Qwen3-MoE (transformers' own model code and config class, fp32,
+  init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` (FSDP over the rest) takes one forward and
+  backward of a global batch split over the ranks; rank 0 writes its summed loss and every full gradient's largest
+  difference from transformers' unsharded model on the same weights and whole batch. `broken` sends every token
+  copy to the next EP rank's experts (a dispatch permutation off by one rank), which the oracle must catch;
+- `{"spec": path, "steps": n, "out": path}`: the Trainer of a created run trains n steps; rank 0 writes their losses.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from shardline.data.prepare import prepare
+from shardline.parallel import expert
+from shardline.parallel.fsdp import device_mesh, parallelize
+from shardline.parallel.mesh import distributed
+from shardline.rundir import run_path
+from shardline.spec import JobSpec, ParallelSpec
+from shardline.training.trainer import Trainer
+from shardline.worker import exit_without_teardown
+
+EXPERTS, TOP_K, ROWS, SEQ = 8, 2, 4, 24
+CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts=EXPERTS,
+              num_experts_per_tok=TOP_K, moe_intermediate_size=32, intermediate_size=64)
+
+
+def tiny_moe() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG), dtype=torch.float32)
+
+
+def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+
+def oracle(ep: int, broken: bool, out: str | None) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = tiny_moe()
+    ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens = ROWS * (SEQ - 1)
+    (loss_sum(reference, ids) / tokens).backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+
+    model = tiny_moe()
+    model.load_state_dict(reference.state_dict())
+    spec = ParallelSpec(ep=ep)
+    parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
+    route = expert.route
+    if broken:  # every copy to the same local expert of the next EP rank
+        expert.route = lambda index, experts, group: route((index + experts // ep) % experts, experts, group)
+    try:
+        rows = ids.chunk(world)[rank]
+        local = loss_sum(model, rows)
+        (local * (world / tokens)).backward()  # FSDP averages gradients over the ranks (Trainer.train_step)
+    finally:
+        expert.route = route
+    total = local.detach().clone()
+    dist.all_reduce(total)
+    diffs = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        diffs[name] = float((grad - want[name]).abs().max())
+    if rank == 0 and out:
+        placements = {n: [str(x) for x in p.placements] for n, p in model.named_parameters() if "experts" in n}
+        Path(out).write_text(json.dumps({"loss": float(total) / tokens,
+                                         "reference_loss": float(loss_sum(reference, ids).detach()) / tokens,
+                                         "grad_diff": diffs, "grad_scale": max(float(g.abs().max())
+                                                                               for g in want.values()),
+                                         "expert_placements": placements}))
+
+
+def main(jobs_file: str) -> None:
+    with distributed() as ctx:
+        for job in json.loads(Path(jobs_file).read_text()):
+            if "oracle" in job:
+                oracle(job["oracle"], job.get("broken", False), job.get("out"))
+            else:
+                spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
+                trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
+                losses = [trainer.train_step().loss for _ in range(job["steps"])]
+                if ctx.is_main and job.get("out"):
+                    Path(job["out"]).write_text(json.dumps(losses))
+                if job.get("save"):
+                    trainer.save_checkpoint(blocking=True)
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    exit_without_teardown(0)  # gloo's threads can abort interpreter finalisation (shardline.worker)

@@ -1,0 +1,104 @@
+"""Expert parallel (`parallel.ep`, shardline/parallel/expert.py) against transformers' own mixture of experts.
+
+One torchrun launch per world size runs every case of that world (tests/train/expert_parallel_worker.py): on a tiny
+Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 so a mis-routed token moves the loss)
+the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
+(FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2; a
+dispatch that sends every token to the next EP rank's experts fails that oracle; and the Trainer of a checkpoint saved
+by transformers takes the same 3 steps at ep 2 as at ep 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Qwen3Config, Qwen3MoeConfig
+
+from shardline.data.prepare import prepare
+from shardline.data.tokenizer import train_bpe
+from shardline.errors import SpecError
+from shardline.parallel.expert import check_expert_parallel
+from shardline.rundir import create_run
+from shardline.spec.resolve import load_spec
+from shardline.tasks.text_to_sql.generate import generate_splits
+from tests.conftest import REPO, small_overrides
+from tests.model.families import write_family_checkpoint
+
+WORKER = Path(__file__).with_name("expert_parallel_worker.py")
+GRAD_TOL = 1e-6  # fp32: summation order of the ranks' gradients (measured ~5e-8 of gradients up to 0.16)
+
+
+def launch(root: Path, world: int, jobs: list[dict]) -> None:
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(WORKER),
+           str(root / "jobs.json")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def oracle_result(path: Path) -> tuple[float, float, float]:
+    """(loss − transformers' loss, largest gradient difference, the expert weights' placements) of an oracle job."""
+    found = json.loads(path.read_text())
+    return (abs(found["loss"] - found["reference_loss"]), max(found["grad_diff"].values()),
+            found["expert_placements"]["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def moe_run(root: Path, checkpoint: Path, ep: int):
+    spec, _ = create_run(load_spec("tiny", [
+        *small_overrides(root / "runs"), f"model.path={checkpoint}", f"run.id=ep{ep}", "parallel.nproc_per_node=2",
+        f"parallel.ep={ep}", "train.max_steps=3", "train.warmup_steps=0", "train.micro_batch_size=2",
+        "train.global_batch_size=4", "train.seq_len=128", "checkpoint.async_save=false"]))
+    prepare(spec)
+    (root / f"ep{ep}.json").write_text(spec.model_dump_json())
+    return spec
+
+
+def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_and_ep_2_trains_like_ep_1(tmp_path):
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+    checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
+    runs = {ep: moe_run(tmp_path, checkpoint, ep) for ep in (1, 2)}
+    launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
+                         {"oracle": 2, "out": str(tmp_path / "ep2.out")},
+                         {"oracle": 2, "broken": True, "out": str(tmp_path / "broken.out")},
+                         *({"spec": str(tmp_path / f"ep{ep}.json"), "steps": 3,
+                            "out": str(tmp_path / f"losses{ep}.json")} for ep in (1, 2))])
+    for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"])):
+        loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
+        print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
+        assert loss < 1e-6 and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
+    loss, grad, _ = oracle_result(tmp_path / "broken.out")
+    print(f"dispatch off by one rank: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
+    assert loss > 1e-2 and grad > 1e-2
+    losses = {ep: json.loads((tmp_path / f"losses{ep}.json").read_text()) for ep in runs}
+    print(f"Trainer losses, ep 1: {losses[1]}; ep 2: {losses[2]}")
+    assert len(losses[1]) == 3 and losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-5)
+
+
+def test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers(tmp_path):
+    launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")}])
+    loss, grad, placed = oracle_result(tmp_path / "fsdp2xep2.out")
+    print(f"FSDP 2 x EP 2: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
+    assert loss < 1e-6 and grad < GRAD_TOL and placed == ["S(1)", "S(0)"]
+
+
+def test_what_expert_parallel_does_not_compose_with_is_a_named_error(tmp_path):
+    base = [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=4", "parallel.ep=2"]
+    for extra, field in ((["parallel.tp=2"], "parallel.tp"), (["parallel.dp_replicate=2"], "parallel.dp_replicate"),
+                         (["parallel.compile=true"], "parallel.compile")):
+        with pytest.raises(SpecError, match=f"parallel.ep.*{field}"):
+            load_spec("tiny", [*base, *extra])
+    with pytest.raises(SpecError, match="does not divide the 4 data-parallel shard ranks"):
+        load_spec("tiny", [*base[:-1], "parallel.ep=3"])
+    moe = Qwen3MoeConfig(num_experts=8)
+    check_expert_parallel(moe, 4)
+    with pytest.raises(SpecError, match="does not divide the model's 8 routed experts"):
+        check_expert_parallel(moe, 3)
+    with pytest.raises(SpecError, match="no routed experts"):
+        check_expert_parallel(Qwen3Config(), 2)
