@@ -9,7 +9,8 @@ JOBS.json lists jobs, done in order:
   backward of a global batch split over the ranks; rank 0 writes its summed loss and every full gradient's largest
   difference from transformers' unsharded model on the same weights and whole batch. `broken` sends every token
   copy to the next EP rank's experts (a dispatch permutation off by one rank), which the oracle must catch;
-- `{"spec": path, "steps": n, "out": path}`: the Trainer of a created run trains n steps; rank 0 writes their losses.
+- `{"spec": path, "steps": n, "out": path, "save": bool}`: the Trainer of a created run resumes if its spec says so,
+  trains n steps (rank 0 writes their losses) and saves a checkpoint if `save`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main(jobs_file: str) -> None:
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
+                trainer.maybe_resume()
                 losses = [trainer.train_step().loss for _ in range(job["steps"])]
                 if ctx.is_main and job.get("out"):
                     Path(job["out"]).write_text(json.dumps(losses))

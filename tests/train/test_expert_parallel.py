@@ -49,26 +49,27 @@ def oracle_result(path: Path) -> tuple[float, float, float]:
             found["expert_placements"]["model.layers.0.mlp.experts.gate_up_proj"])
 
 
-def moe_run(root: Path, checkpoint: Path, ep: int):
+def moe_run(root: Path, checkpoint: Path, name: str, ep: int, *extra: str) -> dict:
+    """The job of a created run of the MoE checkpoint at `ep` (4 steps planned; the job says how many it takes)."""
     spec, _ = create_run(load_spec("tiny", [
-        *small_overrides(root / "runs"), f"model.path={checkpoint}", f"run.id=ep{ep}", "parallel.nproc_per_node=2",
-        f"parallel.ep={ep}", "train.max_steps=3", "train.warmup_steps=0", "train.micro_batch_size=2",
-        "train.global_batch_size=4", "train.seq_len=128", "checkpoint.async_save=false"]))
+        *small_overrides(root / "runs"), f"model.path={checkpoint}", f"run.id={name}", "parallel.nproc_per_node=2",
+        f"parallel.ep={ep}", "train.max_steps=4", "train.warmup_steps=0", "train.micro_batch_size=2",
+        "train.global_batch_size=4", "train.seq_len=128", "checkpoint.async_save=false", *extra]))
     prepare(spec)
-    (root / f"ep{ep}.json").write_text(spec.model_dump_json())
-    return spec
+    (root / f"{name}.json").write_text(spec.model_dump_json())
+    return {"spec": str(root / f"{name}.json"), "out": str(root / f"{name}-losses.json")}
 
 
-def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_and_ep_2_trains_like_ep_1(tmp_path):
+def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2_trains_and_resumes_at_ep_1(tmp_path):
     examples = generate_splits(5, 300, 10, 10)["train"]
     tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
     checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
-    runs = {ep: moe_run(tmp_path, checkpoint, ep) for ep in (1, 2)}
+    ep1, ep2 = moe_run(tmp_path, checkpoint, "ep1", 1), moe_run(tmp_path, checkpoint, "ep2", 2)
+    resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "broken": True, "out": str(tmp_path / "broken.out")},
-                         *({"spec": str(tmp_path / f"ep{ep}.json"), "steps": 3,
-                            "out": str(tmp_path / f"losses{ep}.json")} for ep in (1, 2))])
+                         {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
@@ -76,9 +77,10 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_and_
     loss, grad, _ = oracle_result(tmp_path / "broken.out")
     print(f"dispatch off by one rank: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
     assert loss > 1e-2 and grad > 1e-2
-    losses = {ep: json.loads((tmp_path / f"losses{ep}.json").read_text()) for ep in runs}
-    print(f"Trainer losses, ep 1: {losses[1]}; ep 2: {losses[2]}")
-    assert len(losses[1]) == 3 and losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-5)
+    losses = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed)}
+    at_1, at_2, then_1 = losses[ep1["out"]], losses[ep2["out"]], losses[resumed["out"]]
+    print(f"Trainer losses, ep 1: {at_1}; ep 2: {at_2}; its checkpoint resumed at ep 1: {then_1}")
+    assert at_2 == pytest.approx(at_1[:3], rel=1e-5) and then_1 == pytest.approx(at_1[3:], rel=1e-5)
 
 
 def test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers(tmp_path):
