@@ -43,7 +43,8 @@ def check_context_parallel(config, cp: int) -> None:
     if cp > 1 and family_of(config).experts:
         raise SpecError("parallel.cp", f"{family_of(config).name} is a mixture of experts, which shardline does not "
                         "run with context parallel yet (its router auxiliary loss would count each rank's tokens "
-                        "alone)", "set parallel.cp=1 for this model (FSDP shards the experts)")
+                        "alone)", "set parallel.cp=1 for this model (FSDP shards the experts; parallel.ep splits "
+                        "them over ranks)")
     if cp > 1 and getattr(config, "attn_logit_softcapping", None):
         raise SpecError("parallel.cp", f"{family_of(config).name} soft-caps its attention scores, which the "
                         "context-parallel attention does not compute", "set parallel.cp=1 for this model")

@@ -128,8 +128,9 @@ def check_tensor_parallel(config, tp: int) -> None:
     family = family_of(config)
     if family.experts:
         raise SpecError("parallel.tp", f"{family.name} is a mixture of experts: the tensor-parallel plan splits "
-                        "dense MLPs and does not know the fused experts (expert parallel is not implemented yet)",
-                        "set parallel.tp=1 for this model (FSDP shards the experts)")
+                        "dense MLPs and does not know the fused experts",
+                        "set parallel.tp=1 for this model (FSDP shards the experts; parallel.ep splits them over "
+                        "ranks)")
     if family.fused:
         raise SpecError("parallel.tp", f"{family.name} fuses q/k/v and gate/up into one projection each, which a "
                         "column-wise split would cut across q, k and v", "set parallel.tp=1 for this family "
