@@ -4,11 +4,13 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": bool}`: a tiny Qwen3-MoE (transformers' own model code and config class, fp32,
-  init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` (FSDP over the rest) takes one forward and
-  backward of a global batch split over the ranks; rank 0 writes its summed loss and every full gradient's largest
-  difference from transformers' unsharded model on the same weights and whole batch. `broken` sends every token
-  copy to the next EP rank's experts (a dispatch permutation off by one rank), which the oracle must catch;
+- `{"oracle": ep, "out": path, "broken": bool, "aux": bool}`: a tiny Qwen3-MoE (transformers' own model code and
+  config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` (FSDP over the rest)
+  takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
+  full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
+  loss with labels: with `aux`, the router aux loss on, coefficient 0.05, which shardline computes from expert counts
+  all-reduced over the ranks). `broken` sends every token copy to the next EP rank's experts (a dispatch
+  permutation off by one rank), which the oracle must catch;
 - `{"spec": path, "steps": n, "out": path, "save": bool}`: the Trainer of a created run resumes if its spec says so,
   trains n steps (rank 0 writes their losses) and saves a checkpoint if `save`.
 """
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from shardline.data.prepare import prepare
+from shardline.model import moe
 from shardline.parallel import expert
 from shardline.parallel.fsdp import device_mesh, parallelize
 from shardline.parallel.mesh import distributed
@@ -34,31 +37,37 @@ from shardline.spec import JobSpec, ParallelSpec
 from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 
-EXPERTS, TOP_K, ROWS, SEQ = 8, 2, 4, 24
+EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF = 8, 2, 4, 24, 0.05
 CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts=EXPERTS,
               num_experts_per_tok=TOP_K, moe_intermediate_size=32, intermediate_size=64)
 
 
-def tiny_moe() -> torch.nn.Module:
+def tiny_moe(aux: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG), dtype=torch.float32)
+    config = Qwen3MoeConfig(**CONFIG, output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    """shardline's summed training loss of `ids`: cross-entropy plus, with the aux loss on, this rank's share of it
+    (`moe.aux_loss_term`, from expert counts all-reduced over the ranks)."""
+    with moe.router_logits(model, record=moe.aux_loss_coefficient(model.config) > 0) as routed:
+        logits = model(ids, **moe.forward_kwargs(model.config)).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    return loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel()) if routed else loss
 
 
-def oracle(ep: int, broken: bool, out: str | None) -> None:
+def oracle(ep: int, broken: bool, aux: bool, out: str | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = tiny_moe()
+    reference = tiny_moe(aux)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     tokens = ROWS * (SEQ - 1)
-    (loss_sum(reference, ids) / tokens).backward()
+    want_loss = reference(ids, labels=ids).loss  # transformers' own: mean cross-entropy (+ coef · its aux loss)
+    want_loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
 
-    model = tiny_moe()
+    model = tiny_moe(aux)
     model.load_state_dict(reference.state_dict())
     spec = ParallelSpec(ep=ep)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
@@ -80,7 +89,7 @@ def oracle(ep: int, broken: bool, out: str | None) -> None:
     if rank == 0 and out:
         placements = {n: [str(x) for x in p.placements] for n, p in model.named_parameters() if "experts" in n}
         Path(out).write_text(json.dumps({"loss": float(total) / tokens,
-                                         "reference_loss": float(loss_sum(reference, ids).detach()) / tokens,
+                                         "reference_loss": float(want_loss),
                                          "grad_diff": diffs, "grad_scale": max(float(g.abs().max())
                                                                                for g in want.values()),
                                          "expert_placements": placements}))
@@ -90,7 +99,7 @@ def main(jobs_file: str) -> None:
     with distributed() as ctx:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
-                oracle(job["oracle"], job.get("broken", False), job.get("out"))
+                oracle(job["oracle"], job.get("broken", False), job.get("aux", False), job.get("out"))
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))

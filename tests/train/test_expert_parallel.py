@@ -31,6 +31,7 @@ from tests.model.families import write_family_checkpoint
 
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
 GRAD_TOL = 1e-6  # fp32: summation order of the ranks' gradients (measured ~5e-8 of gradients up to 0.16)
+LOSS_TOL = 4e-6  # a few fp32 ulps of a loss of ~7.7 (transformers' loss is fp32; measured up to 7.5e-7)
 
 
 def launch(root: Path, world: int, jobs: list[dict]) -> None:
@@ -68,12 +69,13 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
+                         {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
                          {"oracle": 2, "broken": True, "out": str(tmp_path / "broken.out")},
                          {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1}])
-    for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"])):
+    for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
-        assert loss < 1e-6 and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
+        assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
     loss, grad, _ = oracle_result(tmp_path / "broken.out")
     print(f"dispatch off by one rank: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
     assert loss > 1e-2 and grad > 1e-2
@@ -84,10 +86,12 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
 
 
 def test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers(tmp_path):
-    launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")}])
-    loss, grad, placed = oracle_result(tmp_path / "fsdp2xep2.out")
-    print(f"FSDP 2 x EP 2: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
-    assert loss < 1e-6 and grad < GRAD_TOL and placed == ["S(1)", "S(0)"]
+    launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")},
+                         {"oracle": 2, "aux": True, "out": str(tmp_path / "fsdp2xep2aux.out")}])
+    for case in ("fsdp2xep2", "fsdp2xep2aux"):
+        loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
+        print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
+        assert loss < LOSS_TOL and grad < GRAD_TOL and placed == ["S(1)", "S(0)"], case
 
 
 def test_what_expert_parallel_does_not_compose_with_is_a_named_error(tmp_path):

@@ -7,9 +7,10 @@ FSDP2 shards those fused parameters on dim 0, the expert dimension, like any oth
 (`parallel.ep`: tokens sent to the ranks that hold their experts) is `shardline.parallel.expert`.
 
 Auxiliary loss: on when the checkpoint's config says `output_router_logits: true` (hub configs ship false), with
-the config's `router_aux_loss_coef`. `aux_loss_term` computes it with the family's own `load_balancing_loss_func`
-over the router logits of every MoE layer of one micro-batch, real tokens only (a packed row's padding tail is
-left out), and weights it by the micro-batch's loss-bearing tokens, so that the step's loss (summed, divided by
+the config's `router_aux_loss_coef`. `aux_loss_term` computes it as the family's own `load_balancing_loss_func`
+does, over the router logits of every MoE layer of one micro-batch, real tokens only (a packed row's padding tail
+is left out), with the expert counts and row totals all-reduced over the ranks (the same aux at every world size),
+and weights it by the micro-batch's loss-bearing tokens on all ranks, so that the step's loss (summed, divided by
 the step's loss tokens) is `cross-entropy + coef · aux` exactly as transformers computes it on one batch, and the
 token-weighted mean of the micro-batches' aux terms over several.
 """
@@ -17,11 +18,11 @@ token-weighted mean of the micro-batches' aux terms over several.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -103,19 +104,34 @@ def real_tokens(spans: DocumentSpans | None, shape: torch.Size) -> torch.Tensor:
     return real.repeat_interleave(torch.tensor(spans.lengths)).view(shape)
 
 
-def load_balancing_loss(lm: nn.Module, logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """The family's own Switch-style auxiliary loss (`load_balancing_loss_func` of its modeling module) over the
-    router logits of every MoE layer, counting the tokens `mask` ([B, T]) keeps."""
-    module = next(sys.modules[c.__module__] for c in type(lm).__mro__  # FSDP subclasses the family's class
-                  if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
-    loss_func = module.load_balancing_loss_func
-    config = lm.config
-    return loss_func(tuple(logits), num_experts(config), config.num_experts_per_tok,
-                     mask.to(logits[0].device))
+def router_statistics(config: Any, logits: list[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The sums the family's Switch-style auxiliary loss is made of (transformers' `load_balancing_loss_func`, the
+    same in all four families), over every MoE layer's router logits and the tokens `mask` ([B, T]) keeps: top-k
+    assignments per expert [E], router probabilities per expert [E] (differentiable), and the rows counted."""
+    experts, k = num_experts(config), config.num_experts_per_tok
+    flat = mask.reshape(-1).to(device=logits[0].device, dtype=torch.float32)
+    assigned = torch.zeros(experts, device=flat.device)
+    probabilities = torch.zeros(experts, device=flat.device)
+    for layer in logits:
+        weights = torch.nn.functional.softmax(layer, dim=-1)
+        _, selected = torch.topk(weights, k, dim=-1)
+        assigned = assigned + torch.zeros_like(assigned).scatter_add_(0, selected.reshape(-1),
+                                                                      flat.repeat_interleave(k))
+        probabilities = probabilities + (weights.float() * flat.unsqueeze(-1)).sum(dim=0)
+    return assigned, probabilities, flat.sum() * len(logits)
 
 
 def aux_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpans | None, shape: torch.Size,
                   loss_tokens: int) -> torch.Tensor:
-    """What one micro-batch adds to the summed training loss: coef · aux · its loss-bearing tokens."""
-    aux = load_balancing_loss(lm, logits, real_tokens(spans, shape))
-    return aux * (aux_loss_coefficient(lm.config) * loss_tokens)
+    """What one micro-batch adds to the summed training loss: this rank's share of coef · aux · the loss-bearing
+    tokens of the micro-batch on all ranks, aux computed from the expert counts and row total all-reduced over the
+    ranks (so the shares of the ranks sum to the aux of all their tokens, the same loss at every world size; the
+    router probabilities stay this rank's own, the part its gradient flows through)."""
+    config = lm.config
+    assigned, probabilities, rows = router_statistics(config, logits, real_tokens(spans, shape))
+    totals = torch.cat([assigned, rows.reshape(1), torch.tensor([float(loss_tokens)], device=rows.device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)  # no host read: the totals stay on the device
+    experts = num_experts(config)
+    aux = torch.sum((totals[:experts] / totals[experts]) * (probabilities / totals[experts])) * experts
+    return aux * (aux_loss_coefficient(config) * totals[experts + 1])
