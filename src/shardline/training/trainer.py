@@ -1,8 +1,9 @@
 """The training loop: one readable class that owns model, optimizer, data cursor, metrics and checkpoints.
 
-Loss normalisation: a step's gradient is the sum of per-token losses over every micro-batch of every
-rank divided by the global count of loss-bearing tokens (all-reduced before the first backward). FSDP
-averages gradients over ranks, so each rank scales its loss by the world size to undo that mean.
+The objective (`training.objectives`, chosen by `train.objective`) turns a step's batches into a loss: each
+micro-batch's share of the step's global loss (SFT: its token-loss sum over the global count of loss-bearing
+tokens, all-reduced before the first backward). FSDP averages gradients over its ranks, so each rank scales its
+share by their number to undo that mean; the loop never asks which objective it runs.
 Gradients are reduce-scattered after every micro-batch: keeping unsharded gradients across
 accumulation would cost a full fp32 model copy per device, which large models cannot afford.
 """
@@ -18,7 +19,6 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -26,7 +26,7 @@ from torch.profiler import record_function
 
 from shardline.checkpointing.manager import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.checkpointing.state import apply_training_state, training_state
-from shardline.data.loader import StepSampler, eval_batches, make_batch, select_rows
+from shardline.data.loader import StepSampler
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
 from shardline.errors import ShardlineError, SpecError
@@ -47,6 +47,7 @@ from shardline.model.flops import (
     table_peak_tflops,
 )
 from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.moe import ExpertLoad
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
@@ -62,57 +63,15 @@ from shardline.resilience.signals import EvaluationStopped, Preempted, StopReque
 from shardline.resilience.stragglers import own_step_seconds, straggler_fields, with_rank_slot
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
-from shardline.spec.objective import dpo_reference, frozen_reference_copy
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
-from shardline.tasks import Rewards, get_task
-from shardline.training.evaluate import (
-    generation_eval,
-    rank_part,
-    sample_generations,
-    takes_chunked_loss,
-    token_loss_sum,
-    token_losses,
-    validation_loss,
-    validation_loss_sums,
-)
-from shardline.training.grpo import METRICS as GRPO_METRICS
-from shardline.training.grpo import (
-    Normalisers,
-    group_advantages,
-    most_informative,
-    reduce_loss,
-    token_terms,
-    without_spread,
-)
-from shardline.training.grpo import mean_metrics as grpo_means
+from shardline.tasks import get_task
+from shardline.training import objectives
+from shardline.training.evaluate import generation_eval, sample_generations, takes_chunked_loss
 from shardline.training.heap import HeapTrimmer
-from shardline.training.metrics import MetricsWriter, TrainRecord, loss_trend, peak_memory_bytes
+from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
-from shardline.training.preference import (
-    METRICS,
-    ReferenceTable,
-    adapters_off,
-    chosen_targets,
-    document_targets,
-    dpo_losses,
-    eval_row_indices,
-    mean_metrics,
-    pair_logps,
-    pair_metrics,
-    pairs_in,
-)
 from shardline.training.profiling import StepProfiler
-from shardline.training.rewards import reward_function
-from shardline.training.rollout import (
-    Completions,
-    SampledBatch,
-    decoded,
-    prompt_pool,
-    rollout_batches,
-    sample_completions,
-    sampling_seed,
-)
 
 log = logging.getLogger("shardline")
 T = TypeVar("T")
@@ -171,25 +130,20 @@ class Trainer:
         self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
-        self.reference_model = None
-        if frozen_reference_copy(spec):  # GRPO's KL in a full fine-tune: the starting weights, frozen and sharded
-            reference = build_model(model_spec, meta["vocab_size"], special, device="meta").requires_grad_(False)
-            self.reference_model = parallelize(reference, self.mesh, spec.parallel, spec.train.precision)
-            materialize(self.reference_model, model_spec,
-                        torch.device("cpu") if spec.parallel.offload else ctx.device)
-            self.reference_model.eval()
+        self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
+        self.rows = data.rows("train")
+        run = objectives.Run(
+            spec=spec, ctx=ctx, data=data, model=self.model, tokenizer=self.tokenizer, task=self.task, run_dir=run_dir,
+            dp_rank=self.dp_rank, dp_world=self.dp_world, cp_mesh=self.cp_mesh,
+            frozen_copy=lambda: self._frozen_copy(model_spec, meta["vocab_size"], special),
+            say=self._say, event=self._event,
+            after_validation_batch=lambda: self._after_validation_batch())  # late-bound: a drill may replace it
+        self.objective = objectives.build(run)  # before the optimizer: a frozen reference is materialised here
+        if self.cp_mesh is not None and not self.objective.supports_context_parallel:
+            raise SpecError("parallel.cp", f"is {spec.parallel.cp}, but train.objective={spec.train.objective} "
+                            "sums each sequence on the rank that holds its whole row", "use parallel.cp=1")
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, spec.train)
-        self.rows = data.rows("train")
-        t = spec.train
-        self.dpo = t.objective == "dpo"
-        self.reference = dpo_reference(spec)
-        self.reference_tables = ({split: ReferenceTable(data.rows(split), ctx.device)
-                                  for split in ("train", "validation")} if self.reference == "precomputed" else {})
-        self.grpo = t.objective == "grpo"  # its prompts, reward and sampler: `_prepare_grpo`, when training starts
-        self._sampled: SampledBatch | None = None  # GRPO: the completions the next steps train on
-        self.sampler = StepSampler(len(self.rows.n_real), t.seed, t.global_batch_size, t.micro_batch_size,
-                                   self.dp_world)
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
         self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
                                          on_gpu=ctx.device.type == "cuda")
@@ -204,6 +158,19 @@ class Trainer:
         self.profiler = StepProfiler(spec.observe.profile_steps, run_dir, ctx.rank, ctx.device)
 
     # ---- setup ---------------------------------------------------------------------------------
+    @property
+    def sampler(self) -> StepSampler:
+        """What each step draws (the objective's: training rows, or prompts)."""
+        return self.objective.sampler
+
+    def _frozen_copy(self, model_spec, vocab_size: int, special) -> torch.nn.Module:
+        """A frozen copy of the starting weights, sharded and placed like the policy (a reference policy's)."""
+        spec = self.spec
+        reference = build_model(model_spec, vocab_size, special, device="meta").requires_grad_(False)
+        reference = parallelize(reference, self.mesh, spec.parallel, spec.train.precision)
+        materialize(reference, model_spec, torch.device("cpu") if spec.parallel.offload else self.ctx.device)
+        return reference.eval()
+
     def _peak_tflops(self) -> tuple[float, str]:
         t, device = self.spec.train, self.ctx.device
         dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -268,11 +235,8 @@ class Trainer:
             self._say(f"precision {t.precision}: {self.precision.reason}")
         if self.quantized_base is not None:
             self._say(self.quantized_base.describe())
-        if self.reference_model is not None:
-            held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes
-                       for p in self.reference_model.parameters())
-            self._say(f"GRPO's KL reference: a frozen copy of the starting weights, sharded like the policy "
-                      f"({held / 2**30:.2f} GiB on this rank)")
+        for line in self.objective.describe():
+            self._say(line)
         if self.precision_warning:
             self._say(self.precision_warning)
         self._say(f"MFU (headline) counts model FLOPs = {FORMULA}; with full {t.seq_len}-token documents "
@@ -308,9 +272,7 @@ class Trainer:
     def _counters(self) -> dict:
         counters = {"step": self.step, "consumed_rows": self.step * self.spec.train.global_batch_size,
                     "consumed_tokens": self.consumed_tokens, "scheduler": self.scheduler.state_dict()}
-        if self.reference_tables:  # computed once with the starting weights: a resume must not recompute them
-            counters["reference_logps"] = {split: t.values for split, t in self.reference_tables.items()}
-        return counters
+        return counters | self.objective.state()  # the objective's own (a precomputed reference table)
 
     def _checkpoint_files(self) -> dict[str, str]:
         meta = {"step": self.step, "world": self.ctx.world, "dataset_version": self.data.version,
@@ -368,8 +330,8 @@ class Trainer:
         started = time.perf_counter()
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
-        if not with_optimizer and self.reference_tables:  # an evaluation of a DPO run scores against its reference
-            state["train"] = {"reference_logps": self._counters()["reference_logps"]}
+        if not with_optimizer and (kept := self.objective.state()):  # an evaluation scores against its reference
+            state["train"] = kept
         state = self.checkpointer.load(step, state, store, ranks_per_row=self.spec.parallel.ranks_per_row)
         rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
         if with_optimizer:
@@ -426,22 +388,13 @@ class Trainer:
         ctx, start = self.ctx, time.perf_counter()
         maybe_fail("train_step", ctx.rank, self.step + 1)
         self.profiler.before_step(self.step + 1)
-        sampled: SampledBatch | None = None
-        grpo: dict = {}
-        if self.grpo:  # sample and score completions every num_iterations steps: they are the step's batches
-            sampled = self._sampled_batch()
-            indices = [sampled.index]
-            fresh = sampled.step == self.step + 1
-            grpo = {"generation_s": sampled.generation_s if fresh else 0.0,
-                    "reward_s": sampled.reward_s if fresh else 0.0}
+        objective = self.objective
+        sampling_s = objective.sample(self.step)  # a sampling objective draws its step's samples (not data wait)
         with record_function("shardline.data"):
-            if sampled is not None:
-                batches = [r.batch.to(ctx.device) for r in sampled.batches]
-            else:
-                indices = [self.sampler.micro_indices(self.step, k, self.dp_rank) for k in range(self.sampler.accum)]
-                batches = [make_batch(self.rows, index).to(ctx.device) for index in indices]
-            self._trace_samples(indices)
-        data_wait = time.perf_counter() - start - grpo.get("generation_s", 0.0) - grpo.get("reward_s", 0.0)
+            drawn = objective.step_batches(self.step)
+            batches = drawn.batches
+            self._trace_samples(drawn.indices)
+        data_wait = time.perf_counter() - start - sampling_s
         with record_function("shardline.sync"):
             counts = torch.tensor([sum(b.n_loss_tokens for b in batches), sum(b.n_tokens for b in batches),
                                    sum(b.input_ids.numel() for b in batches), sum(b.spans.pairs for b in batches),
@@ -456,21 +409,15 @@ class Trainer:
                 torch.cuda.synchronize(ctx.device)
             waited = time.perf_counter() - arrived  # for slower peers: not this rank's own step time
             counts /= self.spec.parallel.ranks_per_row  # tensor- and context-parallel peers counted the same rows
-        loss_tokens = counts[0].clamp(min=1)
+        objective.begin_step(counts[0].clamp(min=1))
         loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
         fsdp_ranks = self.dp_world * self.spec.parallel.cp  # FSDP averages the gradients over these
-        if self.dpo:
-            preference = self._preference_step(batches, indices, fsdp_ranks)
-            loss_sum += preference["loss"] * self.spec.parallel.tp / ctx.world  # every rank reports the same mean
-        if sampled is not None:
-            loss_sum += self._grpo_backward(sampled, batches, grpo, fsdp_ranks)
-        for batch in batches if not (self.dpo or self.grpo) else ():
-            with rank_part(self.model, batch, self.cp_mesh) as part:  # forward and backward in its contexts
-                with record_function("shardline.forward"):
-                    micro_loss = token_loss_sum(self.model, part, self.spec.train.loss_chunk_tokens)
-                with record_function("shardline.backward"):
-                    (micro_loss * (fsdp_ranks / loss_tokens)).backward()
-            loss_sum += micro_loss.detach().double()
+        for k, batch in enumerate(batches):
+            # its forward, in the contexts its backward needs too
+            with objective.micro_batch(k, batch) as share, record_function("shardline.backward"):
+                (share.loss * fsdp_ranks).backward()
+            loss_sum += share.value
+        objective_fields = objective.end_step()
         with record_function("shardline.clip"):
             max_norm = self.spec.train.max_grad_norm or float("inf")
             grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.requires_grad], max_norm)
@@ -482,14 +429,16 @@ class Trainer:
         with record_function("shardline.sync"):
             own = own_step_seconds(start, waited, ctx.device)
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
+            slots, reduced = len(reduced), torch.cat([reduced, self.expert_load.take().to(reduced)])  # MoE load
             dist.all_reduce(reduced)
             # the step's one read of device data (on a GPU it waits for the step and the all-reduce): the loss sum,
             # every rank's time, the counts and the gradient norm in one copy to the host
             host = torch.cat([reduced, counts, grad_norm.reshape(1).to(reduced)]).to("cpu", copy=True).tolist()
-            step_sum, rank_seconds, counted, norm = host[0], host[1:len(reduced)], host[len(reduced):-1], host[-1]
-            # tensor-parallel peers computed the same sum, context-parallel peers a part each; DPO's sum is a mean
-            # over pairs and GRPO's shares sum to the loss, so neither is divided by the tokens
-            loss = step_sum / self.spec.parallel.tp / (1.0 if self.dpo or self.grpo else max(counted[0], 1.0))
+            step_sum, rank_seconds, load = host[0], host[1:slots], host[slots:len(reduced)]
+            counted, norm = host[len(reduced):-1], host[-1]
+            # every micro-batch's share of the global loss, summed: tensor-parallel peers computed the same shares,
+            # context-parallel peers a part each
+            loss = step_sum / self.spec.parallel.tp
             stragglers = straggler_fields(rank_seconds)
         if table := self.profiler.after_step(self.step + 1):
             self._say(f"profile of rank {ctx.rank}: {table} (Chrome trace beside it)")
@@ -508,177 +457,19 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
-            epoch=self.sampler.epoch_of(self._sampler_steps(self.step)), **stragglers,
-            preference=preference if self.dpo else None, grpo=grpo or None,
+            epoch=self.sampler.epoch_of(self._sampler_steps(self.step)), **self.expert_load.fields(load),
+            **stragglers, **objective_fields,
         )
 
-    def _prepare_grpo(self) -> None:
-        """GRPO's prompts (the training examples that ask something and fit), its reward (a user's function is
-        imported here: a bad name fails before the first step) and the sampler that draws each step's prompts.
-        Not at construction: an evaluation of a GRPO run needs none of them."""
-        t = self.spec.train
-        self.prompts = prompt_pool(self.data.examples("train"), self.tokenizer, self.task.prompt,
-                                   self.spec.data.prompt_format, t.seq_len - t.grpo.max_new_tokens)
-        if not self.prompts.examples:
-            raise ShardlineError("data", f"no training example asks something that fits train.seq_len={t.seq_len} "
-                                 f"with train.grpo.max_new_tokens={t.grpo.max_new_tokens} ({self.prompts.too_long} "
-                                 "prompts too long)", "use rows with prompts, raise train.seq_len or lower "
-                                 "train.grpo.max_new_tokens")
-        self.reward = reward_function(t.grpo.reward, self.task, self.spec.data)
-        prompts = t.global_batch_size // t.grpo.num_generations * t.grpo.oversample  # candidates, when oversampled
-        self.sampler = StepSampler(len(self.prompts.examples), t.seed, prompts, prompts // self.dp_world,
-                                   self.dp_world)
-        if self.prompts.too_long:
-            self._say(f"GRPO: {len(self.prompts.examples):,} training prompts; {self.prompts.too_long:,} longer than "
-                      f"train.seq_len − train.grpo.max_new_tokens = {t.seq_len - t.grpo.max_new_tokens} skipped")
-
-    def _steps_per_sampling(self) -> int:
-        """GRPO trains each sampled batch `train.grpo.num_iterations` steps; SFT and DPO draw every step."""
-        return self.spec.train.grpo.num_iterations if self.grpo else 1
-
     def _sampler_steps(self, steps: int) -> int:
-        """The sampler's steps begun in `steps` training steps: GRPO draws prompts once per sampling."""
-        return -(-steps // self._steps_per_sampling())
+        """The sampler's steps begun in `steps` training steps: an objective that trains each draw for several steps
+        draws once per sampling."""
+        return -(-steps // self.objective.steps_per_sampling)
 
     def _at_sampling_boundary(self) -> bool:
-        """Whether a checkpoint of the current step resumes exactly: GRPO's next step samples afresh (the sampled
-        batch and its π_old are not checkpointed)."""
-        return self.step % self._steps_per_sampling() == 0
-
-    def _sampled_batch(self) -> SampledBatch:
-        """The completions this step trains on: sampled now at a sampling step (or on a resume that lands between
-        two, which checkpoints never do), else the ones the last sampling step drew."""
-        if self._sampled is None or self._at_sampling_boundary():
-            self._sampled = self._rollout(self.sampler.micro_indices(self._sampler_steps(self.step), 0, self.dp_rank))
-        return self._sampled
-
-    def _rollout(self, index) -> SampledBatch:
-        """This rank's share of the step's prompts, G completions each sampled and scored (`oversample` × the share,
-        of which the groups whose rewards spread most are kept); every completion's advantage (rewards gathered
-        from every rank: a group's, or the batch's, statistics)."""
-        t, g, ctx = self.spec.train, self.spec.train.grpo, self.ctx
-        started = time.perf_counter()
-        index = [int(i) for i in index]
-        share = len(index) // g.oversample
-        completions = Completions([], [])
-        with record_function("shardline.generate"):
-            for k in range(g.oversample):  # one prompt share per call: the sampling memory the plan counts
-                part = index[k * share:(k + 1) * share]
-                found = sample_completions(
-                    self.model, [self.prompts.ids[i] for i in part], [self.prompts.stops[i] for i in part],
-                    g.num_generations, g.temperature, g.top_p, g.max_new_tokens, self.data.meta["pad_id"],
-                    ctx.device, ctx.world > 1, sampling_seed(t.seed, self.step, self.dp_rank, k))
-                completions = Completions(completions.ids + found.ids, completions.ended + found.ended)
-        generated = time.perf_counter()
-        with record_function("shardline.reward"):
-            repeated = [i for i in index for _ in range(g.num_generations)]
-            texts = decoded(self.tokenizer, completions.ids)
-            rewards = self.reward([self.prompts.examples[i] for i in repeated],
-                                  decoded(self.tokenizer, [self.prompts.ids[i] for i in repeated]), texts)
-        scored = time.perf_counter()
-        sampled = {"sampled": len(texts), "sampled_zero_std": without_spread(rewards.values, g.num_generations)}
-        candidates = {}  # the rollout log's record of what the selection chose from
-        if g.oversample > 1:  # dynamic sampling: the groups that teach most
-            candidates = {"sampled_prompts": index, "sampled_rewards": rewards.values}
-            kept = most_informative(rewards.values, g.num_generations, share)
-            index = [index[r // g.num_generations] for r in kept[::g.num_generations]]
-            repeated, texts, completions = [repeated[r] for r in kept], [texts[r] for r in kept], completions.rows(kept)
-            rewards = Rewards([rewards.values[r] for r in kept], rewards.solved and [rewards.solved[r] for r in kept])
-        local = torch.tensor(rewards.values, dtype=torch.float32, device=ctx.device)
-        everyone = [torch.empty_like(local) for _ in range(ctx.world)]
-        dist.all_gather(everyone, local)
-        advantages, group_std = group_advantages(torch.cat(everyone), g.num_generations, g.scale_rewards)
-        mine = slice(self.dp_rank * local.numel(), (self.dp_rank + 1) * local.numel())
-        with (self.run_dir / "logs" / f"rollouts-rank-{ctx.rank}.jsonl").open("a") as f:  # what was sampled, scored
-            f.write(json.dumps({"step": self.step + 1, "prompts": index, "completions": texts,
-                                "ended": completions.ended, "rewards": rewards.values,
-                                "advantages": [round(a, 6) for a in advantages[mine].tolist()], **candidates}) + "\n")
-        solved = rewards.solved or []
-        found = {"completions": len(rewards.values), "reward": sum(rewards.values),
-                 "reward_std": float(group_std[mine].sum()),
-                 "zero_std": without_spread(rewards.values, g.num_generations),
-                 "solved": sum(solved), "scored": len(solved), "completion_tokens": sum(map(len, completions.ids)),
-                 "truncated": sum(not e for e in completions.ended), **sampled}  # kl, clipped: in the backward
-        sums = torch.tensor([float(found.get(name, 0.0)) for name in GRPO_METRICS], dtype=torch.float64,
-                            device=ctx.device)
-        batches = rollout_batches([self.prompts.ids[i] for i in repeated], completions.ids, t.micro_batch_size,
-                                  t.seq_len, self.data.meta["pad_id"])
-        return SampledBatch(self.step + 1, index, batches, advantages[mine], sums, generated - started,
-                            scored - generated, [None] * len(batches))
-
-    def _grpo_backward(self, sampled: SampledBatch, batches: list, grpo: dict, fsdp_ranks: int) -> torch.Tensor:
-        """Forward and backward of every micro-batch of this rank's completions; this rank's share of the loss.
-        `grpo` gets the global batch's means (`shardline.training.grpo.mean_metrics`)."""
-        t, g, device = self.spec.train, self.spec.train.grpo, self.ctx.device
-        sums, advantages, rollout = sampled.sums.clone(), sampled.advantages, sampled.batches
-        tokens = sums[GRPO_METRICS.index("completion_tokens")].clone()
-        dist.all_reduce(tokens)
-        norm = Normalisers(tokens=float(tokens.clamp(min=1)), completions=float(t.global_batch_size),
-                           micro_batches=float(len(rollout) * self.dp_world))
-        share = torch.zeros((), dtype=torch.float64, device=device)
-        kl, clipped = GRPO_METRICS.index("kl"), GRPO_METRICS.index("clipped")
-        for k, (part, batch) in enumerate(zip(rollout, batches, strict=True)):  # the batches: on the device already
-            documents, n_documents = document_targets(batch)
-            documents = documents.to(device)
-            per_token = advantages[torch.from_numpy(part.completions).to(device)][documents]
-            ref = None
-            if g.beta:
-                with torch.no_grad(), record_function("shardline.reference"):
-                    if self.reference_model is not None:
-                        ref = -token_losses(self.reference_model, batch, t.loss_chunk_tokens, g.temperature)
-                    else:
-                        with adapters_off(self.model):
-                            ref = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
-            with rank_part(self.model, batch, None):
-                with record_function("shardline.forward"):
-                    logp = -token_losses(self.model, batch, t.loss_chunk_tokens, g.temperature)
-                    if sampled.old_logps[k] is None and g.num_iterations > 1:  # π_old, for the later steps
-                        sampled.old_logps[k] = logp.detach()
-                    old = logp.detach() if sampled.old_logps[k] is None else sampled.old_logps[k]
-                    terms = token_terms(logp, old, ref, per_token, g)
-                    loss = reduce_loss(terms, documents, n_documents, norm, g)
-                with record_function("shardline.backward"):
-                    (loss * fsdp_ranks).backward()
-            share += loss.detach().double()
-            if terms.kl is not None:
-                sums[kl] += terms.kl.detach().double().sum()
-            sums[clipped] += terms.clipped.double().sum()
-        dist.all_reduce(sums)
-        grpo.update(grpo_means(sums))  # the loss: the step's own, summed over ranks with its timings
-        for name in ("generation_s", "reward_s"):
-            grpo[name] = round(grpo[name], 4)
-        return share
-
-    def _preference_step(self, batches: list, indices: list, fsdp_ranks: int) -> dict:
-        """Forward and backward of every micro-batch's pairs (`train.objective: dpo`); the global batch's means."""
-        t = self.spec.train
-        counts = torch.tensor([float(pairs_in(batches)), float(chosen_targets(batches))], dtype=torch.float64,
-                              device=self.ctx.device)
-        dist.all_reduce(counts)
-        pairs, chosen_tokens = counts.clamp(min=1).unbind()
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.device)
-        for batch, index in zip(batches, indices, strict=True):
-            ref_chosen, ref_rejected = self._reference_logps(batch, index, "train")
-            with rank_part(self.model, batch, None):
-                with record_function("shardline.forward"):
-                    policy = pair_logps(self.model, batch, t.loss_chunk_tokens)
-                    losses, chosen, rejected = dpo_losses(policy, ref_chosen, ref_rejected, t.dpo)
-                    loss = losses.sum() / pairs
-                    if t.dpo.sft_weight:
-                        loss = loss - t.dpo.sft_weight * policy.chosen.sum() / chosen_tokens
-                with record_function("shardline.backward"):
-                    (loss * fsdp_ranks).backward()
-            sums += pair_metrics(losses, chosen, rejected, policy)
-        dist.all_reduce(sums)
-        return mean_metrics(sums, t.dpo.sft_weight)
-
-    def _reference_logps(self, batch, index, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference log-probabilities of `batch`'s pairs: the adapters-off forward, or the precomputed table."""
-        if self.reference == "precomputed":
-            return self.reference_tables[split].lookup(index)
-        with torch.no_grad(), adapters_off(self.model), record_function("shardline.reference"):
-            ref = pair_logps(self.model, batch, self.spec.train.loss_chunk_tokens)
-        return ref.chosen, ref.rejected
+        """Whether a checkpoint of the current step resumes exactly: the next step draws afresh (samples drawn for
+        several steps, and their sampling-time log-probabilities, are not checkpointed)."""
+        return self.step % self.objective.steps_per_sampling == 0
 
     def _executed_pairs(self, batch) -> int:
         """Query-key pairs the attention kernel computes: per document and causal (shardline's `sdpa`, its buckets
@@ -726,11 +517,11 @@ class Trainer:
         phase the stop interrupted, and stop."""
         self.checkpointer.wait()  # a background save in flight commits first (or fails loudly)
         saved, kept = self.step, f"checkpoint of step {self.step} committed"
-        if not self._at_sampling_boundary():  # stopped inside a validation between two GRPO samplings
+        if not self._at_sampling_boundary():  # stopped inside a validation between two samplings
             latest = self.checkpointer.store.latest()
             saved = latest or 0
             kept = ("no checkpoint yet" if latest is None else f"checkpoint of step {latest} committed") + (
-                f" (GRPO's last sampling step: steps {saved + 1}-{self.step} train again when the run resumes)")
+                f" (the last sampling step: steps {saved + 1}-{self.step} train again when the run resumes)")
         elif not self.checkpointer.store.is_committed(self.step):  # a committed step is not saved again
             self.save_checkpoint(blocking=True)
         self._flush_checkpoint_events()
@@ -765,95 +556,28 @@ class Trainer:
             raise EvaluationStopped(self.phase if self.phase in ("sql_evaluation", "evaluation")
                                     else "sample_generations")
 
-    def _compute_reference(self) -> None:
-        """`train.dpo.reference: precomputed`: every pair's reference log-probabilities with the starting weights."""
-        started = time.perf_counter()
-        for split, table in self.reference_tables.items():
-            table.compute(self.model, self.data.rows(split), self.spec.train.micro_batch_size, self.dp_rank,
-                          self.dp_world, self.spec.train.loss_chunk_tokens, self.ctx.device)
-        seconds = time.perf_counter() - started
-        self._event(event="reference_logps", seconds=round(seconds, 3),
-                    documents={split: t.values.numel() for split, t in self.reference_tables.items()})
-        pairs = sum(t.values.numel() // 2 for t in self.reference_tables.values())
-        self._say(f"DPO reference: log-probabilities of {pairs:,} pairs computed with the starting weights in "
-                  f"{seconds:.1f}s (kept in every checkpoint)")
-
-    @torch.no_grad()
-    def _validate_preference(self) -> dict:
-        """DPO's loss, rewards and accuracy over every validation pair."""
-        t = self.spec.train
-        rows = self.data.rows("validation")
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=self.ctx.device)
-        indices = eval_row_indices(len(rows.n_real), t.micro_batch_size, self.dp_rank, self.dp_world)
-        batches = eval_batches(rows, t.micro_batch_size, self.dp_rank, self.dp_world)
-        self.model.eval()
-        try:
-            for index, batch in zip(indices, batches, strict=True):
-                batch = batch.to(self.ctx.device)
-                if len(index) == 0 and self.reference == "precomputed":
-                    ref = (torch.zeros(0, dtype=torch.float64, device=self.ctx.device),) * 2
-                else:
-                    ref = self._reference_logps(batch, index, "validation")
-                policy = pair_logps(self.model, batch, t.loss_chunk_tokens)
-                sums += pair_metrics(*dpo_losses(policy, *ref, t.dpo), policy)
-                self._after_validation_batch()
-        finally:
-            self.model.train()
-        dist.all_reduce(sums)
-        return mean_metrics(sums, t.dpo.sft_weight)
-
     def validate(self) -> float:
-        """Validation loss over every validation row (and per source, for a mixture), logged as an eval record;
-        with `train.objective: dpo`, DPO's loss and preference accuracy over the validation pairs."""
+        """The objective's validation over every validation row (`objectives.base.Validation`), logged as an eval
+        record."""
         phase, self.phase = self.phase, "validation"
         maybe_fail("validation", self.ctx.rank, self.step)
         started = time.perf_counter()
-        if self.dpo:
-            found = self._validate_preference()
-            if self.metrics:
-                self.metrics.write("eval", {"step": self.step, "val_loss": found["loss"], "val_preference": found,
-                                            "seconds": round(time.perf_counter() - started, 3)})
-            self._say(f"step {self.step}: validation DPO loss {found['loss']:.4f} · reward accuracy "
-                      f"{found['accuracy']:.3f} · margin {found['margin']:+.4f} · chosen more likely than rejected "
-                      f"in {100 * found['prefers_chosen']:.1f}% of {found['pairs']} pairs")
-            self.phase = phase
-            return found["loss"]
-        rows = self.data.rows("validation")
-        names = self.data.meta.get("sources") or []
-        t = self.spec.train
-        by_source: dict[str, float] = {}
-        if len(names) > 1:  # each source's rows on their own; the whole is their token-weighted mean
-            sums = []
-            for i, name in enumerate(names):
-                part = select_rows(rows, np.flatnonzero(self.data.row_sources("validation") == i))
-                batches = eval_batches(part, t.micro_batch_size, self.dp_rank, self.dp_world)
-                total, tokens = validation_loss_sums(self.model, batches, self.ctx.device, t.loss_chunk_tokens,
-                                                     self.cp_mesh, self._after_validation_batch)
-                by_source[name] = total / max(tokens, 1)
-                sums.append((total, tokens))
-            loss = sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1)
-        else:
-            batches = eval_batches(rows, t.micro_batch_size, self.dp_rank, self.dp_world)
-            loss = validation_loss(self.model, batches, self.ctx.device, t.loss_chunk_tokens, self.cp_mesh,
-                                   self._after_validation_batch)
+        found = self.objective.validate()
         if self.metrics:
-            self.metrics.write("eval", {"step": self.step, "val_loss": loss,
-                                        **({"val_loss_by_source": by_source} if by_source else {}),
+            self.metrics.write("eval", {"step": self.step, "val_loss": found.loss, **found.fields,
                                         "seconds": round(time.perf_counter() - started, 3)})
-        per = " · ".join(f"{name} {value:.4f}" for name, value in by_source.items())
-        self._say(f"step {self.step}: validation loss {loss:.4f}" + (f" ({per})" if per else ""))
+        self._say(f"step {self.step}: {found.line}")
         self.phase = phase
-        return loss
+        return found.loss
 
     def begin(self) -> None:
-        """What a run does before its first step: GRPO's prompts and reward, the resume, and at step 0 DPO's
-        precomputed reference and its first validation (the first forward of a LoRA run, with the adapters off)."""
-        if self.grpo:
-            self._prepare_grpo()
+        """What a run does before its first step: what the objective needs to train and an evaluation does not,
+        the resume, then the objective's start (at step 0: a reference computed with the starting weights) and,
+        where the objective validates first, its step-0 validation."""
+        self.objective.prepare()
         self.maybe_resume()
-        if self.reference_tables and self.step == 0:
-            self._compute_reference()
-        if self.dpo and self.step == 0:  # where the preferences start: the report's first point
+        self.objective.start(self.step)
+        if self.objective.validates_first and self.step == 0:  # where the objective starts: the report's first point
             self._stoppable(self.validate)
 
     def fit(self) -> dict:
@@ -926,17 +650,13 @@ class Trainer:
             "mem_planned_terms": _planned_terms(self.memory_plan),
             "dataset_version": self.data.version,
             "checkpoint_stall_s_total": round(sum(self.checkpoint_stalls), 3),
-            # A stop signal waits for the current step to end (GRPO: the steps up to the next sampling too), then
-            # for one blocking save.
-            "grace_needed_s": round(max((r.step_time_s for r in records), default=0) * self._steps_per_sampling()
+            # A stop signal waits for the current step to end (and the steps up to the next sampling), then for
+            # one blocking save.
+            "grace_needed_s": round(max((r.step_time_s for r in records), default=0) * self.objective.steps_per_sampling
                                     + self.last_blocking_save_s, 2),
         }
         if records:
-            if self.grpo:  # its loss is a policy gradient's surrogate: the reward is what moves
-                first, last = records[0].grpo, records[-1].grpo
-                trend = f"reward {first['reward']:.3f} → {last['reward']:.3f} (mean of each step's completions)"
-            else:
-                trend = loss_trend(records[0].loss, records[-1].loss)
+            trend = self.objective.trend(records[0], records[-1])
             self._say(
                 f"done: {len(records)} steps in {wall:.1f}s · {trend} · val {val_loss:.3f} · "
                 f"{summary['mean_tokens_per_s_per_device']:,.0f} tok/s/device · "
@@ -948,7 +668,8 @@ class Trainer:
                           f"planned ({100 * (self.planned_peak / measured - 1):+.0f}%: {self.memory_plan.terms()})")
             self._say(f"checkpoints stalled training {summary['checkpoint_stall_s_total']:.2f}s in total; "
                       f"preemption grace needed ≈ {summary['grace_needed_s']:.1f}s (slowest step"
-                      + (f" × {mu} (train.grpo.num_iterations)" if (mu := self._steps_per_sampling()) > 1 else "")
+                      + (f" × {mu} ({self.objective.sampling_field})" if (mu := self.objective.steps_per_sampling) > 1
+                         else "")
                       + " + blocking save; "
                       f"launch.grace_seconds={self.spec.launch.grace_seconds})")
         return summary
