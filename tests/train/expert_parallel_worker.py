@@ -12,7 +12,7 @@ JOBS.json lists jobs, done in order:
   all-reduced over the ranks). `broken` sends every token copy to the next EP rank's experts (a dispatch
   permutation off by one rank), which the oracle must catch;
 - `{"spec": path, "steps": n, "out": path, "save": bool}`: the Trainer of a created run resumes if its spec says so,
-  trains n steps (rank 0 writes their losses) and saves a checkpoint if `save`.
+  trains n steps (rank 0 writes their losses and expert loads) and saves a checkpoint if `save`.
 """
 
 from __future__ import annotations
@@ -104,9 +104,11 @@ def main(jobs_file: str) -> None:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
                 trainer.maybe_resume()
-                losses = [trainer.train_step().loss for _ in range(job["steps"])]
+                records = [trainer.train_step() for _ in range(job["steps"])]
                 if ctx.is_main and job.get("out"):
-                    Path(job["out"]).write_text(json.dumps(losses))
+                    Path(job["out"]).write_text(json.dumps([{"loss": r.loss, "expert_tokens": r.expert_tokens,
+                                                             "expert_imbalance": r.expert_imbalance}
+                                                            for r in records]))
                 if job.get("save"):
                     trainer.save_checkpoint(blocking=True)
             dist.barrier()

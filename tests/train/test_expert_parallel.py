@@ -4,8 +4,10 @@ One torchrun launch per world size runs every case of that world (tests/train/ex
 Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 so a mis-routed token moves the loss)
 the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
 (FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2; a
-dispatch that sends every token to the next EP rank's experts fails that oracle; and the Trainer of a checkpoint saved
-by transformers takes the same 3 steps at ep 2 as at ep 1.
+dispatch that sends every token to the next EP rank's experts fails that oracle; the router aux loss, from expert
+counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
+transformers takes the same 3 steps at ep 2 as at ep 1 (and counts the same tokens per expert), and its ep 2
+checkpoint resumes at ep 1 with ep 1's next loss.
 """
 
 from __future__ import annotations
@@ -79,10 +81,15 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     loss, grad, _ = oracle_result(tmp_path / "broken.out")
     print(f"dispatch off by one rank: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
     assert loss > 1e-2 and grad > 1e-2
-    losses = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed)}
-    at_1, at_2, then_1 = losses[ep1["out"]], losses[ep2["out"]], losses[resumed["out"]]
+    records = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed)}
+    at_1, at_2, then_1 = ([r["loss"] for r in records[job["out"]]] for job in (ep1, ep2, resumed))
     print(f"Trainer losses, ep 1: {at_1}; ep 2: {at_2}; its checkpoint resumed at ep 1: {then_1}")
     assert at_2 == pytest.approx(at_1[:3], rel=1e-5) and then_1 == pytest.approx(at_1[3:], rel=1e-5)
+    # the step records count every routed copy of the global batch: 2 layers × top-2 × 4 rows × 128 positions
+    loads = [[r["expert_tokens"] for r in records[job["out"]]] for job in (ep1, ep2)]
+    print(f"tokens per expert, step 1: {loads[0][0]}, max/mean {records[ep1['out']][0]['expert_imbalance']:.2f}")
+    assert loads[1] == loads[0][:3] and all(sum(step) == 2 * 2 * 4 * 128 for step in loads[0])
+    assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
 
 
 def test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers(tmp_path):

@@ -135,3 +135,51 @@ def aux_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpan
     experts = num_experts(config)
     aux = torch.sum((totals[:experts] / totals[experts]) * (probabilities / totals[experts])) * experts
     return aux * (aux_loss_coefficient(config) * totals[experts + 1])
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer by the training forwards since the last `take` (forward hooks
+    on the family's router; the top-k of its logits, as the router selects): counted on the device, no host read, so
+    that the step can carry them in its one all-reduce and host copy. Every position a router sees counts (a packed
+    row's padding tail too: the experts compute it); forwards without gradients (validation, generation) and the
+    recomputation of activation checkpointing in backward do not. A dense model has no routers: nothing is
+    counted and `fields` is empty."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        config = lm.config
+        self.experts = num_experts(config)
+        recorder = type(lm)._can_record_outputs["router_logits"] if self.experts else None
+        routers = [m for m in lm.modules() if isinstance(m, recorder.target_class)] if recorder else []
+        self.top_k = getattr(config, "num_experts_per_tok", 1)
+        self.counts: torch.Tensor | None = None
+        self.layers = len(routers)
+        for i, router in enumerate(routers):
+            router.register_forward_hook(self._hook(i, recorder.index))
+
+    def _hook(self, layer: int, index: int):
+        def count(_module, _args, out) -> None:
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no grad, or a recompute
+                return
+            logits = out[index]
+            if self.counts is None:
+                self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=logits.device)
+            chosen = torch.topk(logits.detach(), self.top_k, dim=-1).indices.reshape(-1)
+            # scatter_add, not bincount: bincount reads its maximum on the host (a sync on a GPU)
+            self.counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
+
+        return count
+
+    def take(self) -> torch.Tensor:
+        """The counts since the last call, flattened [layers × E] (empty for a dense model), and start again."""
+        counts, self.counts = self.counts, None
+        return counts.reshape(-1) if counts is not None else torch.zeros(self.layers * self.experts)
+
+    def fields(self, load: list[float]) -> dict[str, Any]:
+        """The step record's load fields from the counts of all ranks (`take`, summed): tokens per expert over the
+        layers, and the imbalance: the largest over layers of (busiest expert's tokens / the mean expert's)."""
+        if not self.layers or not load:
+            return {}
+        per_layer = torch.tensor(load).view(self.layers, self.experts)
+        mean = per_layer.mean(dim=1).clamp(min=1e-9)
+        return {"expert_tokens": [int(x) for x in per_layer.sum(dim=0).tolist()],
+                "expert_imbalance": float((per_layer.max(dim=1).values / mean).max())}

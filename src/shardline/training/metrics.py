@@ -45,6 +45,10 @@ class TrainRecord:
     # train.objective: grpo — the global batch's completions and their means (shardline.training.grpo.mean_metrics),
     # and the seconds this step spent sampling them (`generation_s`) and scoring them (`reward_s`)
     grpo: dict | None = None
+    # a mixture of experts (shardline.model.moe.ExpertLoad): the step's tokens routed to each expert, summed over
+    # its MoE layers and all ranks, and the imbalance: the largest over layers of busiest expert / mean expert
+    expert_tokens: list[int] | None = None
+    expert_imbalance: float | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -126,7 +130,8 @@ class MetricsWriter:
         text = (f"step {r.step:>5}/{max_steps}  loss {r.loss:7.4f}  lr {r.lr:.2e}  gnorm {r.grad_norm:6.3f}  "
                 + (f"acc {pref['accuracy']:4.2f} margin {pref['margin']:+7.4f}  " if pref else "")
                 + (f"reward {r.grpo['reward']:6.3f} len {r.grpo['completion_length']:5.1f} "
-                   f"gen {r.grpo['generation_s']:5.2f}s  " if r.grpo else "") +
+                   f"gen {r.grpo['generation_s']:5.2f}s  " if r.grpo else "")
+                + (f"experts max/mean {r.expert_imbalance:4.2f}  " if r.expert_imbalance is not None else "") +
                 f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
                 f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
                 f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "

@@ -47,6 +47,7 @@ from shardline.model.flops import (
     table_peak_tflops,
 )
 from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.moe import ExpertLoad
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
@@ -129,6 +130,7 @@ class Trainer:
         self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
+        self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
         self.rows = data.rows("train")
         run = objectives.Run(
             spec=spec, ctx=ctx, data=data, model=self.model, tokenizer=self.tokenizer, task=self.task, run_dir=run_dir,
@@ -427,11 +429,13 @@ class Trainer:
         with record_function("shardline.sync"):
             own = own_step_seconds(start, waited, ctx.device)
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
+            slots, reduced = len(reduced), torch.cat([reduced, self.expert_load.take().to(reduced)])  # MoE load
             dist.all_reduce(reduced)
             # the step's one read of device data (on a GPU it waits for the step and the all-reduce): the loss sum,
             # every rank's time, the counts and the gradient norm in one copy to the host
             host = torch.cat([reduced, counts, grad_norm.reshape(1).to(reduced)]).to("cpu", copy=True).tolist()
-            step_sum, rank_seconds, counted, norm = host[0], host[1:len(reduced)], host[len(reduced):-1], host[-1]
+            step_sum, rank_seconds, load = host[0], host[1:slots], host[slots:len(reduced)]
+            counted, norm = host[len(reduced):-1], host[-1]
             # every micro-batch's share of the global loss, summed: tensor-parallel peers computed the same shares,
             # context-parallel peers a part each
             loss = step_sum / self.spec.parallel.tp
@@ -453,7 +457,8 @@ class Trainer:
             tflops_per_device=tflops, mfu=tflops / self.peak_tflops,
             mfu_causal=self.flops.model(work, causal=True) / per_device_peak,
             hfu=self.flops.hardware(work) / per_device_peak, mem_peak_bytes=peak_memory_bytes(ctx.device),
-            epoch=self.sampler.epoch_of(self._sampler_steps(self.step)), **stragglers, **objective_fields,
+            epoch=self.sampler.epoch_of(self._sampler_steps(self.step)), **self.expert_load.fields(load),
+            **stragglers, **objective_fields,
         )
 
     def _sampler_steps(self, steps: int) -> int:
