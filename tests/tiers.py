@@ -107,7 +107,7 @@ LAUNCH = (
     "tests/train/test_dry_run.py::test_tensor_parallel_shards",
     "tests/train/test_dry_run.py::test_tiny_simulated",
     "tests/train/test_grpo_end_to_end.py",
-    "tests/train/test_expert_parallel.py::test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers",
+    "tests/train/test_expert_parallel.py::test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks",
     "tests/train/test_expert_parallel.py::test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch",
     "tests/train/test_hang.py::test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76",
     "tests/train/test_hang.py::test_a_sigstopped_rank_is_named_with_its_host_and_the_run_restarts_from_the_checkpoint",

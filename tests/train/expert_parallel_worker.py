@@ -4,8 +4,9 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": bool, "aux": bool}`: a tiny Qwen3-MoE (transformers' own model code and
-  config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` (FSDP over the rest)
+- `{"oracle": ep, "out": path, "broken": bool, "aux": bool, "replicate": n}`: a tiny Qwen3-MoE (transformers' own
+  model code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
+  `parallel.dp_replicate=n` (FSDP or HSDP over the rest)
   takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
   full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
   loss with labels: with `aux`, the router aux loss on, coefficient 0.05, which shardline computes from expert counts
@@ -58,7 +59,7 @@ def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel()) if routed else loss
 
 
-def oracle(ep: int, broken: bool, aux: bool, out: str | None) -> None:
+def oracle(ep: int, broken: bool, aux: bool, replicate: int, out: str | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = tiny_moe(aux)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
@@ -69,7 +70,7 @@ def oracle(ep: int, broken: bool, aux: bool, out: str | None) -> None:
 
     model = tiny_moe(aux)
     model.load_state_dict(reference.state_dict())
-    spec = ParallelSpec(ep=ep)
+    spec = ParallelSpec(ep=ep, dp_replicate=replicate)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
     route = expert.route
     if broken:  # every copy to the same local expert of the next EP rank
@@ -99,7 +100,8 @@ def main(jobs_file: str) -> None:
     with distributed() as ctx:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
-                oracle(job["oracle"], job.get("broken", False), job.get("aux", False), job.get("out"))
+                oracle(job["oracle"], job.get("broken", False), job.get("aux", False), job.get("replicate", 1),
+                       job.get("out"))
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))

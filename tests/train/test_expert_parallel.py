@@ -3,7 +3,8 @@
 One torchrun launch per world size runs every case of that world (tests/train/expert_parallel_worker.py): on a tiny
 Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 so a mis-routed token moves the loss)
 the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
-(FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2; a
+(FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2 and
+HSDP 2 × EP 2; a
 dispatch that sends every token to the next EP rank's experts fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
 transformers takes the same 3 steps at ep 2 as at ep 1 (and counts the same tokens per expert), and its ep 2
@@ -92,19 +93,20 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
 
 
-def test_fsdp_2_x_ep_2_on_four_ranks_equals_transformers(tmp_path):
+def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
     launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")},
-                         {"oracle": 2, "aux": True, "out": str(tmp_path / "fsdp2xep2aux.out")}])
-    for case in ("fsdp2xep2", "fsdp2xep2aux"):
+                         {"oracle": 2, "aux": True, "out": str(tmp_path / "fsdp2xep2aux.out")},
+                         {"oracle": 2, "replicate": 2, "out": str(tmp_path / "hsdp2xep2.out")}])
+    for case, placements in (("fsdp2xep2", ["S(1)", "S(0)"]), ("fsdp2xep2aux", ["S(1)", "S(0)"]),
+                             ("hsdp2xep2", ["R", "S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
-        assert loss < LOSS_TOL and grad < GRAD_TOL and placed == ["S(1)", "S(0)"], case
+        assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, placed)
 
 
 def test_what_expert_parallel_does_not_compose_with_is_a_named_error(tmp_path):
     base = [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=4", "parallel.ep=2"]
-    for extra, field in ((["parallel.tp=2"], "parallel.tp"), (["parallel.dp_replicate=2"], "parallel.dp_replicate"),
-                         (["parallel.compile=true"], "parallel.compile")):
+    for extra, field in ((["parallel.tp=2"], "parallel.tp"), (["parallel.compile=true"], "parallel.compile")):
         with pytest.raises(SpecError, match=f"parallel.ep.*{field}"):
             load_spec("tiny", [*base, *extra])
     with pytest.raises(SpecError, match="does not divide the 4 data-parallel shard ranks"):

@@ -1,14 +1,15 @@
 """Expert parallel (`parallel.ep`): each MoE layer's routed experts split over `ep` data-parallel ranks, tokens sent
 to the ranks that hold their experts and their outputs sent back, as torchtitan does it.
 
-Layout: the data-parallel shard ranks are viewed as a mesh `[efsdp, ep]` (ep innermost: an EP group is consecutive
-ranks). Each routed-experts module's fused weights (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`) become
-DTensors sharded on dim 0, the expert dimension, over `ep` (E/ep experts a rank); FSDP2 then shards them over
-`efsdp` on dim 1, so the pair of placements is plain `(Shard(1), Shard(0))` with no strided shard and DCP reshards
-them to any other EP size. Everything else of the model is sharded by FSDP over all data-parallel ranks as without
-EP. The experts' gradients end as the mean over all data-parallel ranks, as every other gradient does (every rank's
-loss is scaled for that mean, `Trainer.train_step`): a rank's expert gradients hold its whole EP group's tokens (the
-all-to-all's backward brings them), are divided by ep (`run_experts`), and FSDP averages them over efsdp.
+Layout: the data-parallel ranks are viewed as a mesh `[dp_replicate?, efsdp, ep]`, efsdp × ep = dp_shard (ep
+innermost: an EP group is consecutive ranks). Each routed-experts module's fused weights (`gate_up_proj [E, 2I, H]`,
+`down_proj [E, H, I]`) become DTensors sharded on dim 0, the expert dimension, over `ep` (E/ep experts a rank);
+FSDP2 then shards them over `efsdp` on dim 1 (HSDP: and replicates them over `dp_replicate`), so the placements
+are plain `(Shard(1), Shard(0))`, no strided shard, and DCP reshards them to any other EP size. Everything else of
+the model is sharded by FSDP over all data-parallel ranks as without EP. The experts' gradients end as the mean
+over all data-parallel ranks, as every other gradient does (every rank's loss is scaled for that mean,
+`Trainer.train_step`): a rank's expert gradients hold its whole EP group's tokens (the all-to-all's backward
+brings them), are divided by ep (`run_experts`), and FSDP averages them over the rest (efsdp, and dp_replicate).
 
 One MoE layer's forward on a rank (`ExpertParallelForward`): its N tokens × top-k routed copies sorted by expert;
 the per-expert counts exchanged with `all_to_all_single` (one small collective), then read on the host once (the
@@ -52,10 +53,18 @@ def check_expert_parallel(config: object, ep: int) -> None:
 
 
 def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The data-parallel shard ranks of `mesh` as `[efsdp, ep]`: ep consecutive ranks share a layer's experts,
-    FSDP shards each EP rank's experts over the efsdp ranks that hold the same ones."""
-    shard = mesh["dp_shard"].size() if mesh.mesh_dim_names != ("dp_shard",) else mesh.size()
-    return init_device_mesh(mesh.device_type, (shard // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    """The data-parallel ranks of `mesh` as `[dp_replicate?, efsdp, ep]`: ep consecutive ranks of a replica share a
+    layer's experts, FSDP shards each EP rank's experts over the efsdp ranks that hold the same ones (and HSDP
+    replicates them over `dp_replicate`)."""
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    dims = [("dp_replicate", sizes["dp_replicate"])] if "dp_replicate" in sizes else []
+    dims += [("efsdp", sizes["dp_shard"] // ep), ("ep", ep)]
+    return init_device_mesh(mesh.device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def expert_data_parallel_mesh(experts: DeviceMesh) -> DeviceMesh:
+    """What FSDP (or HSDP) shards the experts over: all of the expert mesh but `ep`."""
+    return experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:

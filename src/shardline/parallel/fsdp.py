@@ -16,7 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
 from shardline.model.nf4 import is_nf4, nf4_parameters
-from shardline.parallel.expert import apply_expert_parallel, expert_mesh
+from shardline.parallel.expert import apply_expert_parallel, expert_data_parallel_mesh, expert_mesh
 from shardline.parallel.tensor import apply_tensor_parallel
 from shardline.spec import ParallelSpec, Precision
 
@@ -158,9 +158,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precisio
                     ignored_params=nf4_parameters(model) or None)
     if spec.ep > 1:  # each EP rank's experts sharded by FSDP over efsdp on dim 1 (`shardline.parallel.expert`)
         experts = expert_mesh(mesh, spec.ep)
+        shard_experts = partial(shard, mesh=expert_data_parallel_mesh(experts), shard_placement_fn=lambda _: Shard(1))
         for i, module in enumerate(apply_expert_parallel(model, experts["ep"])):
-            _shard_named(partial(shard, mesh=experts["efsdp"], shard_placement_fn=lambda _: Shard(1)), module,
-                         f"the experts of MoE layer {i}", reshard_after_forward=spec.reshard_after_forward)
+            _shard_named(shard_experts, module, f"the experts of MoE layer {i}",
+                         reshard_after_forward=spec.reshard_after_forward)
     for i, layer in enumerate(layers):
         _shard_named(shard, layer, f"model.layers.{i}", reshard_after_forward=spec.reshard_after_forward)
     # The root holds embeddings, final norm and output projection; its params are used last in

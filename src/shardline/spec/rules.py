@@ -129,13 +129,13 @@ def check_expert_parallel_degree(spec: JobSections) -> None:
     p = spec.parallel
     if p.ep == 1:
         return
-    others = {"parallel.tp": p.tp > 1, "parallel.cp": p.cp > 1, "parallel.dp_replicate": p.dp_replicate > 1,
-              "parallel.compile": p.compile, "parallel.offload": p.offload,
+    others = {"parallel.tp": p.tp > 1, "parallel.cp": p.cp > 1, "parallel.compile": p.compile,
+              "parallel.offload": p.offload,
               "model.lora.quantize_base": spec.model.lora.enabled and spec.model.lora.quantize_base != "none"}
     for field, on in others.items():
         if on:
-            raise SpecError("parallel.ep", f"{p.ep} with {field}: expert parallel composes with FSDP alone so far "
-                            "(tensor and context parallel split the tokens a MoE layer dispatches; HSDP, compile, "
+            raise SpecError("parallel.ep", f"{p.ep} with {field}: expert parallel composes with FSDP and HSDP so "
+                            "far (tensor and context parallel split the tokens a MoE layer dispatches; compile, "
                             "offload and a quantized base are not built with it yet)",
                             f"set parallel.ep=1, or leave {field} at its default")
     shard = p.dp_shard or spec.world_size // (p.dp_replicate * p.ranks_per_row)
