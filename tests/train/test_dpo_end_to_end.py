@@ -15,8 +15,13 @@ import json
 
 import pytest
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 
+from shardline.data.prepare import prepare
+from shardline.rundir import create_run
+from shardline.spec.resolve import load_spec
+from shardline.training.trainer import Trainer
 from tests.conftest import cli_in_background, kill_the_stopped_worker, only_run, read_metrics, run_cli, small_overrides
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
@@ -99,17 +104,21 @@ def test_bf16_lora_dpo_with_the_adapters_off_reference_retrains_lost_steps_exact
     assert not any("lora" in name for name, _ in model.named_parameters())
 
 
-@pytest.mark.slow
-def test_dpo_on_a_users_preference_file_with_no_task(tmp_path):
+def test_dpo_on_a_users_preference_file_with_no_task(ctx, tmp_path):
     """The main use: the user's own prompt/chosen/rejected JSONL (`data.format: auto` finds `preference`), no task
-    metric: the held-out pairs are scored, and the sample generations show the chosen completion as the reference."""
+    metric: the held-out pairs are scored, and the sample generations show the chosen completion as the reference.
+    The Trainer's whole run in this process, on one rank: the launch and two ranks are the tests above."""
     rows = [{"prompt": f"Q{i}: say {w}?", "chosen": f" {w}.", "rejected": f" {WORDS[(i + 1) % len(WORDS)]}."}
             for i, w in enumerate(WORDS * 8)]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run, out = _train(tmp_path / "runs", f"data.path={path}", "data.task=none", "data.test_size=0",
-                      "data.validation_size=8", "train.max_steps=3", "train.eval_every=3", "train.sample_generations=2",
-                      "train.eval_max_new_tokens=4", "parallel.nproc_per_node=2")
+    sets = [*small_overrides(tmp_path / "runs"), *DPO, f"data.path={path}", "data.task=none", "data.test_size=0",
+            "data.validation_size=8", "train.max_steps=3", "train.eval_every=3", "train.sample_generations=2",
+            "train.eval_max_new_tokens=4", "parallel.nproc_per_node=1"]
+    spec, run = create_run(load_spec("tiny", sets))
+    console = Console(record=True, width=200)
+    Trainer(spec, ctx, prepare(spec), run, console).fit()
+    out = console.export_text()
     assert "DPO reference: log-probabilities of 80 pairs" in out  # 72 training and 8 held-out pairs
     evals = [e for e in read_metrics(run, "eval") if "val_preference" in e]
     assert [e["step"] for e in evals] == [0, 3] and evals[0]["val_preference"]["pairs"] == 8
