@@ -7,7 +7,8 @@ the step-0 loss and every gradient equal transformers' unsharded model on the sa
 HSDP 2 × EP 2; a
 dispatch that sends every token to the next EP rank's experts fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
-transformers takes the same 3 steps at ep 2 as at ep 1 (and counts the same tokens per expert), and its ep 2
+transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
+as at ep 1 (and counts the same tokens per expert), and its ep 2
 checkpoint resumes at ep 1 with ep 1's next loss.
 """
 
@@ -68,7 +69,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     examples = generate_splits(5, 300, 10, 10)["train"]
     tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
     checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
-    ep1, ep2 = moe_run(tmp_path, checkpoint, "ep1", 1), moe_run(tmp_path, checkpoint, "ep2", 2)
+    ep1 = moe_run(tmp_path, checkpoint, "ep1", 1)
+    ep2 = moe_run(tmp_path, checkpoint, "ep2", 2, "parallel.activation_checkpointing=full")  # the dispatch recomputed
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
