@@ -4,14 +4,15 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": bool, "aux": bool, "replicate": n}`: a tiny Qwen3-MoE (transformers' own
+- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "replicate": n}`: a tiny Qwen3-MoE (transformers' own
   model code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
   `parallel.dp_replicate=n` (FSDP or HSDP over the rest)
   takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
   full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
   loss with labels: with `aux`, the router aux loss on, coefficient 0.05, which shardline computes from expert counts
-  all-reduced over the ranks). `broken` sends every token copy to the next EP rank's experts (a dispatch
-  permutation off by one rank), which the oracle must catch;
+  all-reduced over the ranks). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
+  permutation off by one rank), `broken: combine` sums the experts' outputs without their routing weights: the
+  oracle must catch both;
 - `{"spec": path, "steps": n, "out": path, "save": bool}`: the Trainer of a created run resumes if its spec says so,
   trains n steps (rank 0 writes their losses and expert loads) and saves a checkpoint if `save`.
 """
@@ -59,7 +60,7 @@ def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel()) if routed else loss
 
 
-def oracle(ep: int, broken: bool, aux: bool, replicate: int, out: str | None) -> None:
+def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = tiny_moe(aux)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
@@ -72,15 +73,18 @@ def oracle(ep: int, broken: bool, aux: bool, replicate: int, out: str | None) ->
     model.load_state_dict(reference.state_dict())
     spec = ParallelSpec(ep=ep, dp_replicate=replicate)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
-    route = expert.route
-    if broken:  # every copy to the same local expert of the next EP rank
+    route, combine = expert.route, expert.ExpertParallelForward.__call__
+    if broken == "dispatch":  # every copy to the same local expert of the next EP rank
         expert.route = lambda index, experts, group: route((index + experts // ep) % experts, experts, group)
+    if broken == "combine":  # the experts' outputs summed without their routing weights
+        expert.ExpertParallelForward.__call__ = lambda self, x, index, weights: combine(self, x, index,
+                                                                                         torch.ones_like(weights))
     try:
         rows = ids.chunk(world)[rank]
         local = loss_sum(model, rows)
         (local * (world / tokens)).backward()  # FSDP averages gradients over the ranks (Trainer.train_step)
     finally:
-        expert.route = route
+        expert.route, expert.ExpertParallelForward.__call__ = route, combine
     total = local.detach().clone()
     dist.all_reduce(total)
     diffs = {}
@@ -100,7 +104,7 @@ def main(jobs_file: str) -> None:
     with distributed() as ctx:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
-                oracle(job["oracle"], job.get("broken", False), job.get("aux", False), job.get("replicate", 1),
+                oracle(job["oracle"], job.get("broken"), job.get("aux", False), job.get("replicate", 1),
                        job.get("out"))
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())

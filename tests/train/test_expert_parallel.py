@@ -5,7 +5,8 @@ Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 s
 the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
 (FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2 and
 HSDP 2 × EP 2; a
-dispatch that sends every token to the next EP rank's experts fails that oracle; the router aux loss, from expert
+dispatch that sends every token to the next EP rank's experts, or a combine that leaves out the routing weights,
+fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
 transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
 as at ep 1 (and counts the same tokens per expert), and its ep 2
@@ -75,15 +76,17 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
-                         {"oracle": 2, "broken": True, "out": str(tmp_path / "broken.out")},
+                         *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
+                           for part in ("dispatch", "combine")),
                          {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
-    loss, grad, _ = oracle_result(tmp_path / "broken.out")
-    print(f"dispatch off by one rank: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
-    assert loss > 1e-2 and grad > 1e-2
+    for part, what in (("dispatch", "a dispatch off by one rank"), ("combine", "a combine without the weights")):
+        loss, grad, _ = oracle_result(tmp_path / f"broken-{part}.out")
+        print(f"{what}: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
+        assert loss > 1e-2 and grad > 1e-2, part
     records = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed)}
     at_1, at_2, then_1 = ([r["loss"] for r in records[job["out"]]] for job in (ep1, ep2, resumed))
     print(f"Trainer losses, ep 1: {at_1}; ep 2: {at_2}; its checkpoint resumed at ep 1: {then_1}")
