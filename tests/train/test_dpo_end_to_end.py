@@ -37,12 +37,20 @@ def _train(runs, *extra: str, target: str = "tiny"):
     return only_run(runs), proc.stdout
 
 
+def _fit(ctx, runs, *extra: str):
+    """The Trainer's whole run in this process, on the test session's one rank; its printed lines."""
+    spec, run = create_run(load_spec("tiny", [*small_overrides(runs), *DPO, *extra]))
+    console = Console(record=True, width=200)
+    Trainer(spec, ctx, prepare(spec), run, console).fit()
+    return run, console.export_text()
+
+
 def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run, "train")}
 
 
 @pytest.mark.slow
-def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp_path):
+def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(ctx, tmp_path):
     run_a, out = _train(tmp_path / "a", "parallel.nproc_per_node=2", "checkpoint.every_steps=3",
                         "train.eval_examples=4")
     assert "DPO reference: log-probabilities of" in out
@@ -66,7 +74,8 @@ def test_full_dpo_with_a_precomputed_reference_resumes_on_another_world_size(tmp
     assert again["loss"] == pytest.approx(evals[-1]["val_preference"]["loss"], rel=1e-6)
     assert again["margin"] == pytest.approx(evals[-1]["val_preference"]["margin"], rel=1e-5)
 
-    run_b, out = _train(tmp_path / "b", "parallel.nproc_per_node=1", f"checkpoint.resume_from={run_a}@3")
+    # the resume on 1 rank in this process: the Trainer is what continues the table, the launch is run_a's
+    run_b, out = _fit(ctx, tmp_path / "b", "parallel.nproc_per_node=1", f"checkpoint.resume_from={run_a}@3")
     assert "DPO reference" not in out
     resumed, losses = _losses(run_b), _losses(run_a)
     assert sorted(resumed) == [4, 5, 6]
@@ -112,13 +121,9 @@ def test_dpo_on_a_users_preference_file_with_no_task(ctx, tmp_path):
             for i, w in enumerate(WORDS * 8)]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sets = [*small_overrides(tmp_path / "runs"), *DPO, f"data.path={path}", "data.task=none", "data.test_size=0",
-            "data.validation_size=8", "train.max_steps=3", "train.eval_every=3", "train.sample_generations=2",
-            "train.eval_max_new_tokens=4", "parallel.nproc_per_node=1"]
-    spec, run = create_run(load_spec("tiny", sets))
-    console = Console(record=True, width=200)
-    Trainer(spec, ctx, prepare(spec), run, console).fit()
-    out = console.export_text()
+    run, out = _fit(ctx, tmp_path / "runs", f"data.path={path}", "data.task=none", "data.test_size=0",
+                    "data.validation_size=8", "train.max_steps=3", "train.eval_every=3", "train.sample_generations=2",
+                    "train.eval_max_new_tokens=4", "parallel.nproc_per_node=1")
     assert "DPO reference: log-probabilities of 80 pairs" in out  # 72 training and 8 held-out pairs
     evals = [e for e in read_metrics(run, "eval") if "val_preference" in e]
     assert [e["step"] for e in evals] == [0, 3] and evals[0]["val_preference"]["pairs"] == 8
