@@ -43,6 +43,7 @@ from shardline.parallel.tensor import loss_context
 from shardline.spec import JobSpec
 from shardline.tasks import GenerationScores, Task
 from shardline.training.chunked_loss import chunked_loss
+from shardline.training.generation import generate_left_padded
 
 
 def takes_chunked_loss(config, chunk_tokens: int | None) -> bool:
@@ -184,18 +185,10 @@ def _generate(model: nn.Module, prompts: list[list[int]], pad: int, stop: list[i
               device: torch.device, synced: bool, stop_requested: Callable[[], bool] | None = None
               ) -> list[list[int]]:
     """Greedy continuations of left-padded prompts, each cut before its first stop token."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                         max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad,
-                         use_cache=True, synced_gpus=synced,
-                         stopping_criteria=StoppingCriteriaList([_StopWhenRequested(stop_requested)]
-                                                                if stop_requested else []))
-    continuations = [row[width:].tolist() for row in out.cpu()]
+    continuations = generate_left_padded(
+        model, prompts, pad, device, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop,
+        synced_gpus=synced,
+        stopping_criteria=StoppingCriteriaList([_StopWhenRequested(stop_requested)] if stop_requested else []))
     return [c[: next((i for i, t in enumerate(c) if t in stop), len(c))] for c in continuations]
 
 

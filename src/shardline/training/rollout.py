@@ -22,6 +22,7 @@ from shardline.data.packing import Document, assign_rows, pack
 from shardline.data.render import generation_prompt
 from shardline.data.template import PromptTemplate
 from shardline.spec import PromptFormat
+from shardline.training.generation import generate_left_padded
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -80,25 +81,19 @@ def sample_completions(model: nn.Module, prompts: list[list[int]], stops: list[l
     """`generations` sampled continuations of each prompt (KV cache), left-padded into one `generate` call."""
     repeated = [p for p in prompts for _ in range(generations)]
     stop = sorted({t for s in stops for t in s})
-    width = max(len(p) for p in repeated)
-    ids = torch.full((len(repeated), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(repeated):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
     devices = [device] if device.type == "cuda" else []
     was_training = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                                 temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-                                 eos_token_id=stop, pad_token_id=pad, use_cache=True, synced_gpus=synced)
+            out = generate_left_padded(model, repeated, pad, device, do_sample=True, temperature=temperature,
+                                       top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop,
+                                       synced_gpus=synced)
     finally:
         model.train(was_training)
     completions = Completions([], [])
-    for i, row in enumerate(out[:, width:].cpu().tolist()):
+    for i, row in enumerate(out):
         own = set(stops[i // generations])
         end = next((j for j, t in enumerate(row) if t in stop), None)
         if end is None:
