@@ -1,5 +1,6 @@
-"""Apply parallelism to a plain model, in torchtitan's fixed order: tensor parallel (`parallel.tp`) →
-activation checkpointing → per-block torch.compile → FSDP2 / HSDP (`fully_shard` per block, then the root).
+"""Apply parallelism to a plain model, in torchtitan's fixed order: float8 linears (`train.float8`) → tensor parallel
+(`parallel.tp`) → activation checkpointing → per-block torch.compile → FSDP2 / HSDP (`fully_shard` per block, then the
+root).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from shardline.errors import ShardlineError, SpecError
 from shardline.model.build import causal_lm, decoder_layers
+from shardline.model.float8 import convert_blocks_to_float8
 from shardline.model.nf4 import is_nf4, nf4_parameters
 from shardline.parallel.expert import apply_expert_parallel, expert_data_parallel_mesh, expert_mesh
 from shardline.parallel.tensor import apply_tensor_parallel
-from shardline.spec import ParallelSpec, Precision
+from shardline.spec import Float8Recipe, ParallelSpec, Precision
 
 # Selective activation checkpointing keeps the outputs of these (expensive to recompute) ops and
 # recomputes everything else (norms, activations, rotary, residual adds) in backward: every attention kernel SDPA or
@@ -140,9 +142,11 @@ def enable_async_tp(spec: ParallelSpec, device_type: str) -> None:
     torch._inductor.config._micro_pipeline_tp = True
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ParallelSpec, precision: Precision,
+                float8: Float8Recipe = "none") -> nn.Module:
     enable_async_tp(spec, mesh.device_type)
     frozen_in_compute_dtype(model, precision)
+    convert_blocks_to_float8(model, float8, precision, mesh.device_type)  # `train.float8`: before TP, AC and FSDP
     if spec.tp > 1:  # torchtitan's order: tensor parallel on the plain modules first
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec)

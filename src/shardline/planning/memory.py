@@ -15,6 +15,10 @@ I intermediate, q = heads × head_dim, kv = kv_heads × head_dim, V vocab.
   its block projections as NF4 instead, whole on every rank: 0.5 + 1/64 + c/16384 bytes per parameter
   (`shardline.model.nf4.nf4_bytes`), and FSDP gathers only the rest of a block; dequantizing one of them for a
   matmul adds (8 + 3c) bytes per element of the largest to the temporaries while backward runs.
+  `train.float8` (`shardline.model.float8`): the same fp32 masters, gradients and moments (the weights stay fp32
+  and bf16; float8 copies exist only around each matmul); the largest float8 linear's casts (input, weight, output
+  gradient and their transposes, 1 byte each: `float8_cast_bytes`) join the temporaries; with tensorwise scaling on
+  CUDA, FSDP2 gathers those weights in float8, 1 byte instead of c.
   with `parallel.offload` all three live in host memory instead.
 - gather buffers: FSDP's unsharded compute-dtype copies - the root (embeddings, norm, lm_head; kept from
   forward through backward) + two blocks (current and prefetched): c·(P_root + 2·P_block).
@@ -53,6 +57,7 @@ from shardline.model.families import (
     language_model_config,
     layer_windows,
 )
+from shardline.model.float8 import FLOAT8_DIM_MULTIPLE
 from shardline.model.nf4_layout import nf4_bytes, nf4_quantizable
 from shardline.planning.cpu_runtime import steady_growth_bytes
 from shardline.planning.devices import (
@@ -275,6 +280,23 @@ def nf4_block_weights(s: ModelShape, lora: LoraSpec) -> list[int]:
             if name in block_linears(s) and nf4_quantizable((o, i))]
 
 
+def float8_block_linears(s: ModelShape, float8: str) -> list[tuple[int, int]]:
+    """(in, out) of each block projection `train.float8` multiplies in float8 (`shardline.model.float8`: both
+    dimensions multiples of 16); empty with `train.float8: none`."""
+    if float8 == "none":
+        return []
+    return [(i, o) for name, (i, o) in linear_dims(s).items()
+            if name in block_linears(s) and i % FLOAT8_DIM_MULTIPLE == 0 and o % FLOAT8_DIM_MULTIPLE == 0]
+
+
+def float8_cast_bytes(linears: list[tuple[int, int]], n: int) -> int:
+    """Transient bytes of the largest float8 linear's casts while its backward runs: float8 (1 byte) copies of the
+    input, the weight and the output gradient, and their transposed copies for the two gradient matmuls; the scales
+    (one fp32 per tensor or per row) are left out (under 0.5 % of these). torchao saves the bf16 input for
+    backward, so the saved activations are bf16's."""
+    return max((2 * (n * (i + o) + i * o) for i, o in linears), default=0)
+
+
 def nf4_dequantize_bytes(numel: int, c: int) -> int:
     """Transient bytes while torchao dequantizes one NF4 weight for a matmul (`NF4Tensor.get_original_weight`, all
     its locals alive until it returns): the two int64 code-index tensors (8 bytes per element in all), the two
@@ -467,6 +489,10 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     head_grad = c * shape.head_vocab * d if head_trainable(lora) else 0
     block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
     gathers = c * (pb.root + 2 * (pb.block - sum(nf4)))  # NF4 weights are outside FSDP: never gathered
+    float8 = float8_block_linears(shape, t.float8)
+    if t.float8 == "tensorwise" and dev.kind == "cuda":  # FSDP2's float8 all-gather: 1 byte per converted weight
+        gathers -= 2 * (c - 1) * sum(i * o for i, o in float8)
+    dequantize += float8_cast_bytes(float8, n)  # one linear's float8 copies at a time, forward and backward
     # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
     block_rs = (c + 8) * pb.block_trainable
     root_rs = (c + 4) * pb.root_trainable + 4 * pb.block_trainable

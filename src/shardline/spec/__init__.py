@@ -13,6 +13,7 @@ from shardline.spec.sections import (
     DataFormat,
     DataSpec,
     DpoSpec,
+    Float8Recipe,
     GpucheckSpec,
     GrpoSpec,
     JobSections,
@@ -41,8 +42,8 @@ from shardline.spec.sections import (
 
 __all__ = [
     "ActivationCheckpointing", "ArchSpec", "AttentionImpl", "ChatTemplateName", "CheckpointSpec", "CollectiveOp",
-    "ColumnsSpec", "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "GpucheckSpec", "GrpoSpec", "JobSections",
-    "JobSpec", "KubernetesSpec",
+    "ColumnsSpec", "CostSpec", "DataFormat", "DataSpec", "DpoSpec", "Float8Recipe", "GpucheckSpec", "GrpoSpec",
+    "JobSections", "JobSpec", "KubernetesSpec",
     "LaunchSpec", "LoraSpec", "ModelSpec", "NetcheckSpec", "Objective", "ObserveSpec", "ParallelSpec", "Precision",
     "PromptFormat", "Provisioning", "RaySpec", "RunSpec", "SecretRef", "SlurmSpec", "SourceSpec", "StorageSpec",
     "TaskName", "Toleration", "TpuSpec", "TrainSpec",

@@ -79,6 +79,7 @@ def check_combinations(spec: JobSections) -> None:
             )
     check_data_sources(spec)
     check_base_quantization(spec)
+    check_float8(spec)
     check_objective(spec)
     # Installed packages (flash-attn, trackers) are checked where training starts: shardline/environment.py.
     w = spec.observe.wandb_project
@@ -189,6 +190,30 @@ def check_base_quantization(spec: JobSections) -> None:
                         "moves FSDP's shards to host memory, but NF4 weights stay outside FSDP, on the device",
                         "use parallel.offload=false (the NF4 base takes 0.52 bytes per parameter), or "
                         "model.lora.quantize_base=none")
+
+
+def check_float8(spec: JobSections) -> None:
+    """`train.float8` (shardline.model.float8): a full fine-tune of the torch engine in bf16, without tensor
+    parallel."""
+    t, p, lora = spec.train, spec.parallel, spec.model.lora
+    if t.float8 == "none":
+        return
+    if t.precision == "fp32":
+        raise SpecError("train.float8", f"is {t.float8} with train.precision=fp32: float8 training keeps everything "
+                        "but the block linears in bf16", "set train.precision=bf16 (or auto), or train.float8=none")
+    if lora.enabled:
+        raise SpecError("train.float8", f"is {t.float8} with model.lora.enabled=true: LoRA's frozen base would be "
+                        "re-cast to float8 every step for a handful of adapter FLOPs, and the adapters' small matmuls "
+                        "gain nothing from float8", "set train.float8=none for LoRA (or model.lora.quantize_base=nf4 "
+                        "for a smaller base), or train.float8 with a full fine-tune")
+    if p.tp > 1:
+        raise SpecError("train.float8", f"is {t.float8} with parallel.tp={p.tp}: shardline's tensor-parallel plans "
+                        "are written for plain linears, and torchao's float8 linears under them are not tested here "
+                        "(torchtitan gives them float8 parallel styles of their own)",
+                        "use parallel.tp=1 (FSDP alone) with float8, or train.float8=none")
+    if t.engine != "torch":
+        raise SpecError("train.float8", f"is {t.float8} with train.engine={t.engine}: float8 training is torchao's, "
+                        "on the torch engine", "set train.float8=none (MaxText has its own quantization settings)")
 
 
 def check_objective(spec: JobSections) -> None:

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 Precision = Literal["auto", "bf16", "fp32"]
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
+"""torchao's float8 training recipes `train.float8` can name (shardline.model.float8)."""
 AttentionImpl = Literal["sdpa", "flash_attention_2", "eager"]
 BaseQuantization = Literal["none", "nf4"]
 PromptFormat = Literal["auto", "plain", "chat"]
@@ -328,6 +330,13 @@ class TrainSpec(Section):
     precision: Precision = "auto"
     """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
     (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""
+    float8: Float8Recipe = "none"
+    """FP8 full fine-tuning: the decoder blocks' linear layers multiply in float8 (torchao's float8 training,
+    dynamic scaling per tensor or per row), everything else in bf16 (embeddings, output projection, norms, a
+    mixture's router and experts); fp32 master weights as with bf16. tensorwise: one scale per tensor, and FSDP2
+    all-gathers the weights in float8 on NCCL; rowwise: one scale per row, more accurate, bf16 all-gather. Needs
+    bf16 (`train.precision` auto or bf16), a full fine-tune (no LoRA), `parallel.tp=1`, and a GPU with FP8 units
+    (compute capability 8.9+: L4, L40S, H100, H200, B200; emulated on CPU). MFU stays against the bf16 peak."""
     peak_tflops: float | None = Field(None, gt=0)
     """Per-device peak for MFU; None: the device table on GPU, a matmul probe on CPU."""
     log_every: int = Field(10, ge=1)

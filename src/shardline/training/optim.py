@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim.lr_scheduler import LambdaLR
 
+from shardline.model.float8 import precompute_float8_scales, uses_float8_all_gather
 from shardline.spec import TrainSpec
 
 
@@ -17,7 +18,10 @@ def build_optimizer(model: nn.Module, spec: TrainSpec, device: torch.device) -> 
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]  # norms and biases are not decayed
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    if uses_float8_all_gather(model):  # `train.float8: tensorwise` on NCCL: next step's scales in one all-reduce
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model))
+    return optimizer
 
 
 def lr_factor(step: int, spec: TrainSpec) -> float:

@@ -36,6 +36,7 @@ from shardline.jsonl import JsonlTail
 from shardline.model.build import build_model, causal_lm
 from shardline.model.document_attention import LENGTH_BUCKET, takes_varlen, uses_dense_mask, whole_rows
 from shardline.model.families import family_of, layer_windows
+from shardline.model.float8 import float8_line
 from shardline.model.flops import (
     FORMULA,
     FlopsModel,
@@ -128,7 +129,7 @@ class Trainer:
         check_context_parallel(cfg, spec.parallel.cp)
         self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
-        self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision)
+        self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision, spec.train.float8)
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
         self.rows = data.rows("train")
@@ -244,6 +245,8 @@ class Trainer:
                   f"the kernel computes ({self.spec.model.attn_implementation}), activation-checkpoint recompute "
                   f"({self.flops.recompute_fraction:.0%} of blocks)")
         self._say(f"MFU peak = {self.peak_tflops:.3f} TFLOP/s per device ({self.peak_source})")
+        if t.float8 != "none":
+            self._say(float8_line(self.model, t.float8))
         stats = self.data.stats["splits"]["train"]
         self._say(f"data {self.data.version}: {stats['rows']} rows of {t.seq_len} tokens, "
                   f"{stats['kept']} examples, fill {100 * stats['fill']:.1f}%")

@@ -1,0 +1,152 @@
+"""`train.float8`: FP8 full fine-tuning (torchao's float8 linears in the decoder blocks, bf16 elsewhere), on CPU.
+
+torch emulates float8 matmul on CPU, so the numbers here are float8's numerics (casts, dynamic scales) and its
+composition with FSDP2, DCP checkpoints and export, not its speed (a CPU has no float8 units).
+"""
+
+import copy
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shardline.errors import SpecError
+from shardline.model import float8
+from shardline.parallel.fsdp import device_mesh, parallelize
+from shardline.rundir import create_run
+from shardline.spec import ParallelSpec
+from shardline.training.trainer import Trainer
+from tests.conftest import small_spec
+
+VOCAB, STEPS, TAIL = 256, 80, 10
+LOSS_TOLERANCE = 0.05
+"""|mean loss of the last TAIL steps, float8 − bf16| in nats (measured: see the test's printed line and
+bench/RESULTS-gpu.md's FP8 section); a broken cast or scale moves it by whole nats."""
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    """Rows of an affine sequence x → (5x + 3) mod V from random starts: learnable, so the loss falls far."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        x = torch.randint(0, VOCAB, (8, 1), generator=g)
+        steps = [x]
+        for _ in range(63):
+            steps.append((5 * steps[-1] + 3) % VOCAB)
+        rows.append(torch.cat(steps, dim=1))
+    return rows
+
+
+def _train(model: nn.Module, recipe: str, batches: list[torch.Tensor]) -> list[float]:
+    spec = ParallelSpec()
+    parallelize(model, device_mesh(spec, 1, "cpu"), spec, "bf16", recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_float8_training_follows_bf16_over_200_steps_within_the_stated_tolerance(ctx):
+    base, batches = _tiny_llama(), _batches(STEPS)
+    bf16 = _train(copy.deepcopy(base), "none", batches)
+    results = {"bf16": bf16}
+    for recipe in ("tensorwise", "rowwise"):
+        results[recipe] = _train(copy.deepcopy(base), recipe, batches)
+    tail = {name: sum(losses[-TAIL:]) / TAIL for name, losses in results.items()}
+    print(f"mean loss of the last {TAIL} of {STEPS} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in tail.items()))
+    assert bf16[0] > 5.0 and tail["bf16"] < 0.5 * bf16[0]  # it learned: float8 is compared on a falling curve
+    for recipe in ("tensorwise", "rowwise"):
+        assert abs(tail[recipe] - tail["bf16"]) < LOSS_TOLERANCE, (recipe, tail)
+
+
+def test_only_the_blocks_linear_layers_become_float8(ctx):
+    model = _tiny_llama()
+    spec = ParallelSpec()
+    parallelize(model, device_mesh(spec, 1, "cpu"), spec, "bf16", "tensorwise")
+    converted = {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert len(converted) == 2 * 7 == float8.float8_linears(model)  # q k v o, gate up down per block
+    assert all(name.startswith("model.layers.") for name in converted)
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert not float8.uses_float8_all_gather(model)  # gloo: weights gathered in bf16
+
+
+def test_a_router_and_odd_sized_linears_stay_in_bf16():
+    assert float8.takes_float8("mlp.gate_proj", nn.Linear(64, 128))
+    assert not float8.takes_float8("mlp.gate", nn.Linear(64, 16))  # a mixture's router
+    assert not float8.takes_float8("mlp.down_proj", nn.Linear(172, 64))  # 172 is no multiple of 16
+    assert float8.float8_all_gather("tensorwise", "cuda") and not float8.float8_all_gather("tensorwise", "cpu")
+    assert not float8.float8_all_gather("rowwise", "cuda")
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (("train.precision=bf16", "model.lora.enabled=true"), "LoRA"),
+    (("train.precision=fp32",), "train.precision=fp32"),
+    (("train.precision=bf16", "parallel.tp=2", "parallel.nproc_per_node=2"), "parallel.tp=2"),
+])
+def test_float8_is_refused_by_name_with_lora_fp32_and_tensor_parallel(tmp_path, overrides, named):
+    with pytest.raises(SpecError) as e:
+        small_spec(tmp_path, "train.float8=tensorwise", *overrides)
+    assert e.value.field == "train.float8" and named in str(e.value)
+
+
+def test_float8_is_refused_on_a_gpu_without_fp8_units(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SpecError) as e:
+        float8.check_float8_device("rowwise", "bf16", "cuda")
+    assert "A100" in str(e.value) and "8.0" in str(e.value) and e.value.field == "train.float8"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    float8.check_float8_device("rowwise", "bf16", "cuda")  # H100: accepted
+    with pytest.raises(SpecError, match="precision is fp32"):  # auto chose fp32 (a CPU without bf16 matmul)
+        float8.check_float8_device("rowwise", "fp32", "cpu")
+
+
+def _float8_trainer(ctx, root, run_id: str) -> Trainer:
+    spec = small_spec(root, "train.precision=bf16", "train.float8=tensorwise", "model.arch.intermediate_size=192",
+                      "checkpoint.async_save=false", f"run.id={run_id}")
+    spec, run_dir = create_run(spec)
+    return Trainer(spec, ctx, prepared_for(spec), run_dir, Console(quiet=True))
+
+
+def prepared_for(spec):
+    from shardline.data.prepare import prepare
+
+    return prepare(spec)
+
+
+def test_a_float8_run_resumes_exactly_from_its_checkpoint_and_exports_plain_weights(ctx, session_dir, tmp_path):
+    from shardline.export import export_run
+
+    trainer = _float8_trainer(ctx, session_dir, "float8-resume")
+    assert float8.float8_linears(trainer.model) == 2 * 7
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    straight = [trainer.train_step().loss for _ in range(2)]
+    resumed = _float8_trainer(ctx, session_dir, "float8-resume")
+    resumed.load_checkpoint(2)
+    assert [resumed.train_step().loss for _ in range(2)] == straight
+
+    out = tmp_path / "hf"
+    export_run(trainer.run_dir, out)
+    weights = {}
+    for file in out.glob("*.safetensors"):
+        weights |= load_file(file)
+    assert "model.layers.0.mlp.gate_proj.weight" in weights
+    assert all(type(w) is torch.Tensor and w.dtype in (torch.bfloat16, torch.float32) for w in weights.values())
