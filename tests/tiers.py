@@ -69,7 +69,6 @@ LAUNCH = (
     "tests/launch/test_torchrun_env.py::test_workers_get_this_launchs_prepared_data_and_never_an_inherited_one",
     "tests/launch/test_vertex.py::test_custom_job_has_the_primary_alone_in_pool_0_and_the_other_nodes_in_pool_1",
     "tests/launch/test_vertex_wiring.py",
-    "tests/model/test_build.py::test_local_checkpoint_with_chat_template_trains_through_the_cli",
     "tests/model/test_families.py::test_two_ranks_give_the_same_first_loss_and_step_as_one",
     "tests/model/test_nf4.py::test_every_rank_computes_with_torchaos_nf4_of_the_whole_weight",
     "tests/model/test_sharded_load.py::test_two_ranks_load_a_checkpoint_reading_only_their_shards",

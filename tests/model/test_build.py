@@ -1,12 +1,15 @@
 import torch
+from rich.console import Console
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from shardline.data.loader import make_batch
 from shardline.data.prepare import prepare
 from shardline.data.tokenizer import train_bpe
 from shardline.model.build import build_model
+from shardline.rundir import create_run
 from shardline.tasks.text_to_sql.generate import generate_splits
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides, small_spec
+from shardline.training.trainer import Trainer
+from tests.conftest import read_metrics, small_spec
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -38,13 +41,13 @@ def test_local_checkpoint_loads_with_the_same_logits(tmp_path):
     assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-def test_local_checkpoint_with_chat_template_trains_through_the_cli(tmp_path):
+def test_local_checkpoint_with_chat_template_trains(ctx, tmp_path):
+    """The Trainer's whole run in this process on one rank (the launch path is every CLI test's; on a real local
+    checkpoint, tests/real/test_real_checkpoint.py's)."""
     path = _local_checkpoint(tmp_path)
-    runs = tmp_path / "runs"
-    sets = [*small_overrides(runs), f"model.path={path}", "data.prompt_format=chat", "train.max_steps=3"]
-    out = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc", "1")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    train = read_metrics(only_run(runs), "train")
+    spec, run = create_run(small_spec(tmp_path, f"model.path={path}", "data.prompt_format=chat", "train.max_steps=3"))
+    Trainer(spec, ctx, prepare(spec), run, Console(quiet=True)).fit()
+    train = read_metrics(run, "train")
     assert len(train) == 3 and train[-1]["loss"] < train[0]["loss"]
 
 
