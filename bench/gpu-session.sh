@@ -25,11 +25,14 @@
 #               selective activation checkpointing, per-block compile (~2 min)
 #   varlen      the GPU tests of packed attention and of a whole step's synchronisations; bench/packed_attention.py
 #               (buckets, varlen, dense mask; ~1 min)
+#   fp8         FP8 full fine-tuning (train.float8) against bf16 in the same call: protocol B at 16 layers of
+#               Llama-3.1-8B's shapes in bf16, then tensorwise float8 (float8 all-gather), then rowwise; the ratios
+#               printed last (~7 min; needs torchao, carried as a wheel in .whl/: bench/RESULTS-gpu.md)
 set -uo pipefail
 out=$1
 shift
 mkdir -p "$out"
-if [ -d .whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
+if [ -d .whl ] && ! python3 -c "import pydantic, torchao" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
@@ -118,6 +121,21 @@ layers)
   ;;
 protocol-b)
   step protocol-b-16-layers 200 python3 bench/protocols.py B --set model.arch.num_layers=16 --out "$out/protocol-b-16"
+  ;;
+fp8)
+  b16=(--set model.arch.num_layers=16)
+  step fp8-versions 60 python3 -c "import torch, torchao; print(torch.__version__, torch.version.cuda, \
+torchao.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+  step protocol-b-16-bf16 200 python3 bench/protocols.py B "${b16[@]}" --out "$out/fp8/bf16"
+  step protocol-b-16-fp8-tensorwise 200 python3 bench/protocols.py B "${b16[@]}" --set train.float8=tensorwise \
+    --out "$out/fp8/tensorwise"
+  step protocol-b-16-fp8-rowwise 200 python3 bench/protocols.py B "${b16[@]}" --set train.float8=rowwise \
+    --out "$out/fp8/rowwise"
+  step fp8-ratio 20 python3 -c "
+import json, pathlib
+tok = {r: json.loads(pathlib.Path('$out/fp8', r, 'protocol-B.json').read_text())['tokens_per_s_per_device']
+       for r in ('bf16', 'tensorwise', 'rowwise') if pathlib.Path('$out/fp8', r, 'protocol-B.json').exists()}
+print({r: round(t) for r, t in tok.items()}, {r: round(t / tok['bf16'], 3) for r, t in tok.items() if 'bf16' in tok})"
   ;;
 varlen)
   step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider tests/model/test_document_attention.py \

@@ -21,10 +21,11 @@ from shardline.spec import ParallelSpec
 from shardline.training.trainer import Trainer
 from tests.conftest import small_spec
 
-VOCAB, STEPS, TAIL = 256, 80, 10
-LOSS_TOLERANCE = 0.05
-"""|mean loss of the last TAIL steps, float8 − bf16| in nats (measured: see the test's printed line and
-bench/RESULTS-gpu.md's FP8 section); a broken cast or scale moves it by whole nats."""
+VOCAB, STEPS, TAIL = 256, 30, 10
+LOSS_TOLERANCE = 0.02
+"""|mean loss of the last TAIL steps, float8 − bf16| in nats. Measured on CPU (torch 2.13, torchao 0.18): bf16 1.7184,
+tensorwise 1.7202 (+0.0018), rowwise 1.7198 (+0.0014) after 30 steps from 5.6; at 80 steps 0.0402 / 0.0403 / 0.0402.
+A broken cast or scale moves it by whole nats."""
 
 
 def _tiny_llama() -> LlamaForCausalLM:
@@ -62,7 +63,7 @@ def _train(model: nn.Module, recipe: str, batches: list[torch.Tensor]) -> list[f
     return losses
 
 
-def test_float8_training_follows_bf16_over_200_steps_within_the_stated_tolerance(ctx):
+def test_float8_training_follows_bf16_within_the_stated_tolerance(ctx):
     base, batches = _tiny_llama(), _batches(STEPS)
     bf16 = _train(copy.deepcopy(base), "none", batches)
     results = {"bf16": bf16}
