@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from shardline.planning.simulation.fake_world import fake_tensor_mode
 from shardline.training.chunked_loss import chunked_cross_entropy_sum
-from shardline.training.fake_world import fake_tensor_mode
 
 GIB = 2**30
 

@@ -86,6 +86,7 @@ LAYERS = {
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.planning": 3, "shardline.rundir": 3,
     "shardline.run_status": 3, "shardline.goodput": 3, "shardline.parallel": 3,
     "shardline.training": 4, "shardline.checkpointing": 4, "shardline.resilience": 4,
+    "shardline.planning.simulation": 4,  # the planner's step simulator runs the loop's own step parts
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
     "shardline.ops": 5,
     "shardline.engines": 6,

@@ -159,7 +159,8 @@ def plan(spec: JobSpec, device: str | None = None, memory_gb: float | None = Non
 @dataclass(frozen=True)
 class DryRun:
     """`shardline plan --dry-run`: what the real sharding code and one simulated step (CPU kernels, fake tensors,
-    one rank of a fake process group) hold per rank, beside the plan (the JSON of `shardline.training.dry_run`)."""
+    one rank of a fake process group) hold per rank, beside the plan (the JSON of
+    `shardline.planning.simulation.dry_run`)."""
 
     result: dict[str, Any]
 
@@ -199,7 +200,7 @@ def dry_run(spec: JobSpec, *, rank: int = 0, world: int | None = None, step: boo
     with tempfile.TemporaryDirectory(prefix="shardline-dry-run-") as tmp:
         path = Path(tmp) / "spec.yaml"
         path.write_text(spec_to_yaml(spec))
-        command = [sys.executable, "-m", "shardline.training.dry_run", str(path), "--rank", str(rank),
+        command = [sys.executable, "-m", "shardline.planning.simulation.dry_run", str(path), "--rank", str(rank),
                    "--device", target.name, str(target.memory_bytes), target.kind]
         command += ([] if world is None else ["--world", str(world)]) + ([] if step else ["--no-step"])
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -73,7 +73,7 @@ def cannot_judge(spec: JobSpec) -> str | None:
     """What keeps the dry run from judging `spec` on this machine, or None. Neither is a fault of the spec: a
     context-parallel group is not simulated, and a model whose config.json is only where the job runs (a path in
     the pod, a hub model the planner does not know offline) cannot be built here."""
-    if spec.parallel.cp > 1:  # training/dry_run.py refuses it: its step would count whole rows per rank
+    if spec.parallel.cp > 1:  # planning/simulation/dry_run.py refuses it: its step would count whole rows per rank
         return f"parallel.cp={spec.parallel.cp}: the dry run does not simulate a context-parallel group"
     path = spec.model.path
     if path is None or (Path(path).expanduser() / "config.json").is_file():

@@ -16,8 +16,8 @@ from pathlib import Path
 from shardline.api import planning_device
 from shardline.errors import ShardlineError
 from shardline.planning.memory import model_shape, shape_config
+from shardline.planning.simulation.dry_run import at_world, dry_run
 from shardline.spec.resolve import load_spec, resolve_data
-from shardline.training.dry_run import at_world, dry_run
 
 
 def with_layers(spec, layers: int, directory: Path):

@@ -22,9 +22,9 @@ from shardline.cli import main
 from shardline.cli_dry_run import cannot_judge
 from shardline.errors import SpecError
 from shardline.planning.memory import kv_cache_bytes, model_shape, plan_memory
+from shardline.planning.simulation.dry_run import at_world
+from shardline.planning.simulation.fake_world import PRIVATE_APIS, _import
 from shardline.spec.resolve import load_spec, preset_names
-from shardline.training.dry_run import at_world
-from shardline.training.fake_world import PRIVATE_APIS, _import
 from tests.conftest import REPO
 
 # The simulated peak is not the project's arithmetic: it is torch's FSDPMemTracker counting every tensor the real step

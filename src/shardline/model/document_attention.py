@@ -275,8 +275,8 @@ def _causal_keep(queries: int, keys: int, window: int | None, device: torch.devi
 
 def prepare(spans: DocumentSpans, device: torch.device, windows: tuple[int | None, ...] = (None,)) -> None:
     """Build (and cache) the index plans of these spans now, on real tensors, for each of the model's layer
-    windows: the dry run's step on fake tensors (`shardline.training.step_memory`) cannot compute indices, and
-    finds them cached."""
+    windows: the dry run's step on fake tensors (`shardline.planning.simulation.step_memory`) cannot compute
+    indices, and finds them cached."""
     for window in set(windows) or {None}:
         _plan(tuple(spans.lengths), device, window)  # the keys document_sdpa asks for
 

@@ -514,7 +514,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     if t.objective == "grpo":  # sampling: every weight gathered in turn, this rank's sequences' keys and values
         sequences = t.global_batch_size // spec.world_size
         kv = kv_cache_bytes(shape, c, sequences, t.seq_len)
-        # the dry run's sampling (`training/step_memory.py`) also holds: one layer's keys and values twice while
+        # the dry run's sampling (`simulation/step_memory.py`) also holds: one layer's keys and values twice while
         # DynamicCache appends the new token (torch.cat), and the root's all-gather buffer beside its unsharded
         # parameters while they are copied out
         moments["GRPO sampling"] = dict(gather_buffers=gathers + c * pb.root, kv_cache=kv,

@@ -52,7 +52,7 @@ def fake_process_group(world: int, rank: int) -> Iterator[None]:
         raise ShardlineError("--rank", f"{rank} is not a rank of world {world}", f"choose 0…{world - 1}")
     if dist.is_initialized():
         raise ShardlineError("plan --dry-run", "a process group is already initialised in this process",
-                             "run the simulation in its own process (python -m shardline.training.dry_run)")
+                             "run the simulation in its own process (python -m shardline.planning.simulation.dry_run)")
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
         yield

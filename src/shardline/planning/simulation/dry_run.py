@@ -2,8 +2,9 @@
 one rank of a fake process group on this CPU; then, unless `step=False`, one training step on fake tensors (and
 GRPO's sampling at its peak).
 
-Its own process (`python -m shardline.training.dry_run SPEC.yaml …`, started by `shardline.api.dry_run`): the fake
-process group is process-global. Prints progress on stderr and the result as JSON on stdout.
+Its own process (`python -m shardline.planning.simulation.dry_run SPEC.yaml …`, started by
+`shardline.api.dry_run`): the fake process group is process-global. Prints progress on stderr and the result as
+JSON on stdout.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from shardline.planning.memory import (
     shape_config,
     tensor_parallel_shape,
 )
+from shardline.planning.simulation.fake_world import fake_process_group
+from shardline.planning.simulation.step_memory import Sampling, simulate_step
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
-from shardline.training.fake_world import fake_process_group
-from shardline.training.step_memory import Sampling, simulate_step
 
 KERNELS = ("CPU kernels: per-document SDPA (CPU flash) for sdpa and flash_attention_2, CPU dropout, "
            "unfused (foreach) AdamW")
@@ -204,7 +205,7 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shardline.training.dry_run")
+    p = argparse.ArgumentParser(prog="python -m shardline.planning.simulation.dry_run")
     p.add_argument("spec", help="resolved spec YAML")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int)
