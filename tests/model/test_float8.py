@@ -151,3 +151,20 @@ def test_a_float8_run_resumes_exactly_from_its_checkpoint_and_exports_plain_weig
         weights |= load_file(file)
     assert "model.layers.0.mlp.gate_proj.weight" in weights
     assert all(type(w) is torch.Tensor and w.dtype in (torch.bfloat16, torch.float32) for w in weights.values())
+
+
+def test_the_planner_counts_float8_gathers_on_nccl_and_the_casts_of_the_largest_linear():
+    from shardline.planning.memory import float8_block_linears, float8_cast_bytes, model_shape, plan_memory
+    from shardline.spec.resolve import load_spec
+
+    plans = {f8: plan_memory(load_spec("tiny", ["train.precision=bf16", f"train.float8={f8}"]), "h100")
+             for f8 in ("none", "tensorwise", "rowwise")}
+    spec = load_spec("tiny", ["train.float8=tensorwise"])
+    linears = float8_block_linears(model_shape(spec.model), "tensorwise")
+    assert len(linears) == 7
+    n = spec.train.micro_batch_size * spec.train.seq_len
+    # tensorwise on CUDA: the two gathered blocks' float8 weights take 1 byte, not bf16's 2
+    assert plans["none"].gather_buffers - plans["tensorwise"].gather_buffers == 2 * sum(i * o for i, o in linears)
+    assert plans["rowwise"].gather_buffers == plans["none"].gather_buffers  # rowwise gathers bf16
+    for recipe in ("tensorwise", "rowwise"):
+        assert plans[recipe].temporaries - plans["none"].temporaries == float8_cast_bytes(linears, n)
