@@ -168,3 +168,33 @@ def test_the_planner_counts_float8_gathers_on_nccl_and_the_casts_of_the_largest_
     assert plans["rowwise"].gather_buffers == plans["none"].gather_buffers  # rowwise gathers bf16
     for recipe in ("tensorwise", "rowwise"):
         assert plans[recipe].temporaries - plans["none"].temporaries == float8_cast_bytes(linears, n)
+
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+"""A float8 matmul reaches dispatch as `aten._scaled_mm` on a GPU and as `aten.mm` of the dequantized operands on
+CPU (torch 2.13's emulation); selective checkpointing saves both (parallel.fsdp.SAVED_OPS)."""
+
+
+def _matmuls(activation_checkpointing: str) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func in MATMULS
+            return func(*args, **(kwargs or {}))
+
+    model, spec = _tiny_llama(), ParallelSpec(activation_checkpointing=activation_checkpointing)
+    parallelize(model, device_mesh(spec, 1, "cpu"), spec, "bf16", "tensorwise")
+    ids = _batches(1)[0]
+    with Count():
+        model(input_ids=ids, labels=ids).loss.backward()
+    return Count.calls
+
+
+def test_selective_checkpointing_keeps_the_float8_matmuls(ctx):
+    """3 matmuls per linear (forward, two gradients: 14 float8 linears and the bf16 head) with the selective policy as
+    without checkpointing; full checkpointing runs each block's forward again."""
+    plain, selective, full = (_matmuls(ac) for ac in ("none", "selective", "full"))
+    assert plain == 3 * 15 and selective == plain and full == plain + 14
