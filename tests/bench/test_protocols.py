@@ -16,7 +16,10 @@ pytestmark = pytest.mark.slow  # one training launch per protocol
 def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys, protocol):
     # B's HF run compiles the whole model (minutes); B runs a variant instead (--set: a changed learning rate).
     # A's baseline checkpoints whole blocks, as it must to fit an 80 GB GPU (the plain one differs by that flag only)
-    extra = ["--baseline", "hf-checkpointed"] if protocol == "A" else ["--set", "train.lr=0.0005"]
+    # A's rows per step cut from 32 to 8 (a variant: the same --set) for a quarter of both runs' compute; the
+    # protocol's own 32 is checked in test_the_protocols_shapes_at_small_size.
+    extra = (["--baseline", "hf-checkpointed", "--set", "train.global_batch_size=8"] if protocol == "A"
+             else ["--set", "train.lr=0.0005"])
     # the script's main in this process (its runs are processes of their own): no interpreter to start for it
     returncode = bench_module("protocols").main([protocol, "--size", "small", "--out", str(tmp_path), *extra])
     stdout, stderr = capsys.readouterr()
@@ -33,7 +36,7 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
     titan = 6 * (params["trainable"] + params["frozen"]) + 12 * layers * hidden * seq
     assert out["flops_per_token_torchtitan"] == titan
     if protocol == "A":
-        assert (seq, rows, int(sets["train.micro_batch_size"])) == (128, 32, 2) and sets["model.lora.r"] == 16
+        assert (seq, rows, int(sets["train.micro_batch_size"])) == (128, 8, 2) and sets["model.lora.r"] == 16
         # HF Trainer + peft beside it: the same model, initial weights and rows (fp32), so the same first loss
         hf = out["hf_trainer"]
         assert hf["first_loss"] == pytest.approx(out["first_loss"], rel=1e-5) and hf["tokens_per_s_per_device"] > 0
@@ -49,3 +52,13 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
         log = (tmp_path / "protocol-B-shardline.log").read_text()
         assert "step     1/10" in log and "lr 5.00e-04" in log.split("step     1/10")[1].splitlines()[0]
     assert f"protocol {protocol} (small, world 1)" in stdout
+
+
+def test_the_protocols_shapes_at_small_size():
+    """What each protocol trains at small size (the sequence divided by 32; batch and steps kept)."""
+    protocols = bench_module("protocols")
+    a, b = (protocols.protocol_sets(p, "small", 1, None) for p in ("A", "B"))
+    assert (a["train.seq_len"], a["train.global_batch_size"], a["train.micro_batch_size"]) == (128, 32, 2)
+    assert a["model.lora.enabled"] == "true" and a["model.lora.r"] == 16 and a["train.max_steps"] == 10
+    assert (b["train.seq_len"], b["train.global_batch_size"], b["train.micro_batch_size"]) == (256, 2, 2)
+    assert b["parallel.activation_checkpointing"] == "selective" and b["parallel.compile"] == "true"
