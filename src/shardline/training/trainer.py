@@ -1,9 +1,9 @@
 """The training loop: one readable class that owns model, optimizer, data cursor, metrics and checkpoints.
 
 The objective (`training.objectives`, chosen by `train.objective`) turns a step's batches into a loss: each
-micro-batch's share of the step's global loss (SFT: its token-loss sum over the global count of loss-bearing
-tokens, all-reduced before the first backward). FSDP averages gradients over its ranks, so each rank scales its
-share by their number to undo that mean; the loop never asks which objective it runs.
+micro-batch's share of the step's global loss (next-token loss: its token-loss sum over the global count of
+loss-bearing tokens, all-reduced before the first backward). FSDP averages gradients over its ranks, so each rank
+scales its share by their number to undo that mean; the loop never asks which objective it runs.
 Gradients are reduce-scattered after every micro-batch: keeping unsharded gradients across
 accumulation would cost a full fp32 model copy per device, which large models cannot afford.
 """
