@@ -30,12 +30,15 @@ def test_worker_names_a_bad_spec_field_and_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in out
 
 
-def test_worker_without_gcsfs_names_checkpoint_dir_before_starting(tmp_path):
+def test_worker_without_gcsfs_names_checkpoint_dir_before_starting(tmp_path, capsys):
+    """The worker's main in this process (the exit code it returns is the process's, as the test above shows)."""
+    from shardline.worker import main
+
     assert importlib.util.find_spec("gcsfs") is None  # the test needs the package absent
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(spec_to_yaml(small_spec(tmp_path, "run.id=gcs", "checkpoint.dir=gs://bucket/ckpt")))
-    proc = _worker(spec_file)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == EXIT_BAD_INPUT, out
+    code = main(["--spec", str(spec_file)])
+    out = "".join(capsys.readouterr())
+    assert code == EXIT_BAD_INPUT, out
     assert "checkpoint.dir" in out and "gs://" in out and "pip install gcsfs" in out
     assert "Traceback" not in out and not (tmp_path / "runs" / "gcs").exists()  # failed before any setup
