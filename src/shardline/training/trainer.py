@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from shardline.checkpointing.manager import Checkpointer, CheckpointStore, checkpoint_spec, resume_source
 from shardline.checkpointing.state import apply_training_state, training_state
+from shardline.clock import Laps
 from shardline.data.loader import StepSampler
 from shardline.data.prepare import PreparedData
 from shardline.data.tokenizer import special_ids
@@ -58,7 +59,7 @@ from shardline.parallel.tensor import check_tensor_parallel, split_weights, spli
 from shardline.planning.cpu_runtime import resident_bytes
 from shardline.planning.memory import MemoryPlan, plan_memory
 from shardline.precision import choose_precision, cuda_native_bf16, emulated_bf16_warning
-from shardline.procfs import process_start_epoch
+from shardline.procfs import process_age, process_start_epoch
 from shardline.resilience.faults import maybe_fail
 from shardline.resilience.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.resilience.stragglers import own_step_seconds, straggler_fields, with_rank_slot
@@ -106,12 +107,16 @@ class Trainer:
         torch.manual_seed(spec.train.seed + self.dp_rank)
         # the CPU plan's runtime: what this worker holds before its model (imports, process group, tokenizer, data)
         self.startup_rss = resident_bytes() if ctx.device.type == "cpu" else 0
+        # where the start-up goes, from the process's creation: imports, process group, data, then the model's parts
+        self.startup = Laps()
+        self.startup.seconds["process start to trainer"] = round(process_age() or 0.0, 3)
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
         self.quantized_base = quantize_frozen_base(model, spec.model.lora, spec.train.precision)
         self.params = count_params(model)
+        self.startup.lap("model on meta")
         cfg = model.config
         self.family = family_of(cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -130,7 +135,9 @@ class Trainer:
         self.mesh = device_mesh(spec.parallel, ctx.world, ctx.device.type)
         self.cp_mesh = self.mesh["cp"] if spec.parallel.cp > 1 else None
         self.model = parallelize(model, self.mesh, spec.parallel, spec.train.precision, spec.train.float8)
+        self.startup.lap("parallelize")
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
+        self.startup.lap("weights")
         self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
         self.rows = data.rows("train")
         run = objectives.Run(
@@ -143,8 +150,10 @@ class Trainer:
         if self.cp_mesh is not None and not self.objective.supports_context_parallel:
             raise SpecError("parallel.cp", f"is {spec.parallel.cp}, but train.objective={spec.train.objective} "
                             "sums each sequence on the rank that holds its whole row", "use parallel.cp=1")
+        self.startup.lap("objective")
         self.optimizer = build_optimizer(self.model, spec.train, ctx.device)
         self.scheduler = build_scheduler(self.optimizer, spec.train)
+        self.startup.lap("optimizer")
         self.metrics = MetricsWriter(run_dir / "metrics.jsonl", console) if ctx.is_main else None
         self.checkpointer = Checkpointer(spec.checkpoint, checkpoint_location(spec, run_dir),
                                          on_gpu=ctx.device.type == "cuda")
@@ -261,6 +270,8 @@ class Trainer:
         if self.memory_plan:
             self._say(f"memory plan: peak {self.memory_plan.metric_bytes / 2**30:.2f} GiB per device "
                       f"({self.memory_plan.terms()}; shardline plan)")
+        self.startup.lap("rest of setup")
+        self._say(f"start-up: {self.startup.line()}")
         self._event(event="setup", family=self.family.name, flops_per_token=self.flops_per_token, formula=FORMULA,
                     planned_peak_bytes=self.planned_peak, startup_rss_bytes=self.startup_rss,
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
@@ -269,7 +280,8 @@ class Trainer:
                     blocks=block_wrapping(self.model),
                     chunked_loss=chunked,
                     loss_parallel=splits_vocabulary(self.model), dataset_version=self.data.version,
-                    data_sources=data_sources, process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3))
+                    data_sources=data_sources, process_start=process_start_epoch(), prepare_s=round(self.prepare_s, 3),
+                    startup_s=self.startup.seconds)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def _counters(self) -> dict:
