@@ -156,6 +156,7 @@ def summarize(run: Path, sets: dict, started: float) -> dict:
         "step_time_s": round(statistics.median(r["step_time_s"] for r in measured), 4),
         "peak_memory_gib": round(max(r["mem_peak_bytes"] for r in steps) / 2**30, 3),
         "startup_s": round(setup["time"] - started, 1),
+        "startup_parts_s": setup.get("startup_s"),  # the worker's own laps (imports, weights, …)
         "steps_measured": [r["step"] for r in measured],
         "tokens_per_step": steps[-1]["tokens_total"], "loss_tokens_per_step": steps[-1]["tokens"],
         "first_loss": steps[0]["loss"],
