@@ -75,7 +75,12 @@ def convert_blocks_to_float8(model: nn.Module, recipe: Float8Recipe, precision: 
     if recipe == "none":
         return 0
     check_float8_device(recipe, precision, device_type)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:  # an image with its own torch and no torchao (bench/RESULTS-gpu.md: carry the wheel)
+        raise SpecError("train.float8", f"is {recipe}, but torchao's float8 training does not import here ({e})",
+                        "install torchao>=0.18 (a shardline dependency) beside this torch, or set "
+                        "train.float8=none") from e
 
     if recipe == "tensorwise":
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather(recipe, device_type))
