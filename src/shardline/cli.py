@@ -238,7 +238,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
         f"{', offload' if p.offload else ''}) · micro-batch {t.micro_batch_size} × {t.seq_len} tokens · "
-        f"{planned_precision(t.precision, device)} · AC {ac}", highlight=False)
+        f"{planned_precision(t.precision, device)}{f' + float8 {t.float8}' if t.float8 != 'none' else ''} · AC {ac}",
+        highlight=False)
     console.print(f"family: {plan.family.name} — {plan.family.adds}", highlight=False)
     table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
     table.add_column("component")
