@@ -124,3 +124,13 @@ def test_readme_layout_names_every_module():
     folders = {p.parent.name for p in SRC.rglob("*.py")} - {"shardline"}
     missing += [f"{d}/" for d in folders if f"{d}/" not in layout]
     assert missing == [], f"docs/layout.md misses: {missing}"
+
+
+def test_every_torchrun_test_worker_ends_without_interpreter_finalisation():
+    """gloo's threads can abort a finished process's interpreter finalisation ("terminate called without an active
+    exception"): every script a test starts under torchrun ends through `shardline.worker.exit_without_teardown`."""
+    tests = Path(__file__).resolve().parent
+    workers = sorted(p for p in tests.rglob("*_worker.py") if not p.name.startswith("test_"))
+    assert workers
+    missing = [str(p.relative_to(tests)) for p in workers if "exit_without_teardown(" not in p.read_text()]
+    assert not missing, missing
