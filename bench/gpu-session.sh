@@ -21,6 +21,8 @@
 #   layers      the trainer's MFU against the bare HF layer stack on one workload (Llama-3.1-8B's layer shapes, 13
 #               layers, seq 8192 × 1, full fine-tune, no checkpointing): bench/gpu.py train + compile, then protocol B
 #               at that size eager and compiled (~7 min)
+#   profile-a   protocol A compiled with torch.profiler on steps 4-6 (ops table + gzipped trace kept in OUT;
+#               where the step's time goes: attention, matmuls, LoRA's small matmuls, optimizer, host gaps; ~4 min)
 #   protocol-b  torchtitan's protocol B scaled to one GPU: Llama-3.1-8B's layer shapes, 16 layers, seq 8192 × 2, FSDP,
 #               selective activation checkpointing, per-block compile (~2 min)
 #   varlen      the GPU tests of packed attention and of a whole step's synchronisations; bench/packed_attention.py
@@ -118,6 +120,10 @@ layers)
   step trainer-13-layers 150 python3 bench/protocols.py B "${same[@]}" --set parallel.compile=false \
     --out "$out/trainer-13-layers"
   step trainer-13-layers-compiled 180 python3 bench/protocols.py B "${same[@]}" --out "$out/trainer-13-layers-compiled"
+  ;;
+profile-a)
+  step profile-a 330 python3 bench/protocols.py A --set parallel.compile=true --set observe.profile_steps=3 \
+    --out "$out/profile-a"
   ;;
 protocol-b)
   step protocol-b-16-layers 200 python3 bench/protocols.py B --set model.arch.num_layers=16 --out "$out/protocol-b-16"

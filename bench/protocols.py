@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -100,6 +102,17 @@ def run_until_last_step(cmd: list[str], log: Path, runs: Path, steps: int) -> in
                 return 0
             time.sleep(0.5)
     return proc.returncode
+
+
+def keep_profile(run: Path, out: Path, protocol: str) -> None:
+    """A profiled run's (`--set observe.profile_steps=N`) rank-0 ops table and gzipped Chrome trace, kept in `out`
+    before the run's temporary directory goes."""
+    profile = run / "profile"
+    if (table := profile / "ops-rank-0.txt").exists():
+        shutil.copyfile(table, out / f"protocol-{protocol}-ops.txt")
+    if (trace := profile / "trace-rank-0.json").exists():
+        with open(trace, "rb") as src, gzip.open(out / f"protocol-{protocol}-trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
@@ -273,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             print((args.out / f"protocol-{args.protocol}-shardline.log").read_text()[-8000:], file=sys.stderr)
             return returncode
         run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
+        keep_profile(run, args.out, args.protocol)
         result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
                   "versions": versions()}
         # shardline's numbers are written before the baseline starts, so a baseline cut short does not lose them.

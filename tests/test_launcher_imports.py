@@ -11,6 +11,7 @@ from tests.conftest import small_overrides
 
 LAUNCHER_PATH = """
 import json, sys
+import shardline.api, shardline.cli_launch  # what `shardline train` runs through (and every other verb)
 from shardline.cli import build_parser
 from shardline.data.preflight import preflight
 from shardline.data.prepare import prepare

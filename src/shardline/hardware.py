@@ -19,6 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+FLOAT8_DIM_MULTIPLE = 16
+"""Both dimensions of a float8 matmul's weight must be multiples of this (`torch._scaled_mm` on FP8 tensor cores)."""
+
 PROVISIONING = ("on-demand", "spot", "dws-flex-start", "reservation")
 
 # $/GPU-hour: the whole accelerator-optimized VM (GPU + its bundled vCPUs, memory, local SSD) divided by

@@ -19,7 +19,7 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
     # A's rows per step cut from 32 to 8 (a variant: the same --set) for a quarter of both runs' compute; the
     # protocol's own 32 is checked in test_the_protocols_shapes_at_small_size.
     extra = (["--baseline", "hf-checkpointed", "--set", "train.global_batch_size=8"] if protocol == "A"
-             else ["--set", "train.lr=0.0005"])
+             else ["--set", "train.lr=0.0005", "--set", "observe.profile_steps=1"])
     # the script's main in this process (its runs are processes of their own): no interpreter to start for it
     returncode = bench_module("protocols").main([protocol, "--size", "small", "--out", str(tmp_path), *extra])
     stdout, stderr = capsys.readouterr()
@@ -51,6 +51,9 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
         assert sets["train.lr"] == "0.0005"
         log = (tmp_path / "protocol-B-shardline.log").read_text()
         assert "step     1/10" in log and "lr 5.00e-04" in log.split("step     1/10")[1].splitlines()[0]
+        # a profiled variant keeps the run's ops table and trace beside its result (the run's directory is gone)
+        assert "Self CPU" in (tmp_path / "protocol-B-ops.txt").read_text()
+        assert (tmp_path / "protocol-B-trace.json.gz").stat().st_size > 0
     assert f"protocol {protocol} (small, world 1)" in stdout
 
 

@@ -24,13 +24,12 @@ import torch
 from torch import nn
 
 from shardline.errors import SpecError
+from shardline.hardware import FLOAT8_DIM_MULTIPLE
 from shardline.model.build import decoder_layers
 from shardline.spec import Float8Recipe
 
 FP8_MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first GPUs with FP8 tensor cores (Ada: L4, L40S; Hopper 9.0; Blackwell 10.0)."""
-FLOAT8_DIM_MULTIPLE = 16
-"""Both dimensions of a float8 matmul's weight must be multiples of this (`torch._scaled_mm`)."""
 HIGH_PRECISION_NAMES = ("gate", "router")
 """A block's linear layers left in bf16 by their attribute name: a mixture's router (`mlp.gate` in Mixtral, Qwen-MoE;
 dense MLPs name theirs `gate_proj`, which is converted)."""

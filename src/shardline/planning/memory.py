@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.errors import SpecError
+from shardline.hardware import FLOAT8_DIM_MULTIPLE
 from shardline.model.families import (
     BY_MODEL_TYPE,
     LLAMA,
@@ -57,7 +58,6 @@ from shardline.model.families import (
     language_model_config,
     layer_windows,
 )
-from shardline.model.float8 import FLOAT8_DIM_MULTIPLE
 from shardline.model.nf4_layout import nf4_bytes, nf4_quantizable
 from shardline.planning.cpu_runtime import steady_growth_bytes
 from shardline.planning.devices import (
