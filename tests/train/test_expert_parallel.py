@@ -73,12 +73,16 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     ep1 = moe_run(tmp_path, checkpoint, "ep1", 1)
     ep2 = moe_run(tmp_path, checkpoint, "ep2", 2, "parallel.activation_checkpointing=full")  # the dispatch recomputed
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
+    # the GPU default (bf16) with LoRA on the attention at ep 2: one step; adapters start at zero, so its loss is the
+    # fp32 base's to bf16 precision
+    bf16_lora = moe_run(tmp_path, checkpoint, "ep2bf16lora", 2, "train.precision=bf16", "model.lora.enabled=true")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
                          *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
                            for part in ("dispatch", "combine")),
-                         {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1}])
+                         {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1},
+                         {**bf16_lora, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
@@ -96,6 +100,9 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     print(f"tokens per expert, step 1: {loads[0][0]}, max/mean {records[ep1['out']][0]['expert_imbalance']:.2f}")
     assert loads[1] == loads[0][:3] and all(sum(step) == 2 * 2 * 4 * 128 for step in loads[0])
     assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
+    bf16_first = json.loads(Path(bf16_lora["out"]).read_text())[0]["loss"]
+    print(f"ep 2, bf16, LoRA: first loss {bf16_first} (fp32 ep 1: {at_1[0]})")
+    assert bf16_first == pytest.approx(at_1[0], rel=2e-2)
 
 
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
