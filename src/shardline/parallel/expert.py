@@ -81,6 +81,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
     return modules
 
 
+def expert_parallel_layers(model: nn.Module) -> int:
+    """How many MoE layers of `model` run their experts by dispatch (`apply_expert_parallel`): the setup record's
+    proof that `parallel.ep` took effect."""
+    return sum(isinstance(m.forward, ExpertParallelForward) for m in expert_modules(model))
+
+
 @dataclass(frozen=True)
 class Routing:
     """Where one layer's routed token copies go. `order` sorts the copies (token-major, top-k inner) by expert;

@@ -53,6 +53,7 @@ from shardline.model.moe import ExpertLoad
 from shardline.model.sharded_load import materialize
 from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
+from shardline.parallel.expert import expert_parallel_layers
 from shardline.parallel.fsdp import block_wrapping, data_parallel_rank, device_mesh, parallelize
 from shardline.parallel.mesh import DistContext
 from shardline.parallel.tensor import check_tensor_parallel, split_weights, splits_vocabulary
@@ -277,6 +278,7 @@ class Trainer:
                     peak_tflops=self.peak_tflops, peak_source=self.peak_source, params=vars(p),
                     world=self.ctx.world, mesh=dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
                     tensor_parallel_weights=split_weights(self.model),
+                    expert_parallel_layers=expert_parallel_layers(self.model),
                     blocks=block_wrapping(self.model),
                     chunked_loss=chunked,
                     loss_parallel=splits_vocabulary(self.model), dataset_version=self.data.version,
