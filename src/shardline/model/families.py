@@ -29,6 +29,8 @@ class Family:
     """q/k/v in one `qkv_proj`, gate/up in one `gate_up_proj` (Phi-3/Phi-4)."""
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
+    """QK-norm over the whole q and k projections (OLMoE), not over each head's head_dim."""
     sandwich_norms: bool = False
     """Norms before and after attention and MLP (Gemma 2/3): four per block instead of two."""
     experts: bool = False
@@ -55,12 +57,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mixtral", ("mixtral",), ATTENTION, "Mistral's attention; top-2 routed experts (hub keys under "
            "block_sparse_moe, w1/w3/w2)", experts=True),
     Family("OLMoE", ("olmoe",), ATTENTION, "QK-norm over the whole projections; top-k routed experts",
-           experts=True),
+           qk_norm=True, qk_norm_whole=True, experts=True),
 )
 LLAMA = FAMILIES[0]
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
+"""Where the configs of the trained mixtures keep their number of routed experts (`shardline.model.moe`, the
+planner)."""
+_EXPERT_FIELDS = (*EXPERT_COUNT_FIELDS, "n_routed_experts", "moe_num_experts")
 TRAINED_EXPERTS = ", ".join(f.name for f in FAMILIES if f.experts)
 REFUSED_EXPERTS = {
     "gpt_oss": "gpt-oss is not laid out like the trained mixtures: attention sinks that SDPA does not take, experts "

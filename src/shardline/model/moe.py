@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.model.families import EXPERT_COUNT_FIELDS
+
 
 class DocumentSpans(Protocol):
     """The documents of a batch (`shardline.data.spans.DocumentSpans`, which imports model.flops, so only its
@@ -34,8 +36,6 @@ class DocumentSpans(Protocol):
     real: tuple[bool, ...]
 
 
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
-"""Where the configs of the trained families keep their number of routed experts."""
 
 
 def num_experts(config: Any) -> int:
