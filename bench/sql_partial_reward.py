@@ -11,7 +11,7 @@ all-wrong group (a literal copied from the question, a missing column) so that t
 
 from __future__ import annotations
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks.text_to_sql.reward import sql_reward
 from shardline.tasks.text_to_sql.suite import normalised_tokens

@@ -81,7 +81,7 @@ def test_no_module_imports_itself_back_through_others():
 LAYERS = {
     "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1,
     "shardline.storage": 1, "shardline.failures": 1, "shardline.jsonl": 1, "shardline.procfs": 1,
-    "shardline.clock": 1, "shardline.precision": 1, "shardline.third_party_noise": 1,
+    "shardline.clock": 1, "shardline.precision": 1, "shardline.third_party_noise": 1, "shardline.example": 1,
     "shardline.spec": 2, "shardline.presets": 2,
     "shardline.data": 3, "shardline.tasks": 3, "shardline.model": 3, "shardline.planning": 3, "shardline.rundir": 3,
     "shardline.run_status": 3, "shardline.goodput": 3, "shardline.parallel": 3,
@@ -113,6 +113,41 @@ def test_imports_point_down_except_the_documented_few():
     assert upward <= ALLOWED_UPWARD, "imports from a lower layer up:\n" + "\n".join(
         f"{m} (layer {layer(m)}) -> {t} (layer {layer(t)})" for m, t in sorted(upward - ALLOWED_UPWARD))
     assert len(ALLOWED_UPWARD) <= 3
+
+
+# docs/architecture.md §1.2: the packages of one layer, bottom first. A package imports only packages before it
+# in its layer's list (and any lower layer): data reads the task plug-ins, the model reads document spans, parallel
+# layouts wrap the model, the loop uses checkpoints, which use the fault hooks. Units are the keys of LAYERS.
+PACKAGE_ORDER: dict[int, list[str]] = {
+    3: ["shardline.goodput", "shardline.rundir", "shardline.run_status", "shardline.tasks", "shardline.data",
+        "shardline.model", "shardline.parallel", "shardline.planning"],
+    4: ["shardline.resilience", "shardline.checkpointing", "shardline.training", "shardline.planning.simulation"],
+    5: ["shardline.environment", "shardline.observe", "shardline.ops", "shardline.export", "shardline.worker"],
+    6: ["shardline.engines"],
+}
+
+
+def unit(module: str) -> str:
+    """The package (or top-level module) `module` belongs to: its longest prefix in LAYERS."""
+    return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_every_package_of_an_ordered_layer_is_ordered():
+    units = {unit(m) for m in import_graph() if layer(m) in PACKAGE_ORDER}
+    unordered = sorted(u for u in units if u not in PACKAGE_ORDER[layer(u)])
+    assert unordered == [], f"packages missing from PACKAGE_ORDER[their layer]: {unordered}"
+
+
+def test_packages_of_one_layer_import_only_those_below_them():
+    """Module cycles aside, two packages of one layer must not import each other (data ↔ model through document
+    spans, say): each imports only the packages listed before it."""
+    def rank(module: str) -> int:
+        return PACKAGE_ORDER[layer(module)].index(unit(module))
+
+    sideways = sorted((m, t) for m, targets in import_graph().items() for t in targets
+                      if layer(m) == layer(t) in PACKAGE_ORDER and unit(m) != unit(t) and rank(t) > rank(m))
+    assert sideways == [], "imports of a package listed later in the same layer:\n" + "\n".join(
+        f"{m} ({unit(m)}) -> {t} ({unit(t)})" for m, t in sideways)
 
 
 def test_readme_layout_names_every_module():

@@ -1,8 +1,10 @@
-"""Reading the run's JSON-lines files (metrics.jsonl): every whole record, a torn last line skipped."""
+"""The run's JSON-lines files (metrics.jsonl): reading every whole record (a torn last line skipped), and ending a
+torn last line before appending to it."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,3 +54,17 @@ class JsonlTail:
                 self.records.append(self.keep(record))
         self.offset += whole
         return self.records
+
+
+def end_torn_line(path: Path) -> None:
+    """Terminate a last line left unterminated by a writer that was killed mid-write, so this writer's first
+    record starts a line of its own (appended to the torn one, it would be lost with it)."""
+    try:
+        with path.open("rb+") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass

@@ -23,11 +23,11 @@ from shardline.data import render as render_mod
 from shardline.data import rowfiles
 from shardline.data import tokenizer as tokenizer_mod
 from shardline.data.encode import EncodeSettings, _init, encode_chunk
-from shardline.data.example import Example
 from shardline.data.render import render_many, text_ids
 from shardline.data.sources import open_sources, read_examples
 from shardline.data.tokenizer import load_tokenizer, train_bpe, windows
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks import get_task
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from shardline.data import encode, sources
-from shardline.data.example import Example
 from shardline.data.sources import open_sources, read_examples
 from shardline.data.tokenizer import train_bpe
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks import get_task
 from tests.conftest import small_spec

@@ -2,10 +2,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardline.data.spans import window_causal_pairs, window_pairs
 from shardline.model.build import build_model
 from shardline.model.document_attention import window_mask
 from shardline.model.families import layer_windows
-from shardline.model.flops import count_params, flops_per_token, table_peak_tflops, window_causal_pairs, window_pairs
+from shardline.model.flops import count_params, flops_per_token, table_peak_tflops
 from shardline.model.lora import apply_lora
 from shardline.spec.resolve import load_spec
 from tests.model.families import COMMON, CONFIGS, FAMILIES

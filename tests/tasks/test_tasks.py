@@ -11,9 +11,9 @@ from typing import get_args
 
 import pytest
 
-from shardline.data.example import Example
 from shardline.data.prepare import prepare
 from shardline.errors import DataError, SpecError
+from shardline.example import Example
 from shardline.observe.prometheus import EVAL_GAUGES
 from shardline.spec import TaskName
 from shardline.spec.resolve import load_spec

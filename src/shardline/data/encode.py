@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardline.data.example import Example
 from shardline.data.render import render_many, text_ids
 from shardline.data.sources import SPLITS, Source, read_examples
 from shardline.data.splits import Assignment
 from shardline.data.tokenizer import load_tokenizer
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardline.data.example import ROLES, Example, trained_turns
 from shardline.errors import DataError
+from shardline.example import ROLES, Example, trained_turns
 from shardline.spec import ColumnsSpec, DataSpec
 
 READ_VERSION = "3"

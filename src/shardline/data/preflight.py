@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardline.data.example import needs_chat_template
 from shardline.data.sources import head_examples
 from shardline.errors import DataError, SpecError
+from shardline.example import needs_chat_template
 from shardline.spec import JobSpec
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -33,7 +33,6 @@ import numpy as np
 from shardline.data import PREPARED_DATA_ENV
 from shardline.data.assemble import ARRAYS, PACKED_SPLITS, write_split
 from shardline.data.encode import EncodeSettings, chunk_path, encode_source, examples_in_order
-from shardline.data.example import Example, needs_chat_template
 from shardline.data.formats import READ_VERSION
 from shardline.data.named_templates import use_named_template
 from shardline.data.packing import PackedRows
@@ -46,6 +45,7 @@ from shardline.data.template import resolved_format
 from shardline.data.tokenizer import load_tokenizer, pad_id, tokenizer_fingerprint, train_bpe
 from shardline.data.too_long import say_too_long
 from shardline.errors import DataError
+from shardline.example import Example, needs_chat_template
 from shardline.spec import JobSpec
 from shardline.storage import check_locations, require_local
 from shardline.tasks import get_task

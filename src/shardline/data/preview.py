@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardline.data.example import Example
 from shardline.data.render import render_many
+from shardline.example import Example
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
 

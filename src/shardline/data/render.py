@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardline.data.chat_template import chat_ids, chat_text
-from shardline.data.example import Example, trained_turns
 from shardline.data.template import (
-    PromptTemplate,
     bos_ids,
     check_tools_rendered,
     encode_answer,
@@ -35,7 +33,9 @@ from shardline.data.template import (
 )
 from shardline.data.tokenizer import TEXT_WINDOW, windows
 from shardline.errors import DataError
+from shardline.example import Example, trained_turns
 from shardline.spec import PromptFormat
+from shardline.tasks.base import PromptTemplate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

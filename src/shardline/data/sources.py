@@ -22,10 +22,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shardline.data.example import Example
 from shardline.data.formats import RowProblem, detect
 from shardline.data.rowfiles import TooLarge, json_array, json_lines, starts_with
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import DataSpec, SourceSpec
 from shardline.tasks import get_task
 

@@ -2,7 +2,8 @@
 
 Packing restarts position ids at 0 for every document (and for a row's padding tail), so the spans follow
 from the positions. They drive document-masked attention (varlen keywords for the model) and the
-attention term of the FLOPs count (Σ len² per document instead of T² per row).
+attention term of the FLOPs count (Σ len² per document instead of T² per row; `shardline.model.flops` counts the
+pairs of a sliding-window layer with `window_pairs`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline.model.flops import window_causal_pairs, window_pairs
+
+def window_causal_pairs(length: int, window: int | None) -> int:
+    """Causal query-key pairs of one `length`-token document: Σ over queries of the keys they see,
+    min(i + 1, window) with a sliding `window`."""
+    if not window or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def window_pairs(length: int, window: int | None) -> int:
+    """The same without causal halving, the band |i − j| < window of the len × len square: len² without a
+    window (2·causal − len, the diagonal counted once)."""
+    return 2 * window_causal_pairs(length, window) - length
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardline.data.example import Example
 from shardline.data.rowfiles import MAX_ROW_BYTES
 from shardline.data.sources import Source, read_examples
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import DataSpec
 
 log = logging.getLogger(__name__)

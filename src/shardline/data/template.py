@@ -1,6 +1,6 @@
 """Prompt templates: one example → prompt token ids (no loss) and answer token ids + its end (loss).
 
-The words of a prompt are the task's (`PromptTemplate`, `shardline.tasks`); how they become tokens is here.
+The words of a prompt are the task's (`shardline.tasks.base.PromptTemplate`); how they become tokens is here.
 Prompt and answer are tokenized separately so the boundary is exact and inference sees the same
 prompt tokens as training. The answer ends with what makes the model stop: EOS for the plain template; for
 `chat`, the end-of-turn the tokenizer's own chat template writes after an assistant message (`<|im_end|>`
@@ -11,30 +11,17 @@ The chat template renders through `shardline.data.chat_template`, within bounds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardline.data.chat_template import chat_ids, chat_text
-from shardline.data.example import Example
 from shardline.data.tokenizer import BOS
 from shardline.errors import DataError
+from shardline.example import Example
 from shardline.spec import PromptFormat
+from shardline.tasks.base import PromptTemplate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-@dataclass(frozen=True)
-class PromptTemplate:
-    """How a task turns an example's question and context into prompt text."""
-
-    plain: Callable[[str, str], str]
-    """(question, context) → the whole prompt of `data.prompt_format: plain`; the answer follows it directly."""
-    chat: Callable[[str, str], str]
-    """(question, context) → the user message of `data.prompt_format: chat` (the tokenizer's template wraps it)."""
-    version: str
-    """Changes whenever the text does: part of the dataset version, so a new text is prepared anew."""
 
 
 def resolved_format(tok: PreTrainedTokenizerBase, fmt: PromptFormat) -> PromptFormat:

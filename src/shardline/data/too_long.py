@@ -12,10 +12,10 @@ import math
 from typing import TYPE_CHECKING
 
 from shardline.data.encode import examples_in_order
-from shardline.data.example import Example
 from shardline.data.render import render_many
 from shardline.data.sources import Source
 from shardline.data.splits import Assignment
+from shardline.example import Example
 from shardline.spec import JobSpec
 from shardline.tasks import get_task
 

@@ -20,10 +20,11 @@ no path here computes, are a named error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -37,7 +38,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
-from shardline.parallel.context import active_shard, context_parallel_attention
 
 NAME = "shardline_document_attention"
 """The implementation's key in transformers' attention registry; specs say `sdpa`. The key must not contain
@@ -330,6 +330,24 @@ def _lengths(cu: torch.Tensor) -> tuple[int, ...]:
     return tuple(end - start for start, end in zip(bounds, bounds[1:], strict=False))
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None, float | None], torch.Tensor]
+"""(query, key, value [B, H, T, D], the layer's sliding window, scaling) → [B, T, H, D], as HF attention returns."""
+
+_REPLACED: list[Attend] = []
+
+
+@contextlib.contextmanager
+def attention_replaced(attend: Attend) -> Iterator[None]:
+    """Every `document_sdpa` call inside runs `attend` instead (its forward and backward both run in here): how a
+    parallel layout that splits a row's tokens over ranks (`shardline.parallel.context`) brings its own attention,
+    so the model's attention function knows no parallelism."""
+    _REPLACED.append(attend)
+    try:
+        yield
+    finally:
+        _REPLACED.pop()
+
+
 def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs) -> tuple[torch.Tensor, None]:
@@ -337,8 +355,8 @@ def document_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     capped as Gemma 2 caps them (`softcap`) on both paths; attention sinks refused by name."""
     cu = offsets.cu_seqlens if (offsets := kwargs.get(HOST_OFFSETS)) is not None else kwargs.get("cu_seq_lens_q")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    if (shard := active_shard()) is not None:  # context parallel: this rank's queries over the whole row
-        return context_parallel_attention(query, key, value, shard, int(window) if window else None, scaling), None
+    if _REPLACED:  # a parallel layout's own attention (context parallel: this rank's queries over the whole row)
+        return _REPLACED[-1](query, key, value, int(window) if window else None, scaling), None
     if softcap is not None and (cu is None or query.shape[2] == 1):  # generation, padded evaluation
         if attention_mask is None:  # sdpa's mask function left it to `is_causal`
             keep = _causal_keep(query.shape[2], key.shape[2], window, query.device)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardline.data.spans import window_pairs
 from shardline.hardware import match_device
 from shardline.model.moe import active_expert_fraction, expert_parameters
 
@@ -97,20 +98,6 @@ def count_params(model: nn.Module) -> ParamCounts:
                        experts_trainable=sum(p.numel() for p in experts if p.requires_grad),
                        experts_frozen=sum(p.numel() for p in experts if not p.requires_grad),
                        active_experts=active_expert_fraction(model.config))
-
-
-def window_causal_pairs(length: int, window: int | None) -> int:
-    """Causal query-key pairs of one `length`-token document: Σ over queries of the keys they see,
-    min(i + 1, window) with a sliding `window`."""
-    if not window or length <= window:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
-
-
-def window_pairs(length: int, window: int | None) -> int:
-    """The same without causal halving, the band |i − j| < window of the len × len square: len² without a
-    window (2·causal − len, the diagonal counted once)."""
-    return 2 * window_causal_pairs(length, window) - length
 
 
 def flops_per_token(counts: ParamCounts, num_layers: int, width: int, seq_len: int,

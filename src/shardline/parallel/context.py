@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +34,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.errors import SpecError
+from shardline.model.document_attention import attention_replaced
 from shardline.model.families import family_of
 
 
@@ -93,21 +93,15 @@ class ContextShard:
         return self.masks[window]
 
 
-_ACTIVE: list[ContextShard] = []
+def context_parallel_batch(shard: ContextShard) -> contextlib.AbstractContextManager[None]:
+    """The model's attention inside attends over `shard` (`context_parallel_attention`): its forward and backward
+    both run in here."""
+    return attention_replaced(functools.partial(_attend, shard=shard))
 
 
-@contextlib.contextmanager
-def context_parallel_batch(shard: ContextShard) -> Iterator[None]:
-    """Attention inside reads `shard` (`active_shard`): its forward and backward both run in here."""
-    _ACTIVE.append(shard)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-def active_shard() -> ContextShard | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int | None, scaling: float | None,
+            *, shard: ContextShard) -> torch.Tensor:
+    return context_parallel_attention(query, key, value, shard, window, scaling)
 
 
 def shard_batch(batch: Batch, mesh: DeviceMesh) -> tuple[Batch, ContextShard]:

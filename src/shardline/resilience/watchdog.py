@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shardline.errors import EXIT_HANG
 from shardline.failures import HANG_ERROR, WorkerFailure, write_failure
+from shardline.jsonl import end_torn_line
 from shardline.rundir import manifest_lock, read_manifest, write_manifest
 
 log = logging.getLogger("shardline")
@@ -341,8 +342,6 @@ def _report(trainer, run_dir: Path, verdict: HangVerdict, message: str) -> None:
     if trainer.metrics is not None:
         trainer.metrics.write("event", event)
     else:
-        from shardline.training.metrics import end_torn_line
-
         end_torn_line(run_dir / "metrics.jsonl")
         with (run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": "event", "time": round(now, 3), **event}) + "\n")

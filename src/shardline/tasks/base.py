@@ -5,9 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shardline.data.example import Example
-from shardline.data.template import PromptTemplate
+from shardline.example import Example
 from shardline.spec import DataSpec
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How a task turns an example's question and context into prompt text."""
+
+    plain: Callable[[str, str], str]
+    """(question, context) → the whole prompt of `data.prompt_format: plain`; the answer follows it directly."""
+    chat: Callable[[str, str], str]
+    """(question, context) → the user message of `data.prompt_format: chat` (the tokenizer's template wraps it)."""
+    version: str
+    """Changes whenever the text does: part of the dataset version, so a new text is prepared anew."""
+
 
 Splits = dict[str, list[Example]]
 """Examples by split: `train`, `validation`, `test`."""

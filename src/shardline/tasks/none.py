@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from shardline.data.template import PromptTemplate
-from shardline.tasks.base import Task
+from shardline.tasks.base import PromptTemplate, Task
 
 
 def _message(question: str, context: str) -> str:

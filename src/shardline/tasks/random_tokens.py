@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from shardline.data.template import PromptTemplate
-from shardline.tasks.base import Task
+from shardline.tasks.base import PromptTemplate, Task
 
 RANDOM_TOKENS_TASK = Task(
     name="random_tokens",

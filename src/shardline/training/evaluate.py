@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from shardline.data.example import Example
 from shardline.data.loader import IGNORE_INDEX, Batch
 from shardline.data.render import generation_prompt
 from shardline.data.template import encode_prompt, stop_ids
+from shardline.example import Example
 from shardline.model import moe
 from shardline.model.build import causal_lm
 from shardline.model.document_attention import (

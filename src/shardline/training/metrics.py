@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ import torch
 from rich.console import Console
 
 from shardline.clock import format_duration
+from shardline.jsonl import end_torn_line
 from shardline.run_status import eta_seconds
 
 
@@ -70,20 +70,6 @@ def loss_trend(first: float, last: float) -> str:
     """The run's loss from its first step to its last, as the summary line says it."""
     change = 1 - last / first if first else 0.0
     return f"loss {first:.3f} → {last:.3f} ({100 * abs(change):.0f}% {'lower' if change >= 0 else 'higher'})"
-
-
-def end_torn_line(path: Path) -> None:
-    """Terminate a last line left unterminated by a writer that was killed mid-write, so this writer's first
-    record starts a line of its own (appended to the torn one, it would be lost with it)."""
-    try:
-        with path.open("rb+") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-    except FileNotFoundError:
-        pass
 
 
 class MetricsWriter:

@@ -14,8 +14,8 @@ import math
 import numbers
 from collections.abc import Callable
 
-from shardline.data.example import Example
 from shardline.errors import ShardlineError, SpecError
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks import Rewards, Task
 

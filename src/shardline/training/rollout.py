@@ -16,12 +16,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardline.data.example import Example
 from shardline.data.loader import Batch, make_batch
 from shardline.data.packing import Document, assign_rows, pack
 from shardline.data.render import generation_prompt
-from shardline.data.template import PromptTemplate
+from shardline.example import Example
 from shardline.spec import PromptFormat
+from shardline.tasks.base import PromptTemplate
 from shardline.training.generation import generate_left_padded
 
 if TYPE_CHECKING:

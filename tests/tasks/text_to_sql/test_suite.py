@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.tasks.text_to_sql.execution import execution_match, run_sql
 from shardline.tasks.text_to_sql.generate import generate_databases, generate_splits
 from shardline.tasks.text_to_sql.score import SUITE_SIZE, score_predictions

@@ -17,7 +17,7 @@ from functools import partial
 from itertools import combinations
 from pathlib import Path
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.tasks.text_to_sql.domains import (
     DOMAINS,
     OPS,

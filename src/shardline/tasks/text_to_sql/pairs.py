@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.tasks.text_to_sql.execution import order_matters, results_match, run_sql
 from shardline.tasks.text_to_sql.generate import generate_databases
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardline.data.template import PromptTemplate
+from shardline.tasks.base import PromptTemplate
 
 INSTRUCTION = "Write the SQL query that answers the question, using the schema."
 PLAIN_PROMPT = "### Schema:\n{context}\n### Question:\n{question}\n### SQL:\n"

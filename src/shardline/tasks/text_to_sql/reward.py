@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks.base import Rewards
 from shardline.tasks.text_to_sql.execution import run_sql

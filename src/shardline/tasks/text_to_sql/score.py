@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from shardline.data.example import Example
+from shardline.example import Example
 from shardline.spec import DataSpec
 from shardline.tasks.base import GenerationScores
 from shardline.tasks.text_to_sql.generate import Database, generate_databases
