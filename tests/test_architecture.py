@@ -79,7 +79,7 @@ def test_no_module_imports_itself_back_through_others():
 
 # docs/architecture.md §1: the layers, bottom (1) to top (9), by module-name prefix (the longest prefix wins).
 LAYERS = {
-    "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.profiles": 1,
+    "shardline.version": 1, "shardline.errors": 1, "shardline.hardware": 1, "shardline.network_profiles": 1,
     "shardline.storage": 1, "shardline.failures": 1, "shardline.jsonl": 1, "shardline.procfs": 1,
     "shardline.clock": 1, "shardline.precision": 1, "shardline.third_party_noise": 1, "shardline.example": 1,
     "shardline.spec": 2, "shardline.presets": 2,

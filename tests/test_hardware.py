@@ -9,10 +9,10 @@ import torch
 import shardline
 from shardline.hardware import ACCELERATORS, GPUS, match_device
 from shardline.model.flops import table_peak_tflops
+from shardline.network_profiles import PROFILES
 from shardline.ops.gpucheck import expected_peaks
 from shardline.planning.cost import device_key, price_table
 from shardline.planning.devices import MiB, cuda_device, device_names, get_device
-from shardline.profiles import PROFILES
 from tests.conftest import small_spec
 
 # `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` as printed on real machines (public logs,

@@ -2,7 +2,7 @@
 
 Like XPK's `system_characteristics`: one frozen record per accelerator. The planner (memory), the MFU and
 plan-time peaks (model/flops.py), the price table (planning/cost.py), `shardline gpucheck` and the network profiles
-(profiles.py) all resolve a device through `match_device`, so they cannot disagree about what a GPU is.
+(network_profiles.py) all resolve a device through `match_device`, so they cannot disagree about what a GPU is.
 
 Peaks are *dense* tensor-core TFLOP/s from NVIDIA's datasheets: the datasheets print the 2:4-sparsity figure
 with an asterisk; the dense figure is half of it. `fp32_tflops` is TF32 (what fp32 matmuls run as on

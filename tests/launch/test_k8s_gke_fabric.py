@@ -11,7 +11,7 @@ import yaml
 
 from shardline.engines.kubernetes.objects import render_objects
 from shardline.errors import SpecError
-from shardline.profiles import PINS
+from shardline.network_profiles import PINS
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate_all
 
@@ -164,8 +164,8 @@ def test_training_pods_request_cpu_and_memory_sized_to_their_node(profile):
     their requests are evicted first (a memory-backed /dev/shm counts as the pod's memory);
     https://kueue.sigs.k8s.io/docs/concepts/cluster_queue/: quota is charged by requests. The pod asks for most of
     the node (the kubelet reserves the rest), more than its /dev/shm, and fits the quota `cluster bootstrap` sizes."""
+    from shardline.network_profiles import get_profile
     from shardline.ops.cluster_bootstrap import BootstrapOptions, resource_quota
-    from shardline.profiles import get_profile
 
     spec = load_spec("tiny", [*BASE, f"launch.profile={profile}"])
     requests = _pod(profile)["spec"]["containers"][0]["resources"]["requests"]

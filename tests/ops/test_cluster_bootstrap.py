@@ -114,7 +114,7 @@ def quota(objs: list[dict]) -> dict:
 
 
 def test_quota_defaults_to_the_specs_whole_nodes_sized_by_the_profile():
-    # 2 A4 nodes: 16 GPUs, 2 × 224 vCPUs, 2 × 3968 GiB (profiles.py)
+    # 2 A4 nodes: 16 GPUs, 2 × 224 vCPUs, 2 × 3968 GiB (network_profiles.py)
     assert quota(bootstrap_objects(spec_with(*A4), BootstrapOptions())) == {
         "cpu": 448, "memory": "7936Gi", "nvidia.com/gpu": 16}
 

@@ -421,7 +421,7 @@ def test_every_applied_upstream_file_is_a_pin_from_the_table_with_its_source():
     presence on the default branch was verified. The A3 High NRI injector is the generic one GKE's guide applies
     (container-engine-accelerators nri_device_injector/nri-device-injector.yaml), not gpudirect-tcpx's copy whose
     init container edits containerd's config and restarts containerd."""
-    from shardline.profiles import PINS, PROFILES
+    from shardline.network_profiles import PINS, PROFILES
 
     table = {p.url: p for p in PINS.values()}
     for name, (overrides, opts) in CASES.items():

@@ -32,8 +32,8 @@ def test_busbw_matches_hand_computed_nccl_tests_factors():
     # one rank crosses no link: seen on an H100, broadcast's factor 1 reported HBM copies as 242 TB/s of busbw
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         assert bandwidths(op, 10**9, 0.01, 1) == pytest.approx((100.0, 0.0))
-    # the a4 profile's expectation (profiles.py): all_gather of 8 GB across 2 nodes × 8 GPUs at 370 GB/s busbw is
-    # 370 × 16/15 = 394.67 GB/s algbw, so one call takes 8e9 B / 394.67e9 B/s = 20.27 ms
+    # the a4 profile's expectation (network_profiles.py): all_gather of 8 GB across 2 nodes × 8 GPUs at 370 GB/s
+    # busbw is 370 × 16/15 = 394.67 GB/s algbw, so one call takes 8e9 B / 394.67e9 B/s = 20.27 ms
     assert bandwidths("all_gather", 8 * 10**9, 0.02027027, 16) == pytest.approx((394.6667, 370.0), rel=1e-6)
 
 

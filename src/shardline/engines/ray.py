@@ -30,7 +30,7 @@ from shardline.engines.kubernetes.api import create_all
 from shardline.engines.ray_train import num_workers
 from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
-from shardline.profiles import get_profile, nccl_environment
+from shardline.network_profiles import get_profile, nccl_environment
 from shardline.rundir import new_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml

@@ -33,7 +33,7 @@ from shardline.engines.backend import JobState, LaunchRecord, RankState, save_re
 from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.secret_env import check_no_literal_secrets, from_environment
 from shardline.errors import ShardlineError, SpecError
-from shardline.profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
+from shardline.network_profiles import RENDEZVOUS_PORT, get_profile, nccl_environment
 from shardline.rundir import read_manifest, with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml

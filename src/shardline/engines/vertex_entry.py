@@ -30,7 +30,7 @@ from pathlib import Path
 
 from shardline.engines.wait_rendezvous import wait_for_host
 from shardline.errors import EXIT_BAD_INPUT, EXIT_FAILURE, ShardlineError
-from shardline.profiles import RENDEZVOUS_PORT
+from shardline.network_profiles import RENDEZVOUS_PORT
 
 SPEC_ENV = "SHARDLINE_SPEC"
 SECRETS_ENV = "SHARDLINE_SECRETS"

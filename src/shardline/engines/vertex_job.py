@@ -32,7 +32,7 @@ from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.kubernetes.pod import image_ref
 from shardline.engines.vertex_entry import SECRETS_ENV, SPEC_ENV, SPEC_PATH
 from shardline.errors import SpecError
-from shardline.profiles import get_profile
+from shardline.network_profiles import get_profile
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_hash, spec_to_yaml
 from shardline.spec.rules import require_torch_engine

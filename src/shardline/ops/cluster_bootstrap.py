@@ -41,8 +41,8 @@ import yaml
 
 from shardline.errors import SpecError
 from shardline.hardware import tpu_slice
+from shardline.network_profiles import NetworkProfile, get_profile
 from shardline.observe.prometheus import pod_monitoring
-from shardline.profiles import NetworkProfile, get_profile
 from shardline.spec import JobSpec
 
 KUEUE_API = "kueue.x-k8s.io/v1beta2"

@@ -3,7 +3,7 @@
 The plan is a list of `Step`s (typed data, ops/gke_script.py); the two scripts are renderings of it, so teardown
 is the reverse of setup by construction. Steps inside the cluster (Kueue, JobSet, network objects, NCCL
 installer, bootstrap) have no delete: they go with the cluster. Machine type, accelerator, NIC count and the
-fabric's node DaemonSets come from the profile table (profiles.py); tunables sit in a variables block at the top
+fabric's node DaemonSets come from the profile table (network_profiles.py); tunables sit in a variables block at the top
 of each script.
 
 What it builds (the reference tutorial's stack, made idempotent and profile-driven): a check that every pinned
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.errors import SpecError
+from shardline.network_profiles import get_profile
 from shardline.ops.cluster_bootstrap import BOOTSTRAP_FILE, BootstrapOptions, write_bootstrap
 from shardline.ops.gke_report import TEARDOWN_LINES, plan_risks, risk_echo, setup_lines
 from shardline.ops.gke_resources import (
@@ -49,7 +50,6 @@ from shardline.ops.gke_steps import (
     pins_step,
 )
 from shardline.ops.gke_tpu import tpu_plan_steps, tpu_setup_lines, tpu_variables
-from shardline.profiles import get_profile
 from shardline.spec import JobSpec
 
 __all__ = ["IMAGE_FILE", "GkePlanOptions", "plan_steps", "render_setup", "render_teardown", "write_plan"]

@@ -32,7 +32,7 @@ from shardline.spec import JobSpec
 
 DTYPE = torch.float32
 PASS_FRACTION = 0.9
-"""netcheck passes when the measured busbw reaches this fraction of the expected one (profiles.py)."""
+"""netcheck passes when the measured busbw reaches this fraction of the expected one (network_profiles.py)."""
 CPU_MAX_BYTES = 64 << 20
 GPU_MAX_BYTES = 8 << 30
 # torch 2.13 names the tensor collectives *_single (the *_tensor names are deprecated there); older torch, such
@@ -241,7 +241,7 @@ def sweep(spec: JobSpec, device: torch.device, on_record: Callable[[Record], Non
 
 
 def expected_busbw(spec: JobSpec) -> float | None:
-    from shardline.profiles import get_profile
+    from shardline.network_profiles import get_profile
 
     return spec.launch.netcheck.expect_busbw_gbps or get_profile(spec.launch.profile).expected_busbw_gbps
 

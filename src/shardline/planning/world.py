@@ -35,7 +35,7 @@ def spec_gpu(spec: JobSpec) -> Accelerator | None:
     H100 (the generic profile's) for a hub model; None for a spec without one (`model.arch` on the generic profile)."""
     if spec.launch.vertex.accelerator:
         return match_device(spec.launch.vertex.accelerator.replace("_", " "))
-    from shardline.profiles import get_profile
+    from shardline.network_profiles import get_profile
 
     gpu = get_profile(spec.launch.profile).gpu
     if gpu is None and spec.model.path is not None:

@@ -682,7 +682,7 @@ class LaunchSpec(Section):
     image_digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
     """Pins launch.image by digest: pods run `<image without tag>@<digest>`."""
     profile: Literal["generic", "a3-high", "a3-mega", "a3-ultra", "a4"] = "generic"
-    """Machine and network profile (profiles.py): NCCL environment, GPU NICs, host libraries."""
+    """Machine and network profile (network_profiles.py): NCCL environment, GPU NICs, host libraries."""
     kubernetes: KubernetesSpec = KubernetesSpec()
     slurm: SlurmSpec = SlurmSpec()
     ray: RaySpec = RaySpec()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from shardline.engines.kubernetes import pod as k8s_pod
 from shardline.errors import SpecError
-from shardline.profiles import get_profile
+from shardline.network_profiles import get_profile
 from shardline.spec import JobSpec
 
 TARGET = "trainjob"
