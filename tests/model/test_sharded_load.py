@@ -203,7 +203,7 @@ def test_two_ranks_load_a_checkpoint_reading_only_their_shards(tmp_path):
 
 
 def test_local_cache_stages_the_checkpoint_once_and_loads_from_the_copy(ctx, tmp_path):
-    from shardline.model.stage import COMPLETE, staged_model_spec
+    from shardline.model.local_cache import COMPLETE, staged_model_spec
 
     path = _hf_checkpoint(tmp_path / "mounted")
     spec = ModelSpec(path=str(path), local_cache=str(tmp_path / "ssd"))

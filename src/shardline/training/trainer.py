@@ -48,10 +48,10 @@ from shardline.model.flops import (
     probe_matmul_tflops,
     table_peak_tflops,
 )
+from shardline.model.local_cache import staged_model_spec
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.moe import ExpertLoad
 from shardline.model.sharded_load import materialize
-from shardline.model.stage import staged_model_spec
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.expert import expert_parallel_layers
 from shardline.parallel.fsdp import block_wrapping, data_parallel_rank, device_mesh, parallelize

@@ -4,8 +4,8 @@ import json
 import os
 import shutil
 
-from shardline.model import stage as stage_mod
-from shardline.model.stage import stage
+from shardline.model import local_cache
+from shardline.model.local_cache import stage
 from shardline.spec import ModelSpec
 
 WEIGHTS_BYTES = 3 << 20  # larger than a file that is worth hashing: keyed by size and mtime
@@ -27,7 +27,7 @@ def _counting_copies(monkeypatch) -> list:
         copies.append(src)
         return real_copytree(src, dst, **kw)
 
-    monkeypatch.setattr(stage_mod.shutil, "copytree", copytree)
+    monkeypatch.setattr(local_cache.shutil, "copytree", copytree)
     return copies
 
 
