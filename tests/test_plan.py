@@ -30,7 +30,7 @@ from shardline.planning.memory import (
 )
 from shardline.spec import LoraSpec
 from shardline.spec.resolve import load_spec, spec_to_yaml
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.loss import token_loss_sum
 from shardline.training.trainer import Trainer
 from tests.conftest import free_port, small_spec
 from tests.model.families import COMMON, CONFIGS, DENSE_FAMILIES

@@ -14,7 +14,7 @@ from shardline.model.build import build_model
 from shardline.model.document_attention import LENGTH_BUCKET, NAME
 from shardline.model.flops import count_params
 from shardline.spec.resolve import load_spec
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.loss import token_loss_sum
 from tests.tiers import needs_gpu
 
 VOCAB, SEQ = 256, 64
@@ -420,11 +420,11 @@ def test_where_short_rows_take_dense_masks_whole_document_rows_build_none(monkey
     """On CUDA, rows of ≤ 1024 tokens get block-diagonal masks built before the forward; rows of one whole document
     need none (one causal call per row), unless a layer's window is shorter than the row. The device rule is
     forced here; the masks the forward would get are recorded."""
-    from shardline.training import evaluate
+    from shardline.training import loss
 
     built = []
-    monkeypatch.setattr(evaluate, "uses_dense_mask", lambda seq, device: True)
-    monkeypatch.setattr(evaluate, "dense_masks", lambda *args: built.append(args) or None)
+    monkeypatch.setattr(loss, "uses_dense_mask", lambda seq, device: True)
+    monkeypatch.setattr(loss, "dense_masks", lambda *args: built.append(args) or None)
     ours, _ = _model("sdpa")
     whole = make_batch(_rows([SEQ] * 4, seed=7), np.arange(4))
     packed = make_batch(_rows([40, 24, 17, 30, 17, 64, 5, 9, 33, 17], seed=5), np.arange(4))

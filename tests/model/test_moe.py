@@ -46,7 +46,7 @@ from shardline.parallel.tensor import check_tensor_parallel
 from shardline.rundir import create_run
 from shardline.spec import LoraSpec, ModelSpec
 from shardline.tasks.text_to_sql.generate import generate_splits
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.loss import token_loss_sum
 from shardline.training.trainer import Trainer
 from tests.adam_oracle import BETAS
 from tests.conftest import small_spec

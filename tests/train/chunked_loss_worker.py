@@ -29,7 +29,7 @@ from shardline.parallel.fsdp import device_mesh, parallelize
 from shardline.parallel.mesh import distributed
 from shardline.spec import ParallelSpec
 from shardline.spec.resolve import load_spec
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.loss import token_loss_sum
 from shardline.worker import exit_without_teardown
 
 ARCH = ["model.arch.vocab_size=501", "model.arch.hidden_size=64", "model.arch.intermediate_size=128",

@@ -14,7 +14,7 @@ from shardline.data.packing import Document, pack
 from shardline.model.lora import apply_lora
 from shardline.spec import LoraSpec
 from shardline.training.chunked_loss import chunked_cross_entropy_sum
-from shardline.training.evaluate import takes_chunked_loss, token_loss_sum
+from shardline.training.loss import takes_chunked_loss, token_loss_sum
 from tests.conftest import REPO
 from tests.model.families import COMMON, CONFIGS
 

@@ -133,7 +133,7 @@ def test_grpo_loss_and_gradients_equal_trl(lora, loss, temperature, beta, epsilo
 
 
 def _token_losses(model, batch, chunk, temperature):
-    from shardline.training.evaluate import token_losses
+    from shardline.training.loss import token_losses
 
     return token_losses(model, batch, chunk, temperature)
 

@@ -28,7 +28,7 @@ from torch import nn
 from shardline.data.loader import IGNORE_INDEX, Batch, eval_batches
 from shardline.data.packing import PackedRows
 from shardline.spec import DpoSpec
-from shardline.training.evaluate import token_losses
+from shardline.training.loss import token_losses
 
 METRICS = ("pairs", "loss", "chosen_reward", "rejected_reward", "accuracy", "chosen_logp", "rejected_logp",
            "prefers_chosen", "chosen_tokens")

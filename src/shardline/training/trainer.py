@@ -70,8 +70,9 @@ from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.resume_policy import check_resume
 from shardline.tasks import get_task
 from shardline.training import objectives
-from shardline.training.evaluate import generation_eval, sample_generations, takes_chunked_loss
+from shardline.training.evaluate import generation_eval, sample_generations
 from shardline.training.heap import HeapTrimmer
+from shardline.training.loss import takes_chunked_loss
 from shardline.training.metrics import MetricsWriter, TrainRecord, peak_memory_bytes
 from shardline.training.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
 from shardline.training.profiling import StepProfiler

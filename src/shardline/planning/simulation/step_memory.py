@@ -31,7 +31,7 @@ from shardline.model.nf4 import nf4_stored_bytes, reallocate_nf4
 from shardline.parallel.tensor import loss_context
 from shardline.planning.simulation.fake_world import fake_tensor_mode, mem_tracker_class
 from shardline.spec import TrainSpec
-from shardline.training.evaluate import token_loss_sum
+from shardline.training.loss import token_loss_sum
 from shardline.training.optim import build_optimizer, clip_grad_norm
 
 CPU = torch.device("cpu")

@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 from shardline.data.loader import Batch, eval_batches
 from shardline.spec.objective import dpo_reference
-from shardline.training.evaluate import rank_part
+from shardline.training.loss import rank_part
 from shardline.training.objectives.base import Run, Share, StepBatches, Validation
 from shardline.training.objectives.reference import ReferencePolicy
 from shardline.training.objectives.sft import Sft

@@ -20,7 +20,6 @@ from shardline.data.loader import Batch, StepSampler
 from shardline.errors import ShardlineError
 from shardline.spec.objective import frozen_reference_copy
 from shardline.tasks import Rewards
-from shardline.training.evaluate import rank_part, token_losses
 from shardline.training.grpo import (
     METRICS,
     Normalisers,
@@ -31,6 +30,7 @@ from shardline.training.grpo import (
     token_terms,
     without_spread,
 )
+from shardline.training.loss import rank_part, token_losses
 from shardline.training.objectives.base import Run, Share, StepBatches
 from shardline.training.objectives.reference import ReferencePolicy
 from shardline.training.objectives.sft import Sft

@@ -13,7 +13,8 @@ import torch
 from torch.profiler import record_function
 
 from shardline.data.loader import Batch, StepSampler, eval_batches, make_batch, select_rows
-from shardline.training.evaluate import rank_part, token_loss_sum, validation_loss, validation_loss_sums
+from shardline.training.evaluate import validation_loss, validation_loss_sums
+from shardline.training.loss import rank_part, token_loss_sum
 from shardline.training.metrics import loss_trend
 from shardline.training.objectives.base import Run, Share, StepBatches, Validation
 
