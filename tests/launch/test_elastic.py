@@ -97,7 +97,7 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other_from_the_checkpoint(
 def test_the_ray_targets_refuse_an_elastic_range_whose_sizes_the_batch_does_not_divide(target):
     """torchrun changes the world size by whole nodes (16, 24, 32 here, all dividing 384 / 2); Ray Train's elastic
     worker group may run any count from 16 to 32, and 17 does not divide."""
-    from shardline.engines.ray_train import num_workers
+    from shardline.engines.ray.train import num_workers
 
     overrides = ["run.id=el", "launch.nnodes=4", "launch.min_nnodes=2", "parallel.nproc_per_node=8",
                  "train.micro_batch_size=2", "launch.image=img:1"]

@@ -116,7 +116,7 @@ def test_an_unreachable_api_server_points_at_the_kubeconfig_context(tmp_path):
 
 
 def test_a_refused_rayjob_removes_its_configmap_and_names_the_kuberay_crd(tmp_path):
-    from shardline.engines.ray import RayJobBackend
+    from shardline.engines.ray.backend import RayJobBackend
 
     rayjobs = f"/apis/ray.io/v1/namespaces/{NS}/rayjobs"
     with ApiServerStub({("POST", rayjobs): no_such_resource()}) as stub, pytest.raises(ClusterError) as e:

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shardline.engines.ray import rayjob_manifests
+from shardline.engines.ray.backend import rayjob_manifests
 from shardline.errors import SpecError
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate

@@ -21,8 +21,8 @@ import yaml
 
 from shardline.api import plan, render
 from shardline.engines.kubernetes.status import explain, kueue_reasons
-from shardline.engines.maxtext import ATTENTION, REMAT_POLICIES, maxtext_overrides
-from shardline.engines.tpu_rayjob import ray_head_resource
+from shardline.engines.tpu.maxtext import ATTENTION, REMAT_POLICIES, maxtext_overrides
+from shardline.engines.tpu.rayjob import ray_head_resource
 from shardline.errors import SpecError
 from shardline.hardware import match_device, tpu_slice
 from shardline.planning.cost import project_cost
@@ -200,7 +200,7 @@ def test_rayjob_has_one_tpu_group_of_slices_and_validates_strictly(tmp_path):
     assert worker["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4"
     assert "nodeSelector" not in cluster["headGroupSpec"]["template"]["spec"]
     entry = rayjob["spec"]["entrypoint"]
-    assert "shardline.engines.tpu_ray_driver" in entry and "TPU-v6e-16-head" in entry
+    assert "shardline.engines.tpu.ray_driver" in entry and "TPU-v6e-16-head" in entry
     assert "dcn_data_parallelism=1" in entry and "dcn_data_parallelism=2" in entry  # one command per slice count
 
 

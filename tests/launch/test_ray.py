@@ -49,7 +49,7 @@ def test_ray_job_entrypoint_carries_the_resolved_spec_with_absolute_paths(tmp_pa
     monkeypatch.chdir(tmp_path)
     files = get_backend("ray").render(load_spec("tiny", ["launch.profile=a4", "run.dir=runs"]))
     cmd = shlex.split(files["entrypoint.sh"].splitlines()[-1])
-    assert cmd[:4] == ["exec", "python", "-m", "shardline.engines.ray_train"] and cmd[-2:] == ["--task", "train"]
+    assert cmd[:4] == ["exec", "python", "-m", "shardline.engines.ray.train"] and cmd[-2:] == ["--task", "train"]
     spec = json.loads(cmd[cmd.index("--spec-json") + 1])
     assert spec["run"]["dir"] == str(tmp_path / "runs") and spec["run"]["id"].startswith("tiny-")
     env = yaml.safe_load(files["runtime_env.yaml"])["env_vars"]
@@ -67,7 +67,7 @@ def test_rayjob_validates_against_the_kuberay_crd_with_gpu_worker_groups():
     assert configmap["kind"] == "ConfigMap" and yaml.safe_load(configmap["data"]["spec.yaml"])["run"]["id"] == "big"
     js = rayjob["spec"]
     assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" and "suspend" not in js  # Kueue's
-    assert js["entrypoint"] == "python -m shardline.engines.ray_train --spec /etc/shardline/spec.yaml --task train"
+    assert js["entrypoint"] == "python -m shardline.engines.ray.train --spec /etc/shardline/spec.yaml --task train"
     cluster = js["rayClusterSpec"]
     assert cluster["rayVersion"] == "2.52.0" and cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     group = cluster["workerGroupSpecs"][0]
@@ -126,7 +126,7 @@ class FakeApi:
 
 
 def test_rayjob_submit_status_logs_and_cancel_through_the_kubernetes_api():
-    from shardline.engines.ray import RayJobBackend
+    from shardline.engines.ray.backend import RayJobBackend
 
     api = FakeApi()
     backend = RayJobBackend(api_factory=api, poll_s=0)
@@ -235,7 +235,8 @@ def test_ray_secrets_are_rendered_by_name_only_and_a_missing_one_is_named_before
         "env_vars"]
     assert all("hf_secret-value-5d1e" not in text for text in files.values())
     monkeypatch.delenv("HF_TOKEN")
-    monkeypatch.setattr("shardline.engines.ray._client", lambda address: pytest.fail("submitted without HF_TOKEN"))
+    monkeypatch.setattr("shardline.engines.ray.backend._client",
+                        lambda address: pytest.fail("submitted without HF_TOKEN"))
     with pytest.raises(ShardlineError) as e:
         get_backend("ray").submit(spec)
     assert e.value.where == "launch.ray.secret_env" and "HF_TOKEN" in e.value.problem
@@ -254,7 +255,8 @@ def test_ray_secret_env_reaches_the_jobs_tasks_and_no_file_in_the_run_holds_it(r
     monkeypatch.setenv("HF_TOKEN", token)
     probe = ("import os, ray; ray.init(); task = ray.remote(num_cpus=0)(lambda: os.environ.get('HF_TOKEN')); "
              "print('driver', os.environ.get('HF_TOKEN'), 'task', ray.get(task.remote()))")
-    monkeypatch.setattr("shardline.engines.ray.entrypoint", lambda spec, task: shlex.join(["python", "-c", probe]))
+    monkeypatch.setattr("shardline.engines.ray.backend.entrypoint",
+                        lambda spec, task: shlex.join(["python", "-c", probe]))
     spec = load_spec("tiny", ["run.id=r1", f"run.dir={tmp_path / 'runs'}", f"launch.ray.address={ray_head.address}",
                               "launch.ray.secret_env=[HF_TOKEN]"])
     backend = get_backend("ray")
@@ -267,7 +269,7 @@ def test_ray_secret_env_reaches_the_jobs_tasks_and_no_file_in_the_run_holds_it(r
 
 
 def test_the_ray_entrypoint_names_a_bad_spec_field_instead_of_a_traceback(capsys):
-    from shardline.engines.ray_train import main as ray_train_main
+    from shardline.engines.ray.train import main as ray_train_main
 
     spec = load_spec("tiny", ["run.id=tiny-1"]).model_dump(mode="json")
     spec["train"]["no_such_knob"] = 1

@@ -13,8 +13,8 @@ from google.cloud import aiplatform_v1
 
 from shardline.engines.backend import LaunchRecord, wait_for
 from shardline.engines.registry import get_backend
-from shardline.engines.vertex import VertexBackend
-from shardline.engines.vertex_job import custom_job, run_dir_url
+from shardline.engines.vertex.backend import VertexBackend
+from shardline.engines.vertex.job import custom_job, run_dir_url
 from shardline.errors import ClusterError, ShardlineError, SpecError
 from shardline.spec.resolve import load_spec
 from tests.launch.vertex_api import VertexApi
@@ -54,7 +54,7 @@ def test_custom_job_has_the_primary_alone_in_pool_0_and_the_other_nodes_in_pool_
     container = pools[0]["containerSpec"]
     assert container["imageUri"] == f"us-docker.pkg.dev/p/repo/shardline@{DIGEST}"
     command = container["command"]
-    assert command[:10] == ["python", "-m", "shardline.engines.vertex_entry", "--workdir", "/gcs/my-bucket/shardline",
+    assert command[:10] == ["python", "-m", "shardline.engines.vertex.entry", "--workdir", "/gcs/my-bucket/shardline",
                             "--spec", "/tmp/shardline/spec.yaml", "--nnodes", "4", "--"]
     assert command[10:14] == ["python", "-m", "shardline.engines.torchrun", "--nnodes=4"]
     assert command[-6:] == ["-m", "shardline.worker", "--spec", "/tmp/shardline/spec.yaml", "--task", "train"]
@@ -222,7 +222,7 @@ def test_launch_creates_the_rendered_custom_job_in_the_project_and_region(api):
 
 def test_the_cli_launches_records_and_waits_for_a_vertex_run(api, tmp_path, monkeypatch, capsys):
     from shardline.cli import main
-    from shardline.engines import vertex
+    from shardline.engines.vertex import backend as vertex
 
     monkeypatch.setattr(vertex, "_default_client", api.client)  # the real client, pointed at the local JobService
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from shardline.engines.vertex_entry import SECRETS_ENV, SPEC_ENV, access_token, node_position, prepare, read_secrets
+from shardline.engines.vertex.entry import SECRETS_ENV, SPEC_ENV, access_token, node_position, prepare, read_secrets
 from shardline.errors import ShardlineError
 
 
@@ -129,7 +129,7 @@ def test_prepare_sets_rank_writes_the_spec_and_enters_the_bucket(tmp_path, monke
 def test_the_entry_execs_the_command_in_place_and_refuses_bad_input_with_exit_2(tmp_path):
     env = {**os.environ, SPEC_ENV: "run: {}\n", "CLUSTER_SPEC": cluster_spec("workerpool0", 0, workers=0)}
     probe = "import os; print(os.getcwd(), os.environ['PET_NODE_RANK'], os.environ['PET_MASTER_ADDR'], os.getpid())"
-    args = [sys.executable, "-m", "shardline.engines.vertex_entry", "--workdir", str(tmp_path / "w"),
+    args = [sys.executable, "-m", "shardline.engines.vertex.entry", "--workdir", str(tmp_path / "w"),
             "--spec", str(tmp_path / "s.yaml"), "--nnodes", "1", "--", sys.executable, "-c", probe]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.engines.vertex_job import custom_job
+from shardline.engines.vertex.job import custom_job
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
 from tests.launch.k8s_pods import NetnsCluster, Pod, netns_available, netns_missing

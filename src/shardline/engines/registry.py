@@ -25,7 +25,7 @@ def _slurm():
 
 def _ray(target: str) -> Callable:
     def make():
-        from shardline.engines.ray import RayBackend, RayJobBackend
+        from shardline.engines.ray.backend import RayBackend, RayJobBackend
 
         return RayBackend() if target == "ray" else RayJobBackend()
 
@@ -33,7 +33,7 @@ def _ray(target: str) -> Callable:
 
 
 def _vertex():
-    from shardline.engines.vertex import VertexBackend
+    from shardline.engines.vertex.backend import VertexBackend
 
     return VertexBackend()
 

@@ -3,7 +3,7 @@ MaxText's layout instead of FSDP2's.
 
 MaxText shards weights, gradients and optimizer state over every FSDP and tensor-parallel chip of the mesh
 (ici_fsdp × ici_tensor inside a slice, × dcn_fsdp when FSDP also spans slices; data parallelism across slices
-replicates them). With weight_dtype float32 (what engines/maxtext.py emits): parameters 4P/S, gradients 4P/S,
+replicates them). With weight_dtype float32 (what engines/tpu/maxtext.py emits): parameters 4P/S, gradients 4P/S,
 AdamW's two moments 8P/S. Layers are scanned: one layer's weights are all-gathered in the compute dtype at a time
 (×2 for the prefetched next). Activations per chip: N = per_device_batch_size × max_target_length tokens; remat
 `full` keeps each layer's input (c·N·d, split over tensor parallelism) and recomputes one layer at a time; the other

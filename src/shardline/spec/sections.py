@@ -357,7 +357,7 @@ class TrainSpec(Section):
     the whole [tokens, vocab] logits never exist; 0 or null: the model's whole logits (transformers' path)."""
     engine: Literal["torch", "maxtext"] = "torch"
     """What trains: `torch` (shardline's FSDP2 worker under torchrun, on GPUs or CPU) or `maxtext` (MaxText, JAX, on
-    the TPU slices of launch.tpu; shardline maps the spec to MaxText's config, engines/maxtext.py, docs/tpu.md)."""
+    the TPU slices of launch.tpu; shardline maps the spec to MaxText's config, engines/tpu/maxtext.py, docs/tpu.md)."""
 
     @model_validator(mode="after")
     def _scale_warmup(self) -> TrainSpec:
@@ -607,7 +607,7 @@ SecretManagerName = Annotated[str, Field(
 
 
 class VertexSpec(Section):
-    """Vertex AI custom training settings for `--target vertex` (engines/vertex.py). The machine comes from
+    """Vertex AI custom training settings for `--target vertex` (engines/vertex/backend.py). The machine comes from
     launch.profile, the scheduling strategy from cost.provisioning (spot, dws-flex-start, reservation)."""
 
     project: str | None = Field(None, pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
@@ -640,8 +640,8 @@ class VertexSpec(Section):
 
 
 class TpuSpec(Section):
-    """TPU slices for train.engine maxtext (engines/maxtext.py; the chips are in hardware.py's catalogue). A slice is
-    `topology` chips of `type` on its hosts; `slices` of them talk over the data-center network (multislice)."""
+    """TPU slices for train.engine maxtext (engines/tpu/maxtext.py; the chips are in hardware.py's catalogue). A slice
+    is `topology` chips of `type` on its hosts; `slices` of them talk over the data-center network (multislice)."""
 
     type: str = "v6e"
     """TPU generation, a key of hardware.TPU_GENERATIONS (v5e, v5p, v6e: GKE cloud.google.com/gke-tpu-accelerator,

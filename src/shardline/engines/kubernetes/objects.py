@@ -178,8 +178,8 @@ def render_objects(spec: JobSpec, target: str, task: str = "train") -> list[dict
 
 
 def _maxtext_objects(spec: JobSpec, target: str) -> list[dict]:
-    """MaxText on TPU slices: only a JobSet expresses slices (one replicated Job each); engines/kubernetes/tpu.py."""
-    from shardline.engines.kubernetes.tpu import tpu_jobset
+    """MaxText on TPU slices: only a JobSet expresses slices (one replicated Job each); engines/tpu/jobset.py."""
+    from shardline.engines.tpu.jobset import tpu_jobset
 
     if target != "jobset":
         raise SpecError("--target", f"{target} cannot run train.engine=maxtext on TPU slices",

@@ -1,7 +1,8 @@
 """The training pod, built as typed data from the spec: one container named `node` running the node's torchrun.
 
 Shared by the Indexed Job, the JobSet and the TrainJob renders (engines/kubernetes/objects.py) and the RayJob's GPU
-workers (engines/ray.py); only how rank and rendezvous host reach the pod differs, and that is passed in as `rank_env`.
+workers (engines/ray/backend.py); only how rank and rendezvous host reach the pod differs, and that is passed in as
+`rank_env`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ray backends: `--target ray` submits a Ray job to a running cluster; `--target rayjob` renders a KubeRay RayJob.
 
-Both run the same entrypoint, `python -m shardline.engines.ray_train`, which trains under Ray Train's
+Both run the same entrypoint, `python -m shardline.engines.ray.train`, which trains under Ray Train's
 TorchTrainer with one worker per rank (launch.nnodes × parallel.nproc_per_node). The NCCL environment
 of the profile reaches every worker through the job's runtime_env.
 
@@ -27,7 +27,7 @@ import yaml
 from shardline.engines.backend import JobState, LaunchRecord, save_record
 from shardline.engines.command import cluster_spec
 from shardline.engines.kubernetes.api import create_all
-from shardline.engines.ray_train import num_workers
+from shardline.engines.ray.train import num_workers
 from shardline.engines.secret_env import from_environment
 from shardline.errors import ShardlineError, SpecError
 from shardline.network_profiles import get_profile, nccl_environment
@@ -36,7 +36,7 @@ from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 from shardline.spec.rules import require_torch_engine
 
-ENTRYPOINT_MODULE = "shardline.engines.ray_train"
+ENTRYPOINT_MODULE = "shardline.engines.ray.train"
 PHASES = {"PENDING": "queued", "RUNNING": "running", "SUCCEEDED": "succeeded", "FAILED": "failed",
           "STOPPED": "failed"}
 
@@ -221,8 +221,8 @@ def rayjob_manifests(spec: JobSpec, task: str = "train") -> list[dict]:
                             "a RayJob is submitted inside the cluster", f"store it in a Secret and set "
                             f"launch.kubernetes.secret_env.{name}: {{secret: <name>, key: <key>}}")
     name = k8s_pod.object_name(spec)
-    if spec.train.engine == "maxtext":  # TPU slices running MaxText: engines/tpu_rayjob.py
-        from shardline.engines.tpu_rayjob import tpu_rayjob_manifests
+    if spec.train.engine == "maxtext":  # TPU slices running MaxText: engines/tpu/rayjob.py
+        from shardline.engines.tpu.rayjob import tpu_rayjob_manifests
 
         cm, rayjob = tpu_rayjob_manifests(spec, r.ray_version)
         rayjob["spec"]["rayClusterSpec"]["authOptions"] = {"mode": "token"}

@@ -1,6 +1,6 @@
 """Vertex AI backend (`--target vertex`): a CustomJob per run, through `google-cloud-aiplatform`'s JobServiceClient.
 
-render: the CustomJob of engines/vertex_job.py, parsed strictly into `aiplatform_v1.CustomJob` (unknown fields and
+render: the CustomJob of engines/vertex/job.py, parsed strictly into `aiplatform_v1.CustomJob` (unknown fields and
 enum values are errors) and written back out from it, as `custom-job.json` (the body of a REST create request).
 launch: `create_custom_job` under projects/<launch.vertex.project>/locations/<launch.vertex.region>.
 status/wait: `get_custom_job`, its state in the phases every backend reports; a replica that exited 75 (preempted,
@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from shardline.engines.backend import TERMINAL, JobState, LaunchRecord
-from shardline.engines.vertex_job import custom_job, run_dir_url
+from shardline.engines.vertex.job import custom_job, run_dir_url
 from shardline.errors import ClusterError, ShardlineError, SpecError
 from shardline.rundir import with_run_id
 from shardline.spec import JobSpec

@@ -1,4 +1,4 @@
-"""TPU multislice on GKE: a JobSet with one replicated Job per slice, every pod running MaxText (engines/maxtext.py).
+"""TPU multislice on GKE: a JobSet with one replicated Job per slice, every pod running MaxText (tpu/maxtext.py).
 
 The shape follows GKE's multislice JobSet ("Deploy TPU Multislice in GKE", cloud.google.com/kubernetes-engine/docs/
 how-to/tpu-multislice) and the JobSets XPK and axlearn build for MaxText:
@@ -20,7 +20,7 @@ how-to/tpu-multislice) and the JobSets XPK and axlearn build for MaxText:
 from __future__ import annotations
 
 from shardline.engines.kubernetes import pod as k8s_pod
-from shardline.engines.maxtext import maxtext_command
+from shardline.engines.tpu.maxtext import maxtext_command
 from shardline.errors import SpecError
 from shardline.hardware import TpuSlice, tpu_slice
 from shardline.ops.preemption import SPOT_LABEL, capacity, termination_grace_seconds

@@ -9,7 +9,7 @@ launch.min_nnodes, at whatever size between min and max the cluster then fits (`
 and Ray's own run state live in the run directory (RunConfig storage_path = `run.dir`, name = run id),
 which must be shared storage on a multi-node cluster.
 
-    python -m shardline.engines.ray_train --spec spec.yaml [--task train]     # what a Ray job runs
+    python -m shardline.engines.ray.train --spec spec.yaml [--task train]     # what a Ray job runs
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def build_trainer(spec: JobSpec, task: str = "train"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardline.engines.ray_train")
+    parser = argparse.ArgumentParser(prog="shardline.engines.ray.train")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--spec", type=Path, help="resolved spec.yaml (with run.id)")
     source.add_argument("--spec-json", help="the resolved spec as JSON (Ray job entrypoints carry it inline)")

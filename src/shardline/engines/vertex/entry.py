@@ -1,9 +1,9 @@
-"""`python -m shardline.engines.vertex_entry`: what a Vertex AI replica runs in front of the one torchrun line.
+"""`python -m shardline.engines.vertex.entry`: what a Vertex AI replica runs in front of the one torchrun line.
 
 Vertex AI starts the same container on every replica and tells each where it stands in `CLUSTER_SPEC`, JSON like
 `{"cluster": {"workerpool0": ["<host>:2222"], "workerpool1": ["<host>:2222", ...]}, "task": {"type":
 "workerpool1", "index": 0}, "environment": "cloud"}`. Pool 0 holds the primary replica alone and pool 1 the
-others (engines/vertex_job.py renders them so), hence node rank 0 for pool 0 and 1 + index for pool 1, and the
+others (engines/vertex/job.py renders them so), hence node rank 0 for pool 0 and 1 + index for pool 1, and the
 rendezvous host is pool 0's replica; its port there is Vertex's (TensorFlow's), torchrun's is RENDEZVOUS_PORT.
 Without CLUSTER_SPEC, the variables Vertex sets for PyTorch (MASTER_ADDR, RANK) are read instead.
 
@@ -136,11 +136,11 @@ def prepare(environ: MutableMapping[str, str], workdir: str, spec_path: str, nno
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m shardline.engines.vertex_entry --workdir DIR --spec PATH --nnodes N -- COMMAND...",
+        print("usage: python -m shardline.engines.vertex.entry --workdir DIR --spec PATH --nnodes N -- COMMAND...",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="shardline.engines.vertex_entry")
+    parser = argparse.ArgumentParser(prog="shardline.engines.vertex.entry")
     parser.add_argument("--workdir", required=True, help="working directory (the base output directory's mount)")
     parser.add_argument("--spec", default=SPEC_PATH, help="where the resolved spec is written")
     parser.add_argument("--nnodes", type=int, required=True, help="replicas the job was rendered for")

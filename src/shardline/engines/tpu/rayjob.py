@@ -4,7 +4,7 @@ As KubeRay's TPU guide (docs.ray.io/en/latest/cluster/kubernetes/user-guides/tpu
 TPUs with KubeRay and MaxText" lay it out: a CPU head, and one TPU worker group whose every replica is one slice —
 `numOfHosts` pods (one per TPU VM host), each with all its chips (`google.com/tpu`), on the node pool selected by
 `cloud.google.com/gke-tpu-accelerator` / `gke-tpu-topology`. Ray itself advertises `TPU` (chips) and
-`TPU-<pod type>-head` (host 0 of each slice) on those pods; the driver (engines/tpu_ray_driver.py) schedules MaxText
+`TPU-<pod type>-head` (host 0 of each slice) on those pods; the driver (engines/tpu/ray_driver.py) schedules MaxText
 onto them. Elastic on spot: `minReplicas` = launch.tpu.min_slices with KubeRay's in-tree autoscaler, so the job
 starts once that many slices are up and the driver sizes MaxText's mesh to the slices it got.
 """
@@ -18,13 +18,13 @@ import yaml
 
 from shardline.engines.kubernetes import pod as k8s_pod
 from shardline.engines.kubernetes.objects import config_map, job_annotations, queue_labels
-from shardline.engines.kubernetes.tpu import pod_metadata, slice_of, tpu_env, tpu_pod_spec, tpu_resources
-from shardline.engines.maxtext import maxtext_command
+from shardline.engines.tpu.jobset import pod_metadata, slice_of, tpu_env, tpu_pod_spec, tpu_resources
+from shardline.engines.tpu.maxtext import maxtext_command
 from shardline.errors import SpecError
 from shardline.hardware import TpuSlice
 from shardline.spec import JobSpec
 
-DRIVER_MODULE = "shardline.engines.tpu_ray_driver"
+DRIVER_MODULE = "shardline.engines.tpu.ray_driver"
 
 
 def ray_head_resource(sl: TpuSlice) -> str:

@@ -8,7 +8,7 @@ maxReplicas), then runs the MaxText command rendered for that many slices on eac
 environment (MEGASCALE_*: slice 0's first host coordinates), as Ray's own TPU helpers set it. MaxText resumes from
 its last checkpoint, so a shrunk or regrown run continues where it stopped.
 
-Runs in the cluster only (`ray` is imported when it runs); rendered by engines/tpu_rayjob.py.
+Runs in the cluster only (`ray` is imported when it runs); rendered by engines/tpu/rayjob.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Vertex AI CustomJob of a spec, as the REST JSON the API takes; engines/vertex.py checks it against the
+"""The Vertex AI CustomJob of a spec, as the REST JSON the API takes; engines/vertex/backend.py checks it against the
 `google-cloud-aiplatform` types and submits it. Nothing here needs that package.
 
 What is mapped:
@@ -7,7 +7,7 @@ What is mapped:
 - the machine: launch.profile's machine type and its GPUs (Vertex's accelerator type is the profile's GKE accelerator
   label in upper snake case: nvidia-h100-mega-80gb → NVIDIA_H100_MEGA_80GB), one process per GPU; with the generic
   profile, launch.vertex.machine_type and launch.vertex.accelerator;
-- the command: `shardline.engines.vertex_entry` (node rank and rendezvous host from CLUSTER_SPEC, secrets, the
+- the command: `shardline.engines.vertex.entry` (node rank and rendezvous host from CLUSTER_SPEC, secrets, the
   spec file, the working directory) in front of the one torchrun line (docs/architecture.md §6);
 - the image: launch.image, pinned by launch.image_digest; the resolved spec travels in the environment;
 - scheduling from cost.provisioning (the price the cost meter charges is the capacity the job asks for):
@@ -30,7 +30,7 @@ import posixpath
 
 from shardline.engines.command import cluster_spec, node_torchrun_command
 from shardline.engines.kubernetes.pod import image_ref
-from shardline.engines.vertex_entry import SECRETS_ENV, SPEC_ENV, SPEC_PATH
+from shardline.engines.vertex.entry import SECRETS_ENV, SPEC_ENV, SPEC_PATH
 from shardline.errors import SpecError
 from shardline.network_profiles import get_profile
 from shardline.spec import JobSpec
@@ -195,7 +195,7 @@ def container_env(spec: JobSpec) -> list[dict[str, str]]:
 
 def replica_command(spec: JobSpec, task: str) -> list[str]:
     workdir = fuse_path(output_dir(spec))
-    return ["python", "-m", "shardline.engines.vertex_entry", "--workdir", workdir, "--spec", SPEC_PATH,
+    return ["python", "-m", "shardline.engines.vertex.entry", "--workdir", workdir, "--spec", SPEC_PATH,
             "--nnodes", str(spec.launch.nnodes), "--", *node_torchrun_command(spec, SPEC_PATH, task)]
 
 
