@@ -46,7 +46,14 @@ from shardline.data.tokenizer import load_tokenizer, pad_id, special_ids
 from shardline.errors import ShardlineError
 from shardline.model.build import build_model, causal_lm
 from shardline.model.expert_layout import stores_fused_experts
+from shardline.model.expert_lora import (
+    expert_target_parameters,
+    has_expert_adapters,
+    merge_expert_adapters,
+    peft_expert_weights,
+)
 from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.moe import EXPERT_WEIGHTS
 from shardline.model.nf4 import dequantize_base
 from shardline.model.sharded_load import materialize
 from shardline.rundir import checkpoint_location, read_manifest
@@ -193,7 +200,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         if full:
             # Module.to casts parameter by parameter in place: at most one extra tensor at a time, never a second
             # model; save_pretrained then writes config.json's `dtype` from the weights.
-            _save_full((model.merge_and_unload() if lora else model).to(weights_dtype), ids, tmp,
+            _save_full((_merged(model) if lora else model).to(weights_dtype), ids, tmp,
                        original_format=not input_layout_is_fused(spec))
         else:
             base = _save_adapter(model.to(weights_dtype), spec, len(tok), ids, tmp, out)
@@ -208,6 +215,13 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _merged(model: nn.Module) -> nn.Module:
+    """The LoRA model's base with every adapter folded in: peft's layers, and the routed experts' own."""
+    base = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    merge_expert_adapters(base)
+    return base
 
 
 def _tokenizer(store: CheckpointStore, step: int, spec: JobSpec, run_dir: Path,
@@ -265,10 +279,18 @@ def _save_adapter(model: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[st
     """peft's adapter of the trained model in `out`, its modules renamed to their paths in the base it names,
     checked to load there whole (else an error about `where`, the export's destination); returns that base (meta)."""
     base = _base_skeleton(spec, vocab_size, ids)
-    rename = _module_renamer(causal_lm(model), base)
-    # peft takes the name from the model's config; a multimodal checkpoint's text config carries none
-    model.peft_config["default"].base_model_name_or_path = spec.model.path
-    model.save_pretrained(out, safe_serialization=True)
+    if not hasattr(model, "peft_config"):  # LoRA on the routed experts alone: no peft layer trained
+        LoraConfig(r=spec.model.lora.r, lora_alpha=spec.model.lora.alpha, target_modules=[], task_type="CAUSAL_LM",
+                   base_model_name_or_path=spec.model.path).save_pretrained(out)
+        save_file({}, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        rename = None
+    else:
+        rename = _module_renamer(causal_lm(model), base)
+        # peft takes the name from the model's config; a multimodal checkpoint's text config carries none
+        model.peft_config["default"].base_model_name_or_path = spec.model.path
+        model.save_pretrained(out, safe_serialization=True)
+    if has_expert_adapters(causal_lm(model)):
+        _add_expert_adapters(causal_lm(model), spec, vocab_size, ids, out)
     if rename is not None:
         config = LoraConfig.from_pretrained(out)
         # Exact module paths: the attention names alone would also match the vision tower's q/k/v projections.
@@ -279,6 +301,22 @@ def _save_adapter(model: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[st
                   out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     _check_adapter_loads(base, spec, out, where)
     return base
+
+
+def _add_expert_adapters(trained: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[str, int], out: Path) -> None:
+    """Add the routed experts' adapters (`shardline.model.expert_lora`) to the adapter in `out` as peft writes them:
+    `target_parameters` naming both fused projections, the weights in peft's layout under the keys of its nested
+    `ParamWrapper`s (found on a meta-device base with that config), in place of the per-expert tensors peft's own
+    save picked up by their `lora_` names."""
+    config = LoraConfig.from_pretrained(out)
+    config.target_parameters = expert_target_parameters(trained)
+    config.save_pretrained(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = get_peft_model(_base_skeleton(spec, vocab_size, ids), config, low_cpu_mem_usage=True)
+    weights = {k: v for k, v in load_file(out / ADAPTER_WEIGHTS).items() if not k.endswith(EXPERT_WEIGHTS)}
+    weights.update(peft_expert_weights(trained, probe))
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 
 
 def _module_renamer(trained: nn.Module, base: nn.Module) -> Callable[[str], str] | None:

@@ -372,9 +372,59 @@ def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoin
     assert not any("experts" in k or "mlp.gate" in k for k in changed)
 
     model = build_model(ModelSpec(path=str(path)), 0, {}, device="meta")
-    for targets in (["experts"], ["gate_up_proj"], ["q_proj", "down_proj"], ["gate"]):
-        with pytest.raises(SpecError, match="routed experts .* not supported yet") as e:
+    for targets in (["gate_up_proj"], ["q_proj", "down_proj"], ["gate"]):
+        with pytest.raises(SpecError, match="router, or on the experts' projections one by one") as e:
             apply_lora(model, LoraSpec(enabled=True, target_modules=targets))
-        assert e.value.where == "model.lora.target_modules"
+        assert e.value.where == "model.lora.target_modules" and "add experts" in e.value.fix
+    with pytest.raises(SpecError, match="is 0.1 with experts in model.lora.target_modules") as e:
+        apply_lora(model, LoraSpec(enabled=True, dropout=0.1, target_modules=["q_proj", "experts"]))
+    assert e.value.where == "model.lora.dropout"
     with pytest.raises(SpecError, match="nf4 with a mixture of experts"):
         quantize_frozen_base(model, LoraSpec(enabled=True, quantize_base="nf4"), "bf16")
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "experts"], ["experts"]])
+def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft_with_the_trained_logits(
+        ctx, checkpoints, tmp_path, targets):
+    """`experts` among the targets: adapters per expert on both fused projections (`[E, r, in]`, `[E, out, r]`), the
+    router and every base weight frozen; after two steps only adapters changed (the experts' lora_A and lora_B too),
+    the merged export (transformers' model of it) and the adapter export (peft's `target_parameters` layout, loaded
+    with `PeftModel.from_pretrained` onto transformers' model of the input) compute the trained model's logits."""
+    from peft import PeftModel
+
+    from shardline.export import export_run
+
+    path = checkpoints["mixtral"]
+    spec, run_dir = create_run(small_spec(tmp_path, f"model.path={path}", "run.id=moe-expert-lora", *STEP,
+                                          "train.max_steps=2", "model.lora.enabled=true", "model.lora.r=4",
+                                          f"model.lora.target_modules=[{','.join(targets)}]", "train.lr=1e-2"))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    before = {k: _full(p) for k, p in trainer.model.named_parameters()}
+    trainable = sorted(k for k, p in trainer.model.named_parameters() if p.requires_grad)
+    assert all(".lora_" in k for k in trainable) and not any("mlp.gate" in k for k in trainable)
+    adapter = dict(trainer.model.named_parameters())[next(k for k in trainable if k.endswith(
+        "layers.0.mlp.experts.lora_B.gate_up_proj"))]
+    assert adapter.shape == (EXPERTS, 2 * 32, 4) and str(adapter.placements) == "(Shard(dim=0),)"
+    first, second = trainer.train_step(), trainer.train_step()
+    changed = sorted(k for k, p in trainer.model.named_parameters() if not torch.equal(_full(p), before[k]))
+    assert set(changed) == set(trainable), sorted(set(trainable) - set(changed))
+    print(f"LoRA on {targets}: losses {first.loss:.5f}, {second.loss:.5f}; {len(changed)} adapter tensors changed")
+    trainer.save_checkpoint()
+
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
+    model = trainer.model.eval()
+    with torch.no_grad():
+        ours_ = model(input_ids=ids).logits
+        base = reference(path)(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
+                                                      dtype=torch.float32)
+        assert stored_keys(tmp_path / "merged") == stored_keys(path)
+        merged_logits = merged(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(reference(path), export_run(run_dir, tmp_path / "adapter")).eval()
+        peft_logits = peft(input_ids=ids).logits
+    model.train()
+    print(f"trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; vs the merged export's "
+          f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter {(ours_ - peft_logits).abs().max():.2e}")
+    assert (ours_ - base).abs().max() > 1e-2  # the adapters moved the logits
+    torch.testing.assert_close(merged_logits, ours_, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(peft_logits, ours_, atol=1e-5, rtol=1e-5)

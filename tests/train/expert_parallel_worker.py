@@ -4,8 +4,9 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "replicate": n}`: a tiny Qwen3-MoE (transformers' own
-  model code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
+- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "replicate": n, "family": name}`: a tiny Qwen3-MoE (or
+  the `family` of FAMILIES: Qwen2-MoE with its gated shared expert, Mixtral; transformers' own model code and config
+  class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
   `parallel.dp_replicate=n` (FSDP or HSDP over the rest)
   takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
   full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
@@ -13,8 +14,9 @@ JOBS.json lists jobs, done in order:
   all-reduced over the ranks). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
   permutation off by one rank), `broken: combine` sums the experts' outputs without their routing weights: the
   oracle must catch both;
-- `{"spec": path, "steps": n, "out": path, "save": bool}`: the Trainer of a created run resumes if its spec says so,
-  trains n steps (rank 0 writes their losses and expert loads) and saves a checkpoint if `save`.
+- `{"spec": path, "steps": n, "out": path, "save": bool, "save_at": k}`: the Trainer of a created run resumes if its
+  spec says so, trains n steps (rank 0 writes their losses and expert loads), saves a checkpoint after its k-th step
+  if `save_at` and after the last if `save`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from shardline.data.prepare import prepare
 from shardline.model import moe
@@ -41,13 +43,20 @@ from shardline.worker import exit_without_teardown
 
 EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF = 8, 2, 4, 24, 0.05
 CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts=EXPERTS,
-              num_experts_per_tok=TOP_K, moe_intermediate_size=32, intermediate_size=64)
+              head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=TOP_K)
+FAMILIES = {
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_experts=EXPERTS, moe_intermediate_size=32, intermediate_size=64)),
+    # its shared expert (with a sigmoid gate) runs on every rank's own tokens, beside the dispatched experts
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=EXPERTS, moe_intermediate_size=32, intermediate_size=64,
+                                       shared_expert_intermediate_size=48)),
+    "mixtral": (MixtralConfig, dict(num_local_experts=EXPERTS, intermediate_size=32)),
+}
 
 
-def tiny_moe(aux: bool) -> torch.nn.Module:
+def tiny_moe(aux: bool, family: str = "qwen3_moe") -> torch.nn.Module:
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(**CONFIG, output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
+    cls, extra = FAMILIES[family]
+    config = cls(**CONFIG, **extra, output_router_logits=aux, router_aux_loss_coef=AUX_COEF)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -60,16 +69,16 @@ def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel()) if routed else loss
 
 
-def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None) -> None:
+def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None, family: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = tiny_moe(aux)
+    reference = tiny_moe(aux, family)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     tokens = ROWS * (SEQ - 1)
     want_loss = reference(ids, labels=ids).loss  # transformers' own: mean cross-entropy (+ coef · its aux loss)
     want_loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
 
-    model = tiny_moe(aux)
+    model = tiny_moe(aux, family)
     model.load_state_dict(reference.state_dict())
     spec = ParallelSpec(ep=ep, dp_replicate=replicate)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
@@ -105,12 +114,16 @@ def main(jobs_file: str) -> None:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
                 oracle(job["oracle"], job.get("broken"), job.get("aux", False), job.get("replicate", 1),
-                       job.get("out"))
+                       job.get("out"), job.get("family", "qwen3_moe"))
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))
                 trainer.maybe_resume()
-                records = [trainer.train_step() for _ in range(job["steps"])]
+                records = []
+                for step in range(1, job["steps"] + 1):
+                    records.append(trainer.train_step())
+                    if step == job.get("save_at"):
+                        trainer.save_checkpoint(blocking=True)
                 if ctx.is_main and job.get("out"):
                     Path(job["out"]).write_text(json.dumps([{"loss": r.loss, "expert_tokens": r.expert_tokens,
                                                              "expert_imbalance": r.expert_imbalance}

@@ -3,14 +3,17 @@
 One torchrun launch per world size runs every case of that world (tests/train/expert_parallel_worker.py): on a tiny
 Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 so a mis-routed token moves the loss)
 the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
-(FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`) and, on 4 ranks, FSDP 2 × EP 2 and
-HSDP 2 × EP 2; a
+(FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`; Mixtral and Qwen2-MoE, whose shared
+expert has a sigmoid gate, too) and, on 4 ranks, FSDP 2 × EP 2 and HSDP 2 × EP 2; a
 dispatch that sends every token to the next EP rank's experts, or a combine that leaves out the routing weights,
 fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
 transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
-as at ep 1 (and counts the same tokens per expert), and its ep 2
-checkpoint resumes at ep 1 with ep 1's next loss.
+as at ep 1 (and counts the same tokens per expert), its ep 2
+checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
+trains the same losses at ep 2 as at ep 1. A tiny Mixtral saved by transformers trains from
+`shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL and retrains the lost step bit-exact, and
+exports with the input's keys a model transformers loads with the run's validation loss.
 """
 
 from __future__ import annotations
@@ -22,17 +25,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import Qwen3Config, Qwen3MoeConfig
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from shardline.data.prepare import prepare
+from shardline.data.prepare import PreparedData, prepare
 from shardline.data.tokenizer import train_bpe
 from shardline.errors import SpecError
 from shardline.parallel.expert import check_expert_parallel
 from shardline.rundir import create_run
 from shardline.spec.resolve import load_spec
 from shardline.tasks.text_to_sql.generate import generate_splits
-from tests.conftest import REPO, small_overrides
+from tests.conftest import REPO, cli_in_background, kill_the_stopped_worker, read_metrics, small_overrides
 from tests.model.families import write_family_checkpoint
+from tests.model.test_moe import write_checkpoint
+from tests.oracle import unpacked_loss
 
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
 GRAD_TOL = 1e-6  # fp32: summation order of the ranks' gradients (measured ~5e-8 of gradients up to 0.16)
@@ -76,14 +83,25 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # the GPU default (bf16) with LoRA on the attention at ep 2: one step; adapters start at zero, so its loss is the
     # fp32 base's to bf16 precision
     bf16_lora = moe_run(tmp_path, checkpoint, "ep2bf16lora", 2, "train.precision=bf16", "model.lora.enabled=true")
+    # LoRA on the attention and the routed experts (adapters per expert, sharded with their experts under ep 2)
+    expert_lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,experts]",
+                   "train.lr=1e-2")
+    lora_1, lora_2 = (moe_run(tmp_path, checkpoint, f"expert-lora-ep{ep}", ep, *expert_lora) for ep in (1, 2))
+    # ep 1's step-3 checkpoint resumed at ep 2 (its experts resharded from FSDP's dim 0 to ep's)
+    grown = moe_run(tmp_path, checkpoint, "ep1to2", 2, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep1'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
+                         {"oracle": 2, "family": "mixtral", "out": str(tmp_path / "mixtral-ep2.out")},
+                         {"oracle": 2, "family": "qwen2_moe", "aux": True,
+                          "out": str(tmp_path / "qwen2_moe-ep2aux.out")},
                          *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
                            for part in ("dispatch", "combine")),
-                         {**ep1, "steps": 4}, {**ep2, "steps": 3, "save": True}, {**resumed, "steps": 1},
-                         {**bf16_lora, "steps": 1}])
-    for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"])):
+                         {**ep1, "steps": 4, "save_at": 3}, {**ep2, "steps": 3, "save": True},
+                         {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 1},
+                         {**lora_1, "steps": 3}, {**lora_2, "steps": 3}])
+    for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
+                             ("mixtral-ep2", ["S(1)", "S(0)"]), ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
@@ -91,18 +109,65 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
         loss, grad, _ = oracle_result(tmp_path / f"broken-{part}.out")
         print(f"{what}: |loss - transformers'| {loss:.3f}, largest gradient difference {grad:.3f}")
         assert loss > 1e-2 and grad > 1e-2, part
-    records = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed)}
-    at_1, at_2, then_1 = ([r["loss"] for r in records[job["out"]]] for job in (ep1, ep2, resumed))
-    print(f"Trainer losses, ep 1: {at_1}; ep 2: {at_2}; its checkpoint resumed at ep 1: {then_1}")
+    records = {job["out"]: json.loads(Path(job["out"]).read_text()) for job in (ep1, ep2, resumed, grown)}
+    at_1, at_2, then_1, then_2 = ([r["loss"] for r in records[job["out"]]] for job in (ep1, ep2, resumed, grown))
+    print(f"Trainer losses, ep 1: {at_1}; ep 2: {at_2}; its checkpoint resumed at ep 1: {then_1}; ep 1's resumed "
+          f"at ep 2: {then_2}")
     assert at_2 == pytest.approx(at_1[:3], rel=1e-5) and then_1 == pytest.approx(at_1[3:], rel=1e-5)
+    assert then_2 == pytest.approx(at_1[3:], rel=1e-5)
     # the step records count every routed copy of the global batch: 2 layers × top-2 × 4 rows × 128 positions
     loads = [[r["expert_tokens"] for r in records[job["out"]]] for job in (ep1, ep2)]
     print(f"tokens per expert, step 1: {loads[0][0]}, max/mean {records[ep1['out']][0]['expert_imbalance']:.2f}")
     assert loads[1] == loads[0][:3] and all(sum(step) == 2 * 2 * 4 * 128 for step in loads[0])
     assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
+    lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
+    print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}")
+    assert lora_at_2 == pytest.approx(lora_at_1, rel=1e-5) and lora_at_1[0] == pytest.approx(at_1[0], rel=1e-6)
+    assert lora_at_1[2] < lora_at_1[1] < lora_at_1[0]
     bf16_first = json.loads(Path(bf16_lora["out"]).read_text())[0]["loss"]
     print(f"ep 2, bf16, LoRA: first loss {bf16_first} (fp32 ep 1: {at_1[0]})")
     assert bf16_first == pytest.approx(at_1[0], rel=2e-2)
+
+
+def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_step_bit_exact_and_exports(tmp_path):
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+    checkpoint = write_checkpoint("mixtral", tok, tmp_path / "mixtral")  # 8 experts, top-2, per-expert keys
+    runs = tmp_path / "runs"
+    sets = [*small_overrides(runs), f"model.path={checkpoint}", "parallel.nproc_per_node=2", "parallel.ep=2",
+            "train.max_steps=4", "train.warmup_steps=0", "train.micro_batch_size=2", "train.global_batch_size=4",
+            "train.seq_len=128", "checkpoint.every_steps=2", "checkpoint.async_save=false", "launch.max_restarts=1"]
+    # rank 1 stops itself before step 4 (its first start only) and is killed with SIGKILL there: step 2 is the last
+    # committed checkpoint, so torchrun's restart trains step 3 again, then step 4
+    with cli_in_background("train", "tiny", *[a for kv in sets for a in ("--set", kv)],
+                           fault="train_step:rank=1:step=4:restart=0:action=stop") as proc:
+        run = kill_the_stopped_worker(runs, proc, after_step=3)
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-6000:]
+    setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
+    trained = read_metrics(run, "train")
+    print(f"mesh {setup['mesh']}; losses {[(r['step'], r['loss']) for r in trained]}")
+    assert setup["family"] == "Mixtral" and setup["expert_parallel_layers"] == 2  # both layers dispatch
+    assert [r["step"] for r in trained] == [1, 2, 3, 3, 4]
+    assert [e["step"] for e in read_metrics(run, "event") if e["event"] == "resume"] == [2]
+    assert trained[3]["loss"] == trained[2]["loss"] and trained[3]["grad_norm"] == trained[2]["grad_norm"]
+    assert trained[-1]["loss"] < trained[0]["loss"]
+    # every routed copy of the global batch counted: 2 layers × top-2 × 4 rows × 128 positions
+    assert all(sum(r["expert_tokens"]) == 2 * 2 * 4 * 128 and r["expert_imbalance"] >= 1 for r in trained)
+
+    from shardline.cli import main  # in this process: its imports are paid already, a process would pay them again
+
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    with safe_open(checkpoint / "model.safetensors", "pt") as f, safe_open(tmp_path / "hf" / "model.safetensors",
+                                                                              "pt") as g:
+        assert set(g.keys()) == set(f.keys())  # per expert: block_sparse_moe.experts.7.w3.weight
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
+    with torch.no_grad():
+        theirs = unpacked_loss(model, PreparedData(runs.parent / "prepared-cache" / json.loads(
+            (run / "manifest.json").read_text())["dataset_version"]))
+    print(f"validation loss of the run {val}, of its export in transformers {theirs}")
+    assert theirs == pytest.approx(val, rel=1e-5)
 
 
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):

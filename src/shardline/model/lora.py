@@ -1,8 +1,9 @@
 """LoRA adapters via peft: only adapter weights stay trainable; by default on the family's attention projections.
 
-A mixture of experts trains LoRA on attention (and other linear layers outside the MoE block) with the routed
-experts and the router frozen; adapters on the fused experts, on the router or on the MLP projections (which would
-reach a shared expert but silently skip the routed ones), and QLoRA's NF4 base, are named errors for now."""
+A mixture of experts trains LoRA on attention (and other linear layers outside the MoE block) and, with `experts`
+among the targets, on the routed experts' fused projections (`shardline.model.expert_lora`: adapters per expert),
+the router frozen; adapters on the router or on the MLP projections by name (which would reach a shared expert but
+silently skip the routed ones), and QLoRA's NF4 base, are named errors for now."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from shardline.errors import SpecError
+from shardline.model.expert_lora import EXPERTS_TARGET, add_expert_adapters, check_expert_dropout
 from shardline.model.families import family_of
 from shardline.model.moe import is_moe
 from shardline.model.nf4 import QuantizedBase, quantize_base_on_meta
@@ -25,26 +27,39 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise SpecError("model.lora.target_modules", f"{missing} are not modules of this model",
                         f"choose from {linear}")
-    from peft import LoraConfig, get_peft_model  # here: ~0.5 s of imports every worker without LoRA skips
+    experts = EXPERTS_TARGET in targets
+    if experts:
+        check_expert_dropout(spec.dropout)
+    linear = [t for t in targets if t != EXPERTS_TARGET]
+    if linear:
+        from peft import LoraConfig, get_peft_model  # here: ~0.5 s of imports every worker without LoRA skips
 
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                        target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+        config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                            target_modules=linear, task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+    else:  # the experts alone: no peft layer, the base frozen here
+        model.requires_grad_(False)
+    if experts:
+        add_expert_adapters(model, spec.r, spec.alpha)
+    return model
 
 
-EXPERT_TARGETS = ("experts", "gate", "gate_up_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
-"""Module names of a MoE block (routed experts, router, expert projections) LoRA does not take yet."""
+EXPERT_TARGETS = ("gate", "gate_up_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+"""Module names of a MoE block (router, expert projections) LoRA does not take: the routed experts are adapted
+whole by `experts`."""
 
 
 def check_expert_targets(config, targets: list[str]) -> None:
-    """A SpecError for LoRA targets inside a mixture of experts' MoE blocks: peft's modules adapt `nn.Linear`s, and
-    the routed experts are fused 3-D parameters (`mlp.experts.gate_up_proj`) it would leave without adapters."""
+    """A SpecError for LoRA targets inside a mixture of experts' MoE blocks other than `experts`: peft's modules adapt
+    `nn.Linear`s, and the routed experts are fused 3-D parameters (`mlp.experts.gate_up_proj`) it would leave without
+    adapters; the router stays frozen."""
     refused = [t for t in targets if t in EXPERT_TARGETS]
     if is_moe(config) and refused:
-        raise SpecError("model.lora.target_modules", f"{refused} would adapt a mixture of experts' MoE block: LoRA "
-                        "on the routed experts (fused [E, 2I, H] parameters) and on the router is not supported yet",
-                        "target the attention projections (the default: q_proj, k_proj, v_proj, o_proj), or train "
-                        "the experts with a full fine-tune")
+        raise SpecError("model.lora.target_modules", f"{refused} would adapt a mixture of experts' MoE block by "
+                        "projection name: LoRA on the router, or on the experts' projections one by one, is not "
+                        "supported yet",
+                        f"add {EXPERTS_TARGET} to adapt both projections of every routed expert (e.g. [q_proj, "
+                        f"k_proj, v_proj, o_proj, {EXPERTS_TARGET}]), or train the experts with a full fine-tune")
 
 
 def quantize_frozen_base(model: nn.Module, spec: LoraSpec, precision: Precision) -> QuantizedBase | None:

@@ -183,3 +183,72 @@ class ExpertLoad:
         mean = per_layer.mean(dim=1).clamp(min=1e-9)
         return {"expert_tokens": [int(x) for x in per_layer.sum(dim=0).tolist()],
                 "expert_imbalance": float((per_layer.max(dim=1).values / mean).max())}
+
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+"""The fused weights of a routed-experts module, expert dimension first."""
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _local(weight: torch.Tensor, gradient_scale: float) -> torch.Tensor:
+    local = weight.to_local() if hasattr(weight, "to_local") else weight  # an expert-parallel DTensor: my experts
+    return _ScaleGradient.apply(local, gradient_scale) if gradient_scale != 1.0 else local
+
+
+def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int],
+                gradient_scale: float = 1.0) -> torch.Tensor:
+    """Each of the module's (local) experts on its consecutive rows of `rows` (`per_expert[e]` of them):
+    transformers' expert math `act(x·gate) * (x·up) · down`, plus, where the module carries LoRA adapters
+    (`shardline.model.expert_lora`), `scaling · (x·Aᵉᵀ)·Bᵉᵀ` on each projection — the low-rank path per token, never
+    a ΔW of every expert. The weights' gradients are multiplied by `gradient_scale` (expert parallel's 1/ep)."""
+    weights = {n: _local(getattr(module, n), gradient_scale) for n in EXPERT_WEIGHTS}
+    adapters = getattr(module, "lora_A", None) is not None and not getattr(module, "lora_disabled", False)
+    if adapters:
+        factors = {n: (_local(module.lora_A[n], gradient_scale), _local(module.lora_B[n], gradient_scale))
+                   for n in EXPERT_WEIGHTS}
+
+    def project(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        y = nn.functional.linear(x, weights[name][e])
+        if adapters:
+            a, b = factors[name]
+            y = y + nn.functional.linear(nn.functional.linear(x, a[e]), b[e]) * module.lora_scaling
+        return y
+
+    outputs = []
+    for e, part in enumerate(torch.split(rows, per_expert)):
+        gate, up = project(part, "gate_up_proj", e).chunk(2, dim=-1)
+        outputs.append(project(module.act_fn(gate) * up, "down_proj", e))
+    return torch.cat(outputs) if outputs else rows[:0]
+
+
+class SortedExpertsForward:
+    """A routed-experts module's forward on the experts it holds whole (no expert parallel), by `run_experts`: the
+    token copies sorted by expert, each expert run on its rows (one host read of the counts), the outputs weighted
+    and summed per token. Same signature and result as transformers' `(hidden_states [N, H], top_k_index [N, k],
+    top_k_weights [N, k]) -> [N, H]`; used where the experts carry LoRA adapters transformers' forward ignores."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        k, experts = top_k_index.shape[-1], self.module.gate_up_proj.shape[0]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=experts).tolist()  # the layer's one host read
+        computed = run_experts(self.module, hidden_states[token], counts)
+        weighted = computed * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))

@@ -197,7 +197,7 @@ def _init_of(p: _Param, std: float) -> Init:
     """How HF (`_init_weights`) and peft initialise this parameter."""
     parts = p.name.split(".")
     if "lora_A" in parts:
-        return lambda t, g: nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+        return _lora_a_init
     if "lora_B" in parts or parts[-1] == "bias":
         return 0.0
     if isinstance(p.module, nn.Linear | nn.Embedding):
@@ -205,6 +205,13 @@ def _init_of(p: _Param, std: float) -> Init:
     if "Norm" in type(p.module).__name__:
         return 1.0
     raise ValueError(f"no initialisation rule for {p.name} ({type(p.module).__name__})")
+
+
+def _lora_a_init(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """peft's lora_A init, kaiming-uniform over the input features: of each expert's `[r, in]` too (a fused experts'
+    adapter `[E, r, in]`, `shardline.model.expert_lora`; peft's own `(r·E, in)` gets the same bound)."""
+    nn.init.kaiming_uniform_(t.view(-1, t.shape[-1]), a=math.sqrt(5), generator=g)
+    return t
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:

@@ -30,13 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardline.errors import SpecError
-from shardline.model.moe import expert_modules, num_experts
-
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-"""The fused weights of a routed-experts module, expert dimension first."""
+from shardline.model.moe import EXPERT_WEIGHTS, expert_modules, num_experts, run_experts
 
 
 def check_expert_parallel(config: object, ep: int) -> None:
@@ -73,10 +70,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Modu
     check_expert_parallel(model.config, ep_mesh.size())
     modules = expert_modules(model)
     for module in modules:
-        for name in EXPERT_WEIGHTS:
-            param = getattr(module, name)
+        # the weights, and LoRA's per-expert adapters where the experts carry them (`shardline.model.expert_lora`)
+        holders = [module, *(getattr(module, n) for n in ("lora_A", "lora_B") if getattr(module, n, None) is not None)]
+        for holder, name in ((h, n) for h in holders for n in EXPERT_WEIGHTS):
+            param = getattr(holder, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            holder.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.forward = ExpertParallelForward(module, ep_mesh.get_group())
     return modules
 
@@ -118,34 +117,6 @@ def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> 
                    per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)])
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int], ranks: int) -> torch.Tensor:
-    """Each local expert on its consecutive rows (transformers' expert math: `act(x·gate) * (x·up) · down`).
-
-    The weights' gradients are divided by the EP group's size: they hold the whole group's tokens, and FSDP then
-    averages them over efsdp only; together that is the mean over all data-parallel ranks that FSDP takes of every
-    other gradient (`set_gradient_divide_factor` would say it too, but gloo has no pre-multiplied reduce-scatter)."""
-    gate_up, down = (_ScaleGradient.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ranks)
-                     for w in (module.gate_up_proj, module.down_proj))
-    outputs = []
-    for e, part in enumerate(torch.split(rows, per_expert)):
-        gate, up = nn.functional.linear(part, gate_up[e]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(module.act_fn(gate) * up, down[e]))
-    return torch.cat(outputs) if outputs else rows[:0]
-
-
 def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """`all_to_all_single` of rows with exact uneven splits, differentiable (backward sends the gradients back)."""
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), receive, send, group))
@@ -166,7 +137,11 @@ class ExpertParallelForward:
         token = plan.order // k  # the token each sorted copy is of
         sent = hidden_states[token]
         arrived = exchange(sent, plan.receive, plan.send, self.group)
-        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert, dist.get_world_size(self.group))
+        # the weights' gradients hold the whole EP group's tokens: divided by its size, FSDP then averages them over
+        # efsdp only, which together is the mean over all data-parallel ranks FSDP takes of every other gradient
+        # (`set_gradient_divide_factor` would say it too, but gloo has no pre-multiplied reduce-scatter)
+        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert,
+                               1.0 / dist.get_world_size(self.group))
         back = torch.empty_like(computed).index_copy(0, plan.grouped, computed)  # in arrival order again
         returned = exchange(back, plan.send, plan.receive, self.group)
         weighted = returned * top_k_weights.reshape(-1)[plan.order, None]
