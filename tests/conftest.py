@@ -102,11 +102,18 @@ def _time_by_tier(terminalreporter) -> None:
 
 
 def _time_by_module(terminalreporter) -> None:
-    terminalreporter.section("time by module (setup + call + teardown)")
+    """The slowest modules with the launches their tests started (torchrun, `shardline train`, ...: each costs
+    seconds of interpreter and process-group start-up before its first step, so sharing launches is what saves)."""
+    terminalreporter.section("time by module (setup + call + teardown; launches started from the test process)")
+    launches: dict[str, int] = {}
+    for nodeid, commands in tiers.launches().items():
+        launches[nodeid.split("::")[0]] = launches.get(nodeid.split("::")[0], 0) + len(commands)
     for module, seconds, count in _by_module(_SECONDS)[:20]:
-        terminalreporter.write_line(f"{seconds:8.1f} s  {count:4d} tests  {module}")
+        terminalreporter.write_line(f"{seconds:8.1f} s  {count:4d} tests  {launches.get(module, 0):3d} launches  "
+                                    f"{module}")
     total = sum(_SECONDS.values())
-    terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  in all ({total / 60:.1f} min)")
+    terminalreporter.write_line(f"{total:8.1f} s  {len(_SECONDS):4d} tests  {sum(launches.values()):3d} launches  "
+                                f"in all ({total / 60:.1f} min)")
 
 
 def bench_module(name: str):

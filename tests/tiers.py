@@ -236,6 +236,11 @@ def _recording_init(self, args, *rest, **kwargs):
     _original_init(self, args, *rest, **kwargs)
 
 
+def launches() -> dict[str, list[str]]:
+    """node id → the launches (torchrun, `shardline train/eval/launch`, the worker) its test and fixtures started."""
+    return _LAUNCHES
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     _running.append(item.nodeid)  # fixtures set up for this test count as its launches
