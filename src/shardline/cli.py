@@ -233,7 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p, t = spec.parallel, spec.train
     ac = p.activation_checkpointing + (f" every {p.activation_checkpointing_every}"
                                        if p.activation_checkpointing_every > 1 else "")
-    layout = layout_name(p.dp_replicate, plan.dp_shard // p.cp, p.tp, p.cp)
+    layout = layout_name(p.dp_replicate, plan.dp_shard // p.cp, p.tp, p.cp, p.ep)
     console.print(
         f"{spec.model.path or 'model.arch'}: {plan.total_params / 1e9:.3g}B params "
         f"({plan.trainable_params / 1e9:.3g}B trainable) · world {spec.world_size} ({layout}"
@@ -241,6 +241,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{planned_precision(t.precision, device)}{f' + float8 {t.float8}' if t.float8 != 'none' else ''} · AC {ac}",
         highlight=False)
     console.print(f"family: {plan.family.name} — {plan.family.adds}", highlight=False)
+    if plan.family.experts:
+        from shardline.planning.advice import mixture_lines
+
+        for line in mixture_lines(spec, plan, device):
+            console.print(line, highlight=False, markup=False)
     table = Table(title=f"per-device memory on {plan.device.name} (peak: {plan.phase})", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")

@@ -1,16 +1,19 @@
-"""What `shardline plan` says beyond its table: the speed it assumes for a capacity given alone, and each way to
-fit with the time that layout would take (`shardline.planning.fixes`, `.offload`, `.cost`)."""
+"""What `shardline plan` says beyond its table: the speed it assumes for a capacity given alone, a mixture of experts'
+active parameters, expert shards and headroom for unbalanced routing, and each way to fit with the time that layout
+would take (`shardline.planning.fixes`, `.offload`, `.cost`)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardline.model.flops import table_peak_tflops
+from shardline.model.flops import FORMULA, flops_per_token, table_peak_tflops
 from shardline.planning.cost import devices, estimate_step
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.fixes import Suggestion
-from shardline.planning.memory import gib, plan_memory
+from shardline.planning.memory import MemoryPlan, gib, model_shape, plan_memory
+from shardline.planning.moe import expert_shards
 from shardline.planning.offload import offload_cost
+from shardline.planning.step_time import planned_counts
 from shardline.spec import JobSpec
 
 
@@ -43,4 +46,47 @@ def fix_lines(spec: JobSpec, fixes: list[Suggestion], device: Device) -> list[st
         lead = "fits with" if i == 0 else "or, with" if fix.kind in ("QLoRA", "offload") else "or, on"
         lines.append(f"{lead} {fix.kind} ({gib(fix.plan.total_bytes)} GiB): {fix.command_line} · {step_s:.3g} s/step, "
                      f"{hours:.3g} h on {devices(variant.world_size)}{note}")
+    return lines
+
+
+def imbalance_headroom(spec: JobSpec, device: Device, most: float) -> float:
+    """The largest share of routed copies (1: balanced) the busiest expert-parallel rank may compute, up to `most`,
+    at which the plan still fits `device`, to 0.01; 0 when balanced routing does not fit."""
+    if not plan_memory(spec, device).fits:
+        return 0.0
+    low, high = 1.0, most
+    if plan_memory(spec, device, imbalance=high).fits:
+        return high
+    while high - low > 0.01:
+        mid = (low + high) / 2
+        low, high = (mid, high) if plan_memory(spec, device, imbalance=mid).fits else (low, mid)
+    return low
+
+
+def mixture_lines(spec: JobSpec, plan: MemoryPlan, device: Device) -> list[str]:
+    """A mixture of experts' lines: total and active parameters, the FLOPs per token (MFU's numerator) with its
+    formula, how the experts are split, and the routing the plan assumes with the headroom left for imbalance."""
+    shape, p, t = model_shape(spec.model), spec.parallel, spec.train
+    e, counts = shape.moe, planned_counts(spec)
+    experts = counts.experts_trainable + counts.experts_frozen
+    active = counts.active_trainable + counts.active_frozen + (0 if counts.tied else counts.embedding)
+    per_token = flops_per_token(counts, shape.layers, shape.heads * shape.hd, t.seq_len, shape.windows)
+    lines = [f"parameters: {plan.total_params / 1e9:.3g}B in all, {active / 1e9:.3g}B active per token (top-{e.top_k} "
+             f"of {e.count} routed experts: N_active = N − (1 − k/E)·N_experts, N_experts {experts / 1e9:.3g}B)",
+             f"model FLOPs per token at seq {t.seq_len}: {per_token / 1e9:.4g} GFLOP, from the active parameters "
+             f"(MFU's numerator): {FORMULA}",
+             expert_shards(shape, p.ep, plan.dp_shard)]
+    copies = t.micro_batch_size * t.seq_len * e.top_k
+    if p.ep == 1:
+        lines.append(f"routing: no expert parallel, every rank computes its own {copies:,} routed copies per "
+                     "micro-batch, whatever the routing (balanced or not, the same memory)")
+        return lines
+    most = float(p.ep)  # every EP rank sending all its copies to one rank's experts
+    headroom = imbalance_headroom(spec, device, most)
+    where = (f"fits even if one rank computed every copy of its EP group ({most:g}×)" if headroom >= most
+             else f"fits while the busiest EP rank computes up to {headroom:.2f}× its balanced share"
+             if headroom else "does not fit even balanced")
+    lines.append(f"routing: this plan and the dry run assume balanced routing ({copies:,} routed copies per "
+                 f"micro-batch sent and received by each EP rank); {where} (the step's expert_imbalance metric is "
+                 "the busiest expert's share: watch it against this)")
     return lines

@@ -59,6 +59,7 @@ from shardline.model.families import (
     layer_windows,
 )
 from shardline.model.nf4_layout import nf4_bytes, nf4_quantizable
+from shardline.planning import moe
 from shardline.planning.cpu_runtime import steady_growth_bytes
 from shardline.planning.devices import (
     CPU_RETAINED_BLOCKS_PLAIN,
@@ -70,6 +71,7 @@ from shardline.planning.devices import (
     get_device,
     planned_precision,
 )
+from shardline.planning.moe import Experts
 from shardline.spec import JobSpec, LoraSpec, ModelSpec, TrainSpec
 from shardline.spec.objective import frozen_reference_copy
 
@@ -90,6 +92,9 @@ class ModelShape:
     family: Family = LLAMA
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: global); empty: every layer global."""
+    moe: Experts | None = None
+    """A mixture of experts' routed experts (`planning.moe`; every layer a MoE layer, `intermediate` the expert's);
+    None: a dense MLP."""
     tp: int = 1
     """The tensor-parallel degree this shape is one rank of (`tensor_parallel_shape`): the norms run on 1/tp of
     the tokens (sequence parallel) and an untied head holds 1/tp of the vocabulary (loss parallel)."""
@@ -121,19 +126,20 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "google/gemma-3-12b": ModelShape(3840, 4 * 3840, 48, 16, 8, 262208, tie=True, head_dim=256,
                                      family=BY_MODEL_TYPE["gemma3_text"],
                                      windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(48))),
+    # a mixture of experts: 128 experts of 768 per layer, 8 per token (3.3B of its 30.5B parameters active)
+    "qwen/qwen3-30b-a3b": ModelShape(2048, 768, 48, 32, 4, 151936, head_dim=128, family=BY_MODEL_TYPE["qwen3_moe"],
+                                     moe=Experts(128, 8, 768)),
 }
 
 
 def _from_config(cfg: dict) -> ModelShape:
     family = family_of(cfg)
-    if family.experts:  # sizing routed experts, their shards and all-to-all buffers is the next phase's
-        raise SpecError("model.path", f"{family.name} is a mixture of experts, which the planner does not size yet "
-                        "(it would count the routed experts as one dense MLP)",
-                        "train it without a plan (docs/training.md#mixtures-of-experts); `plan` sizes dense models")
+    experts = moe.experts_of(cfg) if family.experts else None
     heads = cfg["num_attention_heads"]
-    return ModelShape(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
-                      cfg.get("num_key_value_heads") or heads, cfg["vocab_size"],
-                      bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"), family, layer_windows(cfg))
+    return ModelShape(cfg["hidden_size"], experts.intermediate if experts else cfg["intermediate_size"],
+                      cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads") or heads, cfg["vocab_size"],
+                      bool(cfg.get("tie_word_embeddings", False)), cfg.get("head_dim"), family, layer_windows(cfg),
+                      experts)
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -176,10 +182,13 @@ def shape_config(s: ModelShape) -> PretrainedConfig:
     windows = {"sliding_window": window} if window else {}
     if window and s.family.model_types[0] not in ("mistral", "phi3"):  # they window every layer
         windows["layer_types"] = ["sliding_attention" if w else "full_attention" for w in s.windows]
+    model_type = s.family.model_types[0] if s.family.tested else "llama"
+    experts = moe.config_fields(s.moe, AutoConfig.for_model(model_type)) if s.moe else {}
     return AutoConfig.for_model(
-        s.family.model_types[0] if s.family.tested else "llama", vocab_size=s.vocab, hidden_size=s.hidden,
+        model_type, vocab_size=s.vocab, hidden_size=s.hidden,
         intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False, **windows)
+        num_key_value_heads=s.kv_heads, head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False,
+        **windows, **experts)
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,6 +202,10 @@ def tensor_parallel_shape(s: ModelShape, tp: int) -> ModelShape:
     gathered whole."""
     if tp == 1:
         return s
+    if s.moe:
+        raise SpecError("parallel.tp", f"{s.family.name} is a mixture of experts: the tensor-parallel plan splits "
+                        "dense MLPs and does not know the fused experts",
+                        "set parallel.tp=1 for this model (parallel.ep splits the experts)")
     if s.heads % tp or s.kv_heads % tp or s.intermediate % tp:
         raise SpecError("parallel.tp", f"{tp} does not divide the model's heads ({s.heads}), kv-heads "
                         f"({s.kv_heads}) and intermediate size ({s.intermediate})",
@@ -201,19 +214,24 @@ def tensor_parallel_shape(s: ModelShape, tp: int) -> ModelShape:
                    head_dim=s.hd, tp=tp)
 
 
-def layout_name(dp_replicate: int, dp_shard: int, tp: int, cp: int = 1) -> str:
-    """How `plan` and the dry run name a parallel layout: `FSDP ×8`, `HSDP 2×8`, `FSDP ×4 × TP 8`, `FSDP ×4 × CP 2`."""
+def layout_name(dp_replicate: int, dp_shard: int, tp: int, cp: int = 1, ep: int = 1) -> str:
+    """How `plan` and the dry run name a parallel layout: `FSDP ×8`, `HSDP 2×8`, `FSDP ×4 × TP 8`, `FSDP ×4 × CP 2`,
+    `FSDP ×8 (EP 8 × efsdp 1)` (expert parallel borrows its ranks from the shards)."""
     data = f"HSDP {dp_replicate}×{dp_shard}" if dp_replicate > 1 else f"FSDP ×{dp_shard}"
+    data += f" (EP {ep} × efsdp {dp_shard // ep})" if ep > 1 else ""
     return data + (f" × CP {cp}" if cp > 1 else "") + (f" × TP {tp}" if tp > 1 else "")
 
 
 def block_linears(s: ModelShape) -> tuple[str, ...]:
-    return FUSED_LINEARS if s.family.fused else LINEARS
+    """A block's linear projections; a mixture of experts' MLP is its own (`planning.moe`)."""
+    return LINEARS[:4] if s.moe else FUSED_LINEARS if s.family.fused else LINEARS
 
 
 def linear_dims(s: ModelShape) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection of a block (fused where the family fuses them), and of the head."""
     d, q, kv, i = s.hidden, s.heads * s.hd, s.kv_heads * s.hd, s.intermediate
+    if s.moe:  # the router and the fused experts are no linears (a LoRA target among them is refused)
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "lm_head": (d, s.vocab)}
     if s.family.fused:
         return {"qkv_proj": (d, q + 2 * kv), "o_proj": (q, d), "gate_up_proj": (d, 2 * i), "down_proj": (i, d),
                 "lm_head": (d, s.vocab)}
@@ -259,7 +277,8 @@ def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
     q/k/v biases (Qwen2); LoRA adds r·(in + out) per target module."""
     dims = linear_dims(s)
     block = sum(i * o for name, (i, o) in dims.items() if name in block_linears(s)) + s.norms_per_block * s.hidden
-    block += 2 * s.hd if s.family.qk_norm else 0
+    block += (s.heads + s.kv_heads) * s.hd if s.family.qk_norm_whole else 2 * s.hd if s.family.qk_norm else 0
+    block += moe.mlp_params(s) if s.moe else 0
     block += (s.heads + 2 * s.kv_heads) * s.hd if s.family.qkv_bias else 0
     root = (s.vocab + (0 if s.tie else s.head_vocab)) * s.hidden + s.hidden
     adapters = {m: lora.r * sum(dims[m]) for m in lora_targets(s, lora)}
@@ -305,10 +324,11 @@ def nf4_dequantize_bytes(numel: int, c: int) -> int:
 
 
 def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len: int, kind: str = "cuda",
-                      compiled: bool = False) -> float:
+                      compiled: bool = False, imbalance: float = 1.0) -> float:
     """Bytes one decoder block saves for backward, per token, without activation checkpointing. A compiled block
     (`parallel.compile`) saves less: inductor's partitioner recomputes the cheap pointwise ops in the backward, so
-    each RMSNorm keeps one compute-dtype tensor (not its fp32 copy) and the MLP keeps gate and up, not act(gate)."""
+    each RMSNorm keeps one compute-dtype tensor (not its fp32 copy) and the MLP keeps gate and up, not act(gate).
+    `imbalance`: a mixture of experts' routed copies this rank computes against a balanced share."""
     d, i, h = s.hidden, s.intermediate, s.heads
     q, kv = h * s.hd, s.kv_heads * s.hd
     targets = set(lora_targets(s, lora))
@@ -331,7 +351,7 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     # RMSNorms (2, Gemma's 4): fp32 input, normalized (weight grad), rsqrt; QK-norm the same over q and k
     norm = c if compiled else 4 + (c if full else 0)  # bytes per normalized element
     b = s.norms_per_block * (norm * d + 4) / s.tp  # sequence parallel: 1/tp of the tokens
-    b += norm * (q + kv) + 4 * (h + s.kv_heads) if s.family.qk_norm else 0
+    b += norm * (q + kv) + 4 * ((2 if s.family.qk_norm_whole else h + s.kv_heads) if s.family.qk_norm else 0)
     b += inputs(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"), d)
     # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
     b += inputs(("o_proj",), q, shared=attn == "flash_attention_2")
@@ -339,20 +359,24 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
         b += c * (q + 2 * kv_saved) + h * seq_len * (4 + (c if c < 4 else 0))
     else:  # SDPA / flash: q, k, v, output and logsumexp
         b += c * (2 * q + 2 * kv_saved) + 4 * h
-    b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d)
-    b += (2 if compiled else 3) * c * i  # gate, up and (eager) act(gate)
-    b += inputs(("down_proj",), i)
+    if s.moe:  # the router, the dispatch and the experts (`planning.moe`); the router's input is the MLP's
+        b += (c * d if full else 0) + moe.mlp_saved_bytes(s, c, full, imbalance)
+    else:
+        b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d)
+        b += (2 if compiled else 3) * c * i  # gate, up and (eager) act(gate)
+        b += inputs(("down_proj",), i)
     b += sum(c * lora.r for m in targets if m in block_linears(s))  # lora_A outputs
     return b
 
 
-def selective_saved_bytes(s: ModelShape, c: int, lora: LoraSpec) -> float:
+def selective_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, imbalance: float = 1.0) -> float:
     """Selective AC: block input + outputs of every matmul and of attention (with logsumexp), per token."""
     d, i = s.hidden, s.intermediate
     q, kv = s.heads * s.hd, s.kv_heads * s.hd
     dims = linear_dims(s)
     adapters = sum(c * (lora.r + dims[m][1]) for m in lora_targets(s, lora) if m in block_linears(s))
-    return c * (d + 2 * q + 2 * kv + d + 2 * i + d) + 4 * s.heads + adapters
+    mlp = moe.mlp_selective_bytes(s, c, imbalance) if s.moe else c * (2 * i + d)
+    return c * (d + 2 * q + 2 * kv + d) + mlp + 4 * s.heads + adapters
 
 
 @dataclass(frozen=True)
@@ -430,15 +454,17 @@ LABELS = {
 }
 
 
-def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str) -> tuple[float, float, int]:
+def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str, imbalance: float) -> tuple[float, float, int]:
     """(bytes saved at the start of backward, one block's saved bytes, checkpointed blocks)."""
     p, t, lora = spec.parallel, spec.train, spec.model.lora
     n, d = t.micro_batch_size * t.seq_len // p.cp, shape.hidden
-    block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind, p.compile) * n
+    block = block_saved_bytes(shape, c, lora, spec.model.attn_implementation, t.seq_len, kind, p.compile,
+                              imbalance) * n
     # context parallel: attention saves the keys and values it gathered from the other ranks of the row
     block += 2 * c * shape.kv_heads * shape.hd * t.micro_batch_size * (t.seq_len - t.seq_len // p.cp)
     n_ckpt = 0 if p.activation_checkpointing == "none" else math.ceil(shape.layers / p.activation_checkpointing_every)
-    kept = c * d * n / shape.tp if p.activation_checkpointing == "full" else selective_saved_bytes(shape, c, lora) * n
+    kept = (c * d * n / shape.tp if p.activation_checkpointing == "full"
+            else selective_saved_bytes(shape, c, lora, imbalance) * n)
     final_norm = ((4 * d + (0 if lora.enabled else c * d)) / shape.tp + (c * d if head_trainable(lora) else 0)) * n
     saved = n_ckpt * kept + (shape.layers - n_ckpt) * block + (block if n_ckpt else 0) + final_norm
     if spec.model.attn_implementation == "eager":
@@ -458,9 +484,11 @@ def as_device(device: Device | str | None) -> Device:
     return get_device(device) if isinstance(device, str) else device
 
 
-def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes: int | None = None,
+                imbalance: float = 1.0) -> MemoryPlan:
     """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine);
-    `runtime_bytes`: a CPU run's own runtime, measured at startup (`cpu_runtime.resident_bytes`)."""
+    `runtime_bytes`: a CPU run's own runtime, measured at startup (`cpu_runtime.resident_bytes`); `imbalance`: for a
+    mixture of experts under expert parallel, the routed copies this rank computes against a balanced share."""
     dev = as_device(device)
     shape = model_shape(spec.model)
     p, t, lora = spec.parallel, spec.train, spec.model.lora
@@ -485,17 +513,20 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     grads, opt = 4 * pb.trainable / shard, 8 * pb.trainable / shard
     opt_temp = 0 if dev.kind == "cuda" else 4 * pb.trainable / shard  # fused AdamW on CUDA; foreach on CPU
 
-    saved, block, n_ckpt = _activations(spec, shape, c, dev.kind)
+    saved, block, n_ckpt = _activations(spec, shape, c, dev.kind, imbalance)
     head_grad = c * shape.head_vocab * d if head_trainable(lora) else 0
-    block_bwd = 3 * c * shape.intermediate * n  # gradients of the MLP intermediates while a block runs backward
-    gathers = c * (pb.root + 2 * (pb.block - sum(nf4)))  # NF4 weights are outside FSDP: never gathered
+    # gradients of the MLP intermediates while a block runs backward (a mixture: and the all-to-all buffers)
+    block_bwd = (moe.mlp_backward_bytes(shape, c, p.ep, imbalance) if shape.moe else 3 * c * shape.intermediate) * n
+    # NF4 weights are outside FSDP: never gathered; expert parallel gathers only this rank's experts
+    gathered = moe.gathered_block(shape, pb.block, p.ep)
+    gathers = c * (pb.root + 2 * (gathered - sum(nf4)))
     float8 = float8_block_linears(shape, t.float8)
     if t.float8 == "tensorwise" and dev.kind == "cuda":  # FSDP2's float8 all-gather: 1 byte per converted weight
         gathers -= 2 * (c - 1) * sum(i * o for i, o in float8)
     dequantize += float8_cast_bytes(float8, n)  # one linear's float8 copies at a time, forward and backward
     # FSDP2 post-backward: unsharded grads (c) → fp32 reduce-scatter input; one earlier input stays in flight
-    block_rs = (c + 8) * pb.block_trainable
-    root_rs = (c + 4) * pb.root_trainable + 4 * pb.block_trainable
+    block_rs = (c + 8) * (pb.block_trainable - (0 if lora.enabled else pb.block - gathered))
+    root_rs = (c + 4) * pb.root_trainable + 4 * (pb.block_trainable - (0 if lora.enabled else pb.block - gathered))
 
     grads_now = grads if spec.grad_accum_steps > 1 else 0  # earlier micro-batches' gradients
     moments = {

@@ -2,7 +2,8 @@
 activation checkpointing runs again, and a QLoRA base's NF4 dequantization (memory-bound, at the device's bandwidth).
 
 - model FLOPs: `shardline.model.flops.flops_per_token` over global batch × seq len tokens (full rows), plus the
-  reference's forward where DPO or GRPO's KL runs one;
+  reference's forward where DPO or GRPO's KL runs one; a mixture of experts by its active parameters (top-k of E
+  routed experts: `planned_counts`);
 - recompute: full AC on every k-th block runs the forward of 1/k of the blocks once more (2 FLOPs per weight of a
   block and 4·a·T of attention per token), at the same MFU; selective AC recomputes no matmul;
 - dequantization: every NF4 weight is dequantized for each forward and backward of each micro-batch (and for the
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from shardline.model.flops import ParamCounts
     from shardline.spec import JobSpec
 
 
@@ -44,29 +46,49 @@ def recompute_fraction(spec: JobSpec) -> float:
     return 1.0 / p.activation_checkpointing_every if p.activation_checkpointing == "full" else 0.0
 
 
-def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = None, compute_bytes: int = 2) -> StepTime:
-    """Seconds per step at `cost.assumed_mfu` of `peak_tflops` per device; `memory_gbps` (the device's memory
-    bandwidth, GB/s) prices a QLoRA base's dequantization into `compute_bytes` per element (left out where the
-    bandwidth is unknown)."""
-    from shardline.model.flops import ParamCounts, flops_per_token
-    from shardline.model.nf4_layout import nf4_bytes
-    from shardline.planning.memory import model_shape, nf4_block_weights, nf4_dequantize_bytes, param_budget
-    from shardline.spec.objective import reference_forward
+def planned_counts(spec: JobSpec) -> ParamCounts:
+    """The model's parameters as `shardline.model.flops` counts them in training (matmul weights trainable and
+    frozen, the embedding table, a mixture's routed experts and the share of them a token runs through), from the
+    planner's shape: what the trainer's MFU will be computed from."""
+    from shardline.model.flops import ParamCounts
+    from shardline.planning.memory import model_shape, param_budget
+    from shardline.planning.moe import expert_params
 
     shape = model_shape(spec.model)
     pb = param_budget(shape, spec.model.lora)
     embedding = shape.vocab * shape.hidden
     matmul = pb.total - embedding + (embedding if shape.tie else 0)  # lm_head counts even when tied
     trainable = pb.trainable if spec.model.lora.enabled else matmul
-    counts = ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie)
+    experts = pb.layers * expert_params(shape)
+    return ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie,
+                       experts_trainable=0 if spec.model.lora.enabled else experts,
+                       experts_frozen=experts if spec.model.lora.enabled else 0,
+                       active_experts=shape.moe.active_fraction if shape.moe else 1.0)
+
+
+def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = None, compute_bytes: int = 2) -> StepTime:
+    """Seconds per step at `cost.assumed_mfu` of `peak_tflops` per device; `memory_gbps` (the device's memory
+    bandwidth, GB/s) prices a QLoRA base's dequantization into `compute_bytes` per element (left out where the
+    bandwidth is unknown)."""
+    from shardline.model.flops import flops_per_token
+    from shardline.model.nf4_layout import nf4_bytes
+    from shardline.planning.memory import model_shape, nf4_block_weights, nf4_dequantize_bytes, param_budget
+    from shardline.spec.objective import reference_forward
+
+    shape = model_shape(spec.model)
+    pb = param_budget(shape, spec.model.lora)
+    counts = planned_counts(spec)
+    active = counts.active_trainable + counts.active_frozen
     width, t = shape.heads * shape.hd, spec.train
     per_token = flops_per_token(counts, shape.layers, width, t.seq_len, shape.windows)
-    if reference_forward(spec):  # DPO's adapters-off reference, GRPO's KL: one more forward of every matmul
-        per_token += 2 * matmul
+    if reference_forward(spec):  # DPO's adapters-off reference, GRPO's KL: one more forward of every active matmul
+        per_token += 2 * active
     tokens = t.global_batch_size * t.seq_len
     rate = spec.world_size * peak_tflops * 1e12 * spec.cost.assumed_mfu
     fraction = recompute_fraction(spec)
-    recompute = fraction * (2.0 * pb.layers * pb.block + 4.0 * shape.layers * width * t.seq_len)
+    experts = counts.experts_trainable + counts.experts_frozen
+    active_block = pb.block - (1.0 - counts.active_experts) * experts / pb.layers
+    recompute = fraction * (2.0 * pb.layers * active_block + 4.0 * shape.layers * width * t.seq_len)
     dequantize = 0.0
     weights = nf4_block_weights(shape, spec.model.lora)
     if weights and memory_gbps:

@@ -1,6 +1,7 @@
 """`shardline plan --dry-run`: the spec's real model, sharded by shardline's own code at the spec's world size, as
 one rank of a fake process group on this CPU; then, unless `step=False`, one training step on fake tensors (and
-GRPO's sampling at its peak).
+GRPO's sampling at its peak); a mixture of experts under expert parallel with balanced routing
+(`simulation.balanced_routing`).
 
 Its own process (`python -m shardline.planning.simulation.dry_run SPEC.yaml …`, started by
 `shardline.api.dry_run`): the fake process group is process-global. Prints progress on stderr and the result as
@@ -36,6 +37,8 @@ from shardline.planning.memory import (
     shape_config,
     tensor_parallel_shape,
 )
+from shardline.planning.moe import gathered_block
+from shardline.planning.simulation.balanced_routing import balanced_routing
 from shardline.planning.simulation.fake_world import fake_process_group
 from shardline.planning.simulation.step_memory import Sampling, simulate_step
 from shardline.spec import JobSpec
@@ -145,7 +148,8 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
             "sampling_peak": plan.moment_bytes.get("GRPO sampling"),
             "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
             "grads": 4 * pb.trainable / shard, "optimizer": 8 * pb.trainable / shard,
-            "gather_buffers": compute_bytes * (pb.root + 2 * (pb.block - sum(nf4))),
+            "gather_buffers": compute_bytes * (pb.root + 2 * (gathered_block(shape, pb.block, spec.parallel.ep)
+                                                              - sum(nf4))),
             "peak": seen, "phase": plan.phase, "unseen": plan.allocator + plan.growth + plan.runtime,
             "offloaded": plan.host_offload_bytes}
 
@@ -194,8 +198,11 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
             t = spec.train
             sampling = Sampling(t.global_batch_size // spec.world_size, t.seq_len,
                                 torch.bfloat16 if precision == "bf16" else torch.float32)
-            mem, sampled = simulate_step(model, t, model.config.vocab_size, micro_batches, progress,
-                                         sampling if t.objective == "grpo" else None)
+            with balanced_routing():  # expert parallel: the real dispatch, of balanced routing
+                mem, sampled = simulate_step(model, t, model.config.vocab_size, micro_batches, progress,
+                                             sampling if t.objective == "grpo" else None)
+            if spec.parallel.ep > 1:
+                result["routing"] = "balanced (every expert receives k·N/E of a rank's N tokens' routed copies)"
             result["step"] = asdict(mem) | {"micro_batches": micro_batches,
                                             "flops_expected": _flops(model, spec, micro_batches)}
             if sampled is not None:  # the planner's sampling moment: this rank's completions at seq_len

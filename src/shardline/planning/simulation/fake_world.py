@@ -19,6 +19,7 @@ PRIVATE_APIS = (
     "torch.testing._internal.distributed.fake_pg.FakeStore",
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
     "torch._subclasses.fake_tensor.FakeTensorMode",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily",
 )
 
 
@@ -45,9 +46,17 @@ def fake_tensor_mode():
     return _import(PRIVATE_APIS[2])(allow_non_fake_inputs=True)
 
 
+def outside_fake_mode():
+    """A context in which new tensors are real again while fake ones stay fake (their own mode runs their ops): for
+    the host integers a step reads (expert parallel's dispatch splits), computed for real beside fake activations."""
+    return _import(PRIVATE_APIS[3])()
+
+
 @contextmanager
 def fake_process_group(world: int, rank: int) -> Iterator[None]:
-    """The process-global default group as rank `rank` of `world`; collectives move no data."""
+    """The process-global default group as rank `rank` of `world`; collectives move no data, except that
+    `all_to_all_single` returns a rank's own input (torch's fake group copies it): each rank is taken to receive what
+    it sends, which is the exchange of balanced routing (`simulation.balanced_routing`)."""
     if not 0 <= rank < world:
         raise ShardlineError("--rank", f"{rank} is not a rank of world {world}", f"choose 0…{world - 1}")
     if dist.is_initialized():
