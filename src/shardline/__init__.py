@@ -15,6 +15,7 @@ third_party_noise.install()
 
 if TYPE_CHECKING:
     from shardline.api import (
+        Attached,
         ClusterError,
         DataError,
         DryRun,
@@ -32,10 +33,12 @@ if TYPE_CHECKING:
         render,
         runs,
         train,
+        train_attached,
     )
 
-__all__ = ["ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
-           "Spec", "SpecError", "__version__", "dry_run", "launch", "plan", "render", "runs", "train"]
+__all__ = ["Attached", "ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus",
+           "ShardlineError", "Spec", "SpecError", "__version__", "dry_run", "launch", "plan", "render", "runs", "train",
+           "train_attached"]
 
 
 def __getattr__(name: str) -> Any:

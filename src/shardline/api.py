@@ -51,8 +51,9 @@ from shardline.rundir import run_path, with_run_id
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec, resolve_data, spec_to_yaml
 
-__all__ = ["ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus", "ShardlineError",
-           "Spec", "SpecError", "dry_run", "launch", "plan", "render", "runs", "train"]
+__all__ = ["Attached", "ClusterError", "DataError", "DryRun", "Plan", "Rendered", "Run", "RunState", "RunStatus",
+           "ShardlineError", "Spec", "SpecError", "dry_run", "launch", "plan", "render", "runs", "train",
+           "train_attached"]
 
 
 class Spec(JobSpec):
@@ -279,6 +280,54 @@ def train(spec: JobSpec, nproc: int | None = None) -> Run:
     if nproc is not None:  # validated again: the batch must still divide by the new world size
         spec = resolve_data(spec.model_dump(mode="json"), values={"parallel.nproc_per_node": nproc})
     return launch(spec, "local")
+
+
+@dataclass(frozen=True)
+class Attached:
+    """How a `train_attached` run ended: its directory and the exit code of its workers (docs/architecture.md §7: 0
+    finished, 75 stopped with a committed checkpoint, 76 a hang, 1 any other failure)."""
+
+    run_dir: Path
+    exit_code: int
+
+    @property
+    def run(self) -> Run:
+        return Run.open(self.run_dir)
+
+
+def train_attached(spec: JobSpec, *, prepare: Callable[[JobSpec], Any] | None = None,
+                   say: Callable[[str], None] = lambda line: None) -> Attached:
+    """Train on this machine under torchrun until the run ends (`shardline train`): a new run, or the run `run.id`
+    names resumed (refused while it still runs). Launch settings, the environment and the data's first rows are
+    checked before a run directory exists; `prepare` (default `data.prepare.prepare`) prepares the data once for
+    every worker; `say` gets the lines a person wants to see (the run's directory, the precision `auto` chose).
+    Bad input raises `ShardlineError`; a run that ends badly returns its exit code."""
+    # Imported here: every other verb's start-up stays free of the local launcher's imports.
+    from shardline.data.preflight import preflight
+    from shardline.data.prepare import prepare as prepare_data
+    from shardline.engines.backend import record_path
+    from shardline.engines.command import local_spec
+    from shardline.engines.local import torchrun_command, train_run
+    from shardline.environment import check_environment
+    from shardline.procfs import process_start_epoch
+    from shardline.run_status import refuse_if_running
+    from shardline.rundir import claim_run, create_run, read_manifest
+
+    if spec.run.id is not None:  # a resume: never while the run still runs, and /metrics on loopback here
+        if run_path(spec).is_dir():
+            claim_run(run_path(spec))  # atomic: of two launches at once, one is refused here
+        refuse_if_running(run_path(spec))
+        record = record_path(run_path(spec))
+        spec = local_spec(spec, json.loads(record.read_text()).get("target") if record.is_file() else None)
+    torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
+    check_environment(spec)  # the workers check too; here the error comes before a run directory exists
+    preflight(spec)  # the model's location, the data's format and first rows: before a run directory exists
+    spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup
+    claim_run(run_dir)  # a new run's directory is new: held for this launcher's life
+    say(f"run {spec.run.id} → {run_dir}")
+    if chosen := read_manifest(run_dir).get("precision"):
+        say(f"precision {chosen['chosen']}: {chosen['reason']}")
+    return Attached(run_dir, train_run(spec, run_dir, prepare or prepare_data, say))
 
 
 # ---- runs ----------------------------------------------------------------------------------------------

@@ -126,38 +126,17 @@ def _show_examples(spec, data, count: int, json_file: str | None, quiet: bool) -
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardline.data.preflight import preflight
-    from shardline.engines.backend import record_path
-    from shardline.engines.command import local_spec
-    from shardline.engines.local import torchrun_command, train_run
-    from shardline.environment import check_environment
+    from shardline.api import train_attached
     from shardline.jsonl import read_jsonl
-    from shardline.procfs import process_start_epoch
-    from shardline.run_status import refuse_if_running
-    from shardline.rundir import claim_run, create_run, read_manifest, run_path
 
-    spec = _resolve(args)
-    if spec.run.id is not None:  # a resume: never while the run still runs, and /metrics on loopback here
-        if run_path(spec).is_dir():
-            claim_run(run_path(spec))  # atomic: of two launches at once, one is refused here
-        refuse_if_running(run_path(spec))
-        record = record_path(run_path(spec))
-        spec = local_spec(spec, json.loads(record.read_text()).get("target") if record.is_file() else None)
-    torchrun_command(spec, Path("spec.yaml"))  # validates launch settings before anything is written
-    check_environment(spec)  # the workers check too; here the error comes before a run directory exists
-    preflight(spec)  # the model's location, the data's format and first rows: before a run directory exists
-    spec, run_dir = create_run(spec, started_at=process_start_epoch())  # goodput counts this command's startup
-    claim_run(run_dir)  # a new run's directory is new: held for this launcher's life
-    console.print(f"run [bold]{spec.run.id}[/] → {run_dir}", highlight=False)
-    if chosen := read_manifest(run_dir).get("precision"):
-        console.print(f"precision {chosen['chosen']}: {chosen['reason']}", highlight=False, markup=False)
-    code = train_run(spec, run_dir, _prepare_with_progress, lambda m: console.print(m, highlight=False, markup=False))
-    if code == EXIT_PREEMPTED:
-        stops = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "preempted"]
+    ended = train_attached(_resolve(args), prepare=_prepare_with_progress,
+                           say=lambda m: console.print(m, highlight=False, markup=False))
+    if ended.exit_code == EXIT_PREEMPTED:
+        stops = [r for r in read_jsonl(ended.run_dir / "metrics.jsonl") if r.get("event") == "preempted"]
         safe = f"its checkpoint of step {stops[-1]['step']} is committed" if stops else "it has no checkpoint yet"
-        console.print(f"stopped: run {run_dir} — {safe}; resume with `shardline train {run_dir}`",
+        console.print(f"stopped: run {ended.run_dir} — {safe}; resume with `shardline train {ended.run_dir}`",
                       highlight=False, markup=False)
-    return code
+    return ended.exit_code
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
