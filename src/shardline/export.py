@@ -150,8 +150,9 @@ def stored_dtype(path: str) -> torch.dtype:
 def export_dtype(spec: JobSpec, requested: str, full: bool) -> torch.dtype:
     """The dtype an export writes its weights in. `requested` is a name of EXPORT_DTYPES, or `auto`: the
     checkpoint's own dtype — for full weights (a full fine-tune or merged LoRA) the base's: that of `model.path`'s
-    safetensors weights, else (a model built from `model.arch`) the run's compute dtype `train.precision` (bf16 ->
-    bfloat16, fp32 -> float32); for a LoRA adapter float32, the dtype its few weights trained in."""
+    safetensors weights, else (a model built from `model.arch`, or `model.random_init`) the run's compute dtype
+    `train.precision` (bf16 -> bfloat16, fp32 -> float32); for a LoRA adapter float32, the dtype its few weights
+    trained in."""
     if requested != "auto":
         if requested not in EXPORT_DTYPES:
             raise ShardlineError("--dtype", f"unknown dtype {requested!r}",
@@ -159,7 +160,7 @@ def export_dtype(spec: JobSpec, requested: str, full: bool) -> torch.dtype:
         return EXPORT_DTYPES[requested]
     if not full:
         return torch.float32
-    if spec.model.path is not None:
+    if spec.model.path is not None and not spec.model.random_init:
         return stored_dtype(spec.model.path)
     # create_run writes the chosen precision into the run's spec; an older spec may still say auto (then fp32)
     return torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
@@ -253,7 +254,8 @@ def input_layout_is_fused(spec: JobSpec) -> bool:
     expert as the hub does."""
     from shardline.model.sharded_load import _stored_keys  # the one place that finds a checkpoint's files
 
-    return spec.model.path is not None and stores_fused_experts(_stored_keys(spec.model.path))
+    return (spec.model.path is not None and not spec.model.random_init
+            and stores_fused_experts(_stored_keys(spec.model.path)))
 
 
 def _save_full(model: nn.Module, ids: dict[str, int], out: Path, original_format: bool = True) -> None:

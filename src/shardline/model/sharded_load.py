@@ -19,8 +19,8 @@ A mixture of experts' fused expert weights (`mlp.experts.gate_up_proj [E, 2I, H]
 tensors hub checkpoints store (`shardline.model.expert_layout`): a rank whose shard holds experts a..b reads only
 those experts' tensors.
 
-Random init (no `model.path`, and LoRA adapters always) is HF's / peft's scheme, made deterministic per
-parameter and independent of the world size: each tensor is cut into fixed blocks of rows
+Random init (no `model.path`, or `model.random_init`; LoRA adapters always) is HF's / peft's scheme, made
+deterministic per parameter and independent of the world size: each tensor is cut into fixed blocks of rows
 (`INIT_BLOCK_ELEMENTS` elements), block b of parameter `name` is drawn on the CPU from a generator seeded by
 (init_seed, name, b), and a rank draws only the blocks that overlap its rows. Names are Hugging Face keys
 (peft's prefix and `.base_layer` removed), so a LoRA model's base equals the plain model's, on any device.
@@ -102,13 +102,13 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device) -> None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     std = base.config.initializer_range
     with torch.no_grad():
-        if spec.path is None:
+        if spec.path is None or spec.random_init:
             random = params
         else:
             random = [p for p in params if _is_lora(p.name)]
             _load_checkpoint([p for p in params if not _is_lora(p.name)], spec.path, quantized, device, base)
         _fill_all_random(random, spec.init_seed, std)
-        if spec.path is None:
+        if spec.path is None or spec.random_init:
             for p, attr in quantized:
                 dense = replace(p, param=torch.empty(p.param.shape, dtype=p.param.dtype, device=device))
                 _fill_all_random([dense], spec.init_seed, std)

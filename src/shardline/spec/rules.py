@@ -38,6 +38,10 @@ def check_combinations(spec: JobSections) -> None:
             "shard × tp = GPUs per node)",
         )
     if spec.model.path is None:
+        if spec.model.random_init:
+            raise SpecError("model.random_init", "is true, but model.path is unset: it random-initialises the "
+                            "config.json of model.path (a model built from model.arch is always random-initialised)",
+                            "point model.path at a directory with config.json, or set model.random_init=false")
         if a.hidden_size % a.num_heads:
             raise SpecError(
                 "model.arch.hidden_size",

@@ -108,7 +108,11 @@ class ModelSpec(Section):
     """sdpa (torch's scaled-dot-product attention, per-document masks when packed) | flash_attention_2 (needs
     flash-attn) | eager."""
     init_seed: int = 0
-    """Seed of the random initialisation when the model is built from `arch`."""
+    """Seed of the random initialisation when the model is built from `arch` (or with `random_init`)."""
+    random_init: bool = False
+    """Build `path`'s config.json with the random initialisation of `init_seed` instead of reading its weights (none
+    need be there): a same-shape model of any family whose weights cannot travel, for benchmarks. The tokenizer is
+    still `tokenizer` or `path`'s own."""
     lora: LoraSpec = LoraSpec()
 
 
