@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from transformers import (
     AutoModelForCausalLM,
+    LlamaConfig,
     MixtralConfig,
     OlmoeConfig,
     PreTrainedTokenizerBase,
@@ -212,6 +213,35 @@ def test_loss_and_every_gradient_equal_transformers_with_the_aux_loss_on_and_off
         for key, p in model.named_parameters():
             torch.testing.assert_close(p.grad, grads[key], atol=2e-6, rtol=1e-4,
                                        msg=lambda m, k=key, aux=aux: f"aux={aux} {k}: {m}")
+
+
+def test_the_router_z_loss_is_coef_times_the_mean_square_logsumexp_of_transformers_router_logits(checkpoints):
+    """`train.router_z_loss_coef`: the training loss grows by coef · the mean over the real tokens and MoE layers of
+    logsumexp(router logits)² (ST-MoE's z-loss), derived here by hand from transformers' own router logits
+    (`output_router_logits=True`, the padding tail masked out); its gradient reaches the routers; a dense model
+    refuses a coefficient."""
+    batch, mask = _batch(seed=3)
+    model, theirs = ours(checkpoints["mixtral"]), reference(checkpoints["mixtral"])
+    coef = 0.01
+    plain = token_loss_sum(model, batch)
+    plain.backward()
+    router = model.model.layers[0].mlp.gate.weight
+    without = router.grad.clone()
+    model.zero_grad(set_to_none=True)
+    moe.set_z_loss_coefficient(model.config, coef)
+    with_z = token_loss_sum(model, batch)
+    with_z.backward()
+    with torch.no_grad():
+        logits = theirs(input_ids=batch.input_ids, attention_mask=mask.long(), output_router_logits=True).router_logits
+    keep = mask.reshape(-1)
+    z = torch.cat([torch.logsumexp(layer.float(), dim=-1)[keep] for layer in logits]).pow(2).mean()
+    added = (with_z - plain).item() / batch.n_loss_tokens
+    print(f"router z-loss: shardline adds {added:.7f}, by hand from transformers' router logits {coef * z.item():.7f}")
+    assert added == pytest.approx(coef * z.item(), rel=1e-5) and added > 1e-3
+    assert (router.grad - without).abs().max() > 1e-4  # the z-loss's gradient reaches the router
+    with pytest.raises(SpecError, match="has no router") as e:
+        moe.set_z_loss_coefficient(LlamaConfig(), 0.1)
+    assert e.value.where == "train.router_z_loss_coef"
 
 
 def test_mis_routing_moves_the_loss_beyond_the_oracles_tolerance(checkpoints):

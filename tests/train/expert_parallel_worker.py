@@ -4,14 +4,15 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "replicate": n, "family": name}`: a tiny Qwen3-MoE (or
-  the `family` of FAMILIES: Qwen2-MoE with its gated shared expert, Mixtral; transformers' own model code and config
-  class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
+- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "z": bool, "replicate": n, "family": name}`: a tiny
+  Qwen3-MoE (or the `family` of FAMILIES: Qwen2-MoE with its gated shared expert, Mixtral; transformers' own model
+  code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
   `parallel.dp_replicate=n` (FSDP or HSDP over the rest)
   takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
   full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
   loss with labels: with `aux`, the router aux loss on, coefficient 0.05, which shardline computes from expert counts
-  all-reduced over the ranks). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
+  all-reduced over the ranks; with `z`, the router z-loss too, coefficient 0.01, against its hand derivation from
+  transformers' router logits). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
   permutation off by one rank), `broken: combine` sums the experts' outputs without their routing weights: the
   oracle must catch both;
 - `{"spec": path, "steps": n, "out": path, "save": bool, "save_at": k}`: the Trainer of a created run resumes if its
@@ -41,7 +42,7 @@ from shardline.spec import JobSpec, ParallelSpec
 from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 
-EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF = 8, 2, 4, 24, 0.05
+EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF, Z_COEF = 8, 2, 4, 24, 0.05, 0.01
 CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=TOP_K)
 FAMILIES = {
@@ -62,24 +63,34 @@ def tiny_moe(aux: bool, family: str = "qwen3_moe") -> torch.nn.Module:
 
 def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """shardline's summed training loss of `ids`: cross-entropy plus, with the aux loss on, this rank's share of it
-    (`moe.aux_loss_term`, from expert counts all-reduced over the ranks)."""
-    with moe.router_logits(model, record=moe.aux_loss_coefficient(model.config) > 0) as routed:
+    (`moe.aux_loss_term`, from expert counts all-reduced over the ranks), and with the z-loss on, its share of that
+    (`moe.z_loss_term`)."""
+    aux, z = moe.aux_loss_coefficient(model.config), moe.z_loss_coefficient(model.config)
+    with moe.router_logits(model, record=aux > 0 or z > 0) as routed:
         logits = model(ids, **moe.forward_kwargs(model.config)).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-    return loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel()) if routed else loss
+    if aux:
+        loss = loss + moe.aux_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel())
+    if z:
+        loss = loss + moe.z_loss_term(model, routed, None, ids.shape, ids[:, 1:].numel())
+    return loss
 
 
-def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None, family: str) -> None:
+def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None, family: str, z: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = tiny_moe(aux, family)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     tokens = ROWS * (SEQ - 1)
-    want_loss = reference(ids, labels=ids).loss  # transformers' own: mean cross-entropy (+ coef · its aux loss)
+    with moe.router_logits(reference, record=z) as routed:  # transformers' router logits, recorded by a hook
+        want_loss = reference(ids, labels=ids).loss  # transformers' own: mean cross-entropy (+ coef · its aux loss)
+    if z:  # ST-MoE's z-loss by hand: the mean over tokens and layers of logsumexp(router logits)²
+        want_loss = want_loss + Z_COEF * torch.cat([torch.logsumexp(t, dim=-1) for t in routed]).pow(2).mean()
     want_loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
 
     model = tiny_moe(aux, family)
     model.load_state_dict(reference.state_dict())
+    moe.set_z_loss_coefficient(model.config, Z_COEF if z else 0.0)
     spec = ParallelSpec(ep=ep, dp_replicate=replicate)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
     route, combine = expert.route, expert.ExpertParallelForward.__call__
@@ -114,7 +125,7 @@ def main(jobs_file: str) -> None:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
                 oracle(job["oracle"], job.get("broken"), job.get("aux", False), job.get("replicate", 1),
-                       job.get("out"), job.get("family", "qwen3_moe"))
+                       job.get("out"), job.get("family", "qwen3_moe"), job.get("z", False))
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))

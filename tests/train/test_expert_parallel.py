@@ -92,7 +92,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
-                         {"oracle": 2, "family": "mixtral", "out": str(tmp_path / "mixtral-ep2.out")},
+                         {"oracle": 2, "family": "mixtral", "z": True, "out": str(tmp_path / "mixtral-ep2z.out")},
                          {"oracle": 2, "family": "qwen2_moe", "aux": True,
                           "out": str(tmp_path / "qwen2_moe-ep2aux.out")},
                          *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
@@ -101,7 +101,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 1},
                          {**lora_1, "steps": 3}, {**lora_2, "steps": 3}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
-                             ("mixtral-ep2", ["S(1)", "S(0)"]), ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
+                             ("mixtral-ep2z", ["S(1)", "S(0)"]), ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
@@ -172,7 +172,7 @@ def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_st
 
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
     launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")},
-                         {"oracle": 2, "aux": True, "out": str(tmp_path / "fsdp2xep2aux.out")},
+                         {"oracle": 2, "aux": True, "z": True, "out": str(tmp_path / "fsdp2xep2aux.out")},
                          {"oracle": 2, "replicate": 2, "out": str(tmp_path / "hsdp2xep2.out")}])
     for case, placements in (("fsdp2xep2", ["S(1)", "S(0)"]), ("fsdp2xep2aux", ["S(1)", "S(0)"]),
                              ("hsdp2xep2", ["R", "S(1)", "S(0)"])):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.errors import SpecError
 from shardline.model.families import EXPERT_COUNT_FIELDS
 
 
@@ -70,6 +71,25 @@ def aux_loss_coefficient(config: Any) -> float:
     if not is_moe(config) or not getattr(config, "output_router_logits", False):
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+Z_LOSS_FIELD = "router_z_loss_coef"
+"""Where the model's config carries `train.router_z_loss_coef` for the loss (`set_z_loss_coefficient`)."""
+
+
+def set_z_loss_coefficient(config: Any, coefficient: float) -> None:
+    """Put `train.router_z_loss_coef` on the model's config (transformers' name for it), where the loss reads it;
+    a SpecError for a coefficient above 0 on a dense model."""
+    if coefficient and not is_moe(config):
+        model = getattr(config, "model_type", "the model")
+        raise SpecError("train.router_z_loss_coef", f"is {coefficient}, but {model} has no router (not a mixture of "
+                        "experts)", "set train.router_z_loss_coef=0")
+    setattr(config, Z_LOSS_FIELD, float(coefficient))
+
+
+def z_loss_coefficient(config: Any) -> float:
+    """The router z-loss's weight in the training loss: `train.router_z_loss_coef` (0: off)."""
+    return float(getattr(config, Z_LOSS_FIELD, 0.0) or 0.0) if is_moe(config) else 0.0
 
 
 def forward_kwargs(config: Any) -> dict[str, Any]:
@@ -135,6 +155,20 @@ def aux_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpan
     experts = num_experts(config)
     aux = torch.sum((totals[:experts] / totals[experts]) * (probabilities / totals[experts])) * experts
     return aux * (aux_loss_coefficient(config) * totals[experts + 1])
+
+
+def z_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpans | None, shape: torch.Size,
+                loss_tokens: int) -> torch.Tensor:
+    """What one micro-batch adds to the summed training loss for the router z-loss: coef · z · the loss-bearing tokens
+    of the micro-batch on all ranks, z the mean over the real tokens of all ranks and every MoE layer of
+    logsumexp(router logits)² (the row and loss-token totals all-reduced, this rank's squares its own: the shares of
+    the ranks sum to the z-loss of all their tokens, as for `aux_loss_term`)."""
+    flat = real_tokens(spans, shape).reshape(-1).to(device=logits[0].device, dtype=torch.float32)
+    squares = sum((torch.logsumexp(layer.float(), dim=-1) ** 2 * flat).sum() for layer in logits)
+    totals = torch.stack([flat.sum() * len(logits), torch.tensor(float(loss_tokens), device=flat.device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)  # no host read: the totals stay on the device
+    return squares / totals[0] * (z_loss_coefficient(lm.config) * totals[1])
 
 
 class ExpertLoad:

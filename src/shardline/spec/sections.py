@@ -331,6 +331,10 @@ class TrainSpec(Section):
     """AdamW weight decay, on matrices only (norms and biases are not decayed)."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; None: no clipping (the norm is still logged)."""
+    router_z_loss_coef: float = Field(0.0, ge=0)
+    """Mixtures of experts: weight of the router z-loss (ST-MoE; transformers' `router_z_loss_func`: the mean over
+    the real tokens and MoE layers of each router's logsumexp(logits)², which keeps router logits small) added to
+    the training loss; 0: off. Above 0 with a dense model is an error."""
     precision: Precision = "auto"
     """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
     (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""

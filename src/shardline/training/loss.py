@@ -53,13 +53,16 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int | None = No
 
     A mixture of experts with its router auxiliary loss on (`shardline.model.moe`) adds, while gradients are on,
     coef · aux · `batch.n_loss_tokens` (aux over this batch's real tokens): the step's loss is then transformers'
-    `cross-entropy + coef · aux`."""
+    `cross-entropy + coef · aux`; with `train.router_z_loss_coef` it adds coef · z · `batch.n_loss_tokens` too."""
     lm = causal_lm(model)
-    coefficient = moe.aux_loss_coefficient(lm.config) if torch.is_grad_enabled() else 0.0
-    with moe.router_logits(lm, record=coefficient > 0) as routed:
+    aux = moe.aux_loss_coefficient(lm.config) if torch.is_grad_enabled() else 0.0
+    z = moe.z_loss_coefficient(lm.config) if torch.is_grad_enabled() else 0.0
+    with moe.router_logits(lm, record=aux > 0 or z > 0) as routed:
         loss = _token_loss(model, batch, chunk_tokens, "sum")
-    if coefficient:
+    if aux:
         loss = loss + moe.aux_loss_term(lm, routed, batch.spans, batch.input_ids.shape, batch.n_loss_tokens)
+    if z:
+        loss = loss + moe.z_loss_term(lm, routed, batch.spans, batch.input_ids.shape, batch.n_loss_tokens)
     return loss
 
 

@@ -50,7 +50,7 @@ from shardline.model.flops import (
 )
 from shardline.model.local_cache import staged_model_spec
 from shardline.model.lora import apply_lora, quantize_frozen_base
-from shardline.model.moe import ExpertLoad
+from shardline.model.moe import ExpertLoad, set_z_loss_coefficient
 from shardline.model.sharded_load import materialize
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.expert import expert_parallel_layers
@@ -117,6 +117,7 @@ class Trainer:
         if spec.model.lora.enabled:
             model = apply_lora(model, spec.model.lora)
         self.quantized_base = quantize_frozen_base(model, spec.model.lora, spec.train.precision)
+        set_z_loss_coefficient(model.config, spec.train.router_z_loss_coef)  # the loss reads it there
         self.params = count_params(model)
         self.startup.lap("model on meta")
         cfg = model.config
