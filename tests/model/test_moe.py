@@ -48,6 +48,7 @@ from shardline.rundir import create_run
 from shardline.spec import LoraSpec, ModelSpec
 from shardline.tasks.text_to_sql.generate import generate_splits
 from shardline.training.loss import token_loss_sum
+from shardline.training.preference import adapters_off
 from shardline.training.trainer import Trainer
 from tests.adam_oracle import BETAS
 from tests.conftest import small_spec
@@ -419,7 +420,8 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     """`experts` among the targets: adapters per expert on both fused projections (`[E, r, in]`, `[E, out, r]`), the
     router and every base weight frozen; after two steps only adapters changed (the experts' lora_A and lora_B too),
     the merged export (transformers' model of it) and the adapter export (peft's `target_parameters` layout, loaded
-    with `PeftModel.from_pretrained` onto transformers' model of the input) compute the trained model's logits."""
+    with `PeftModel.from_pretrained` onto transformers' model of the input) compute the trained model's logits; with
+    the adapters off (DPO's reference) the model computes the base's."""
     from peft import PeftModel
 
     from shardline.export import export_run
@@ -446,6 +448,8 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     with torch.no_grad():
         ours_ = model(input_ids=ids).logits
         base = reference(path)(input_ids=ids).logits
+        with adapters_off(model):  # DPO's reference: the experts' adapters off too
+            off = model(input_ids=ids).logits
         merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
                                                       dtype=torch.float32)
         assert stored_keys(tmp_path / "merged") == stored_keys(path)
@@ -456,5 +460,6 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     print(f"trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; vs the merged export's "
           f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter {(ours_ - peft_logits).abs().max():.2e}")
     assert (ours_ - base).abs().max() > 1e-2  # the adapters moved the logits
+    torch.testing.assert_close(off, base, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_logits, ours_, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(peft_logits, ours_, atol=1e-5, rtol=1e-5)
