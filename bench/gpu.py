@@ -346,8 +346,8 @@ def unavailable(name: str, device: torch.device) -> dict | None:
 # ---- sections ---------------------------------------------------------------------------------------------
 def gpucheck_section(device: torch.device, seconds: float) -> dict:
     """shardline's own per-rank check of this device; NVML through nvidia-ml-py where it is installed."""
-    from shardline.ops.gpucheck import EXIT_NO_GPU as GPUCHECK_NO_GPU
-    from shardline.ops.gpucheck import check_rank, exit_code, result_document, summarize
+    from shardline.ops.checks.gpucheck import EXIT_NO_GPU as GPUCHECK_NO_GPU
+    from shardline.ops.checks.gpucheck import check_rank, exit_code, result_document, summarize
     from shardline.spec.resolve import load_spec
 
     spec = load_spec("tiny", [f"launch.gpucheck.seconds={seconds}"])

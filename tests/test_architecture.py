@@ -88,8 +88,8 @@ LAYERS = {
     "shardline.training": 4, "shardline.checkpointing": 4, "shardline.resilience": 4,
     "shardline.planning.simulation": 4,  # the planner's step simulator runs the loop's own step parts
     "shardline.worker": 5, "shardline.environment": 5, "shardline.export": 5, "shardline.observe": 5,
-    "shardline.ops": 5,
-    "shardline.engines": 6,
+    "shardline.ops": 5, "shardline.ops.checks": 5,  # what a worker checks on its nodes
+    "shardline.engines": 6, "shardline.ops.cluster": 6,  # cluster setup reads what the Kubernetes engine grants a pod
     "shardline.api": 7,
     "shardline.cli": 8, "shardline.cli_launch": 8, "shardline.cli_dry_run": 8,
     "shardline": 9,  # the package's face: `import shardline` offers the API (lazily); nothing imports it
@@ -122,8 +122,9 @@ PACKAGE_ORDER: dict[int, list[str]] = {
     3: ["shardline.goodput", "shardline.rundir", "shardline.run_status", "shardline.tasks", "shardline.data",
         "shardline.model", "shardline.parallel", "shardline.planning"],
     4: ["shardline.resilience", "shardline.checkpointing", "shardline.training", "shardline.planning.simulation"],
-    5: ["shardline.environment", "shardline.observe", "shardline.ops", "shardline.export", "shardline.worker"],
-    6: ["shardline.engines"],
+    5: ["shardline.ops", "shardline.environment", "shardline.observe", "shardline.ops.checks", "shardline.export",
+        "shardline.worker"],
+    6: ["shardline.engines", "shardline.ops.cluster"],
 }
 
 

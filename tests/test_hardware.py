@@ -10,7 +10,7 @@ import shardline
 from shardline.hardware import ACCELERATORS, GPUS, match_device
 from shardline.model.flops import table_peak_tflops
 from shardline.network_profiles import PROFILES
-from shardline.ops.gpucheck import expected_peaks
+from shardline.ops.checks.gpucheck import expected_peaks
 from shardline.planning.cost import device_key, price_table
 from shardline.planning.devices import MiB, cuda_device, device_names, get_device
 from tests.conftest import small_spec

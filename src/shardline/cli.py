@@ -256,7 +256,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_bootstrap(args: argparse.Namespace) -> int:
-    from shardline.ops.cluster_bootstrap import BootstrapOptions, local_queue_name, write_bootstrap
+    from shardline.ops.cluster.bootstrap import BootstrapOptions, local_queue_name, write_bootstrap
 
     spec = _resolve(args)
     opts = BootstrapOptions(gpus=args.gpus, cpu=args.cpu, memory=args.memory, dws=args.dws, spot=args.spot,
@@ -276,7 +276,7 @@ def cmd_cluster_bootstrap(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_plan_gke(args: argparse.Namespace) -> int:
-    from shardline.ops.gke_plan import GkePlanOptions, write_plan
+    from shardline.ops.cluster.gke_plan import GkePlanOptions, write_plan
 
     if args.profile:
         args.overrides = [*args.overrides, f"launch.profile={args.profile}"]
@@ -297,7 +297,7 @@ def _run_ops_task(args: argparse.Namespace, task: str, settings: dict[str, objec
     args.overrides = [*overrides, *args.overrides]
     spec = _resolve(args)
     if task == "netcheck":
-        from shardline.ops.netcheck import message_sizes
+        from shardline.ops.checks.netcheck import message_sizes
 
         cfg = spec.launch.netcheck
         message_sizes(cfg.min_bytes, cfg.max_bytes or cfg.min_bytes, cfg.factor)  # bad sizes fail here, not per rank

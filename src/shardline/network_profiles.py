@@ -41,7 +41,7 @@ class Pin:
 
     `source` says why this commit (the release note that names it); `default_branch` says whether the commit was
     verified to be on the repository's default branch. Where it could not be verified offline, setup.sh asks
-    GitHub before applying the file (ops/gke_steps.py) and stops when the answer is no."""
+    GitHub before applying the file (ops/cluster/gke_steps.py) and stops when the answer is no."""
 
     repo: str
     commit: str

@@ -30,7 +30,7 @@ from shardline.errors import (
 )
 from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
-from shardline.ops.tasks import OPS_TASKS, run_task
+from shardline.ops.checks.runner import OPS_TASKS, run_task
 from shardline.parallel.mesh import DistContext, distributed
 from shardline.resilience.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.resilience.watchdog import enable_flight_recorder, hang_watchdog

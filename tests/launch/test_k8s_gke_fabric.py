@@ -165,7 +165,7 @@ def test_training_pods_request_cpu_and_memory_sized_to_their_node(profile):
     https://kueue.sigs.k8s.io/docs/concepts/cluster_queue/: quota is charged by requests. The pod asks for most of
     the node (the kubelet reserves the rest), more than its /dev/shm, and fits the quota `cluster bootstrap` sizes."""
     from shardline.network_profiles import get_profile
-    from shardline.ops.cluster_bootstrap import BootstrapOptions, resource_quota
+    from shardline.ops.cluster.bootstrap import BootstrapOptions, resource_quota
 
     spec = load_spec("tiny", [*BASE, f"launch.profile={profile}"])
     requests = _pod(profile)["spec"]["containers"][0]["resources"]["requests"]

@@ -19,7 +19,7 @@ import pytest
 from shardline.engines.kubernetes.objects import MAX_BACKOFF_LIMIT, render_objects
 from shardline.engines.kubernetes.pod import SPEC_MOUNT
 from shardline.errors import EXIT_IN_PLACE_RESTART, SpecError
-from shardline.ops.cluster_bootstrap import BootstrapOptions, bootstrap_objects
+from shardline.ops.cluster.bootstrap import BootstrapOptions, bootstrap_objects
 from shardline.spec.resolve import load_spec
 from tests.conftest import small_overrides
 from tests.k8s_schemas import validate_all

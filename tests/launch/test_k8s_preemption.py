@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from shardline.engines.kubernetes.backend import KubernetesBackend
+from shardline.engines.kubernetes.preemption import SPOT_SHUTDOWN_S
 from shardline.errors import SpecError
-from shardline.ops.preemption import SPOT_SHUTDOWN_S
 from shardline.spec.resolve import load_spec
 
 BASE = ["run.id=pre-20261122-000000", "launch.image=registry.example/shardline:1", "launch.nnodes=2",

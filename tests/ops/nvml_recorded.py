@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardline.ops.gpucheck import GpuReading
+from shardline.ops.checks.gpucheck import GpuReading
 
 DATA = Path(__file__).parent / "data"
 

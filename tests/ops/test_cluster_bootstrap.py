@@ -10,7 +10,7 @@ import yaml
 
 from shardline.cli import main
 from shardline.errors import SpecError
-from shardline.ops.cluster_bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
+from shardline.ops.cluster.bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
 from shardline.spec.resolve import load_spec
 from tests.k8s_schemas import validate
 
@@ -310,7 +310,7 @@ def test_namespaces_of_host_path_profiles_are_labelled_privileged_and_say_why():
 
 def test_the_crd_the_launcher_checks_is_the_one_the_cluster_role_lets_it_read():
     from shardline.engines.kubernetes.trainer_api import TRAINJOB_CRD
-    from shardline.ops.cluster_bootstrap import TRAINJOB_CRD as READABLE
+    from shardline.ops.cluster.bootstrap import TRAINJOB_CRD as READABLE
 
     assert READABLE == TRAINJOB_CRD
 

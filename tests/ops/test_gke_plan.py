@@ -18,7 +18,7 @@ import yaml
 
 from shardline.cli import main
 from shardline.errors import SpecError
-from shardline.ops.gke_plan import GkePlanOptions, plan_steps, write_plan
+from shardline.ops.cluster.gke_plan import GkePlanOptions, plan_steps, write_plan
 from shardline.spec.resolve import load_spec
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

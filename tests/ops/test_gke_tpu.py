@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from shardline.ops.gke_plan import GkePlanOptions, write_plan
+from shardline.ops.cluster.gke_plan import GkePlanOptions, write_plan
 from shardline.spec.resolve import load_spec
 from tests.ops.test_gke_plan import resources, run_script
 

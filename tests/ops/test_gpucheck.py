@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.ops import gpucheck
-from shardline.ops.gpucheck import (
+from shardline.ops.checks import gpucheck
+from shardline.ops.checks.gpucheck import (
     EXIT_NO_GPU,
     GpuReading,
     NvmlUnavailable,

@@ -7,8 +7,16 @@ import torch
 import torch.distributed as dist
 
 from shardline.errors import SpecError
-from shardline.ops import netcheck
-from shardline.ops.netcheck import Record, bandwidths, element_count, evaluate, expected_busbw, measure, message_sizes
+from shardline.ops.checks import netcheck
+from shardline.ops.checks.netcheck import (
+    Record,
+    bandwidths,
+    element_count,
+    evaluate,
+    expected_busbw,
+    measure,
+    message_sizes,
+)
 from shardline.spec.resolve import load_spec
 from tests.conftest import run_cli
 from tests.tiers import needs_gpu

@@ -270,7 +270,7 @@ def run_task_locally(spec: JobSpec, task: str, out: Path | None) -> int:
     """
     import torch  # here, not at the top: the launcher of a training run never imports torch
 
-    from shardline.ops.tasks import document_exit_code, run_gpucheck
+    from shardline.ops.checks.runner import document_exit_code, run_gpucheck
 
     with tempfile.TemporaryDirectory(prefix=f"shardline-{task}-") as tmp:
         result = Path(tmp) / f"{task}.json"

@@ -85,7 +85,7 @@ def told_verdict(error: ChildFailedError, worker_args: list[str], run_dir: Path 
                  started: float) -> int | None:
     """The exit code of a readiness task whose ranks all exited with the code of the verdict they wrote
     (netcheck FAIL, gpucheck without a GPU): they told it already, so there is no failure to report."""
-    from shardline.ops.tasks import OPS_TASKS, document_exit_code
+    from shardline.ops.checks.runner import OPS_TASKS, document_exit_code
 
     if task not in OPS_TASKS:
         return None

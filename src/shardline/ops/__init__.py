@@ -1,1 +1,1 @@
-"""Cluster operations: network and GPU checks, cluster bootstrap and provisioning plans."""
+"""Cluster operations: checks a worker runs on its nodes (`checks/`) and cluster setup (`cluster/`)."""

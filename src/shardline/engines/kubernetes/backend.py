@@ -14,10 +14,10 @@ from shardline.engines.backend import TERMINAL, JobState, LaunchRecord
 from shardline.engines.kubernetes import pod as k8s_pod
 from shardline.engines.kubernetes.api import Api, ClusterApi, create_all
 from shardline.engines.kubernetes.objects import render_objects
+from shardline.engines.kubernetes.preemption import preemption_notes
 from shardline.engines.kubernetes.status import INDEX_ANNOTATION, explain
 from shardline.engines.kubernetes.trainer_api import TRAINJOB_CRD, check_trainer
 from shardline.errors import ClusterError
-from shardline.ops.preemption import preemption_notes
 from shardline.spec import JobSpec
 
 

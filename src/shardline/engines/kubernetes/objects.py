@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from shardline.engines.command import cluster_spec
 from shardline.engines.kubernetes import pod as k8s_pod
+from shardline.engines.kubernetes.preemption import preemption_notes
 from shardline.engines.kubernetes.trainjob import check_trainjob, split_pod
 from shardline.errors import SpecError
 from shardline.network_profiles import RENDEZVOUS_PORT
-from shardline.ops.preemption import preemption_notes
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_to_yaml
 

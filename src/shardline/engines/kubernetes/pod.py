@@ -14,9 +14,9 @@ import re
 import yaml
 
 from shardline.engines.command import node_torchrun_command
+from shardline.engines.kubernetes.preemption import termination_grace_seconds
 from shardline.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_PREEMPTED, SpecError
 from shardline.network_profiles import HostMount, NetworkProfile, get_profile, gpu_network_names, nccl_environment
-from shardline.ops.preemption import termination_grace_seconds
 from shardline.spec import JobSpec
 from shardline.spec.resolve import spec_hash
 

@@ -31,7 +31,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     from rich.console import Console
 
-    from shardline.ops.tasks import OPS_TASKS, run_task
+    from shardline.ops.checks.runner import OPS_TASKS, run_task
     from shardline.worker import run
 
     logging.getLogger("shardline").propagate = False  # rank logs go to logs/rank-k.log, not Ray's console too

@@ -20,10 +20,10 @@ how-to/tpu-multislice) and the JobSets XPK and axlearn build for MaxText:
 from __future__ import annotations
 
 from shardline.engines.kubernetes import pod as k8s_pod
+from shardline.engines.kubernetes.preemption import SPOT_LABEL, capacity, termination_grace_seconds
 from shardline.engines.tpu.maxtext import maxtext_command
 from shardline.errors import SpecError
 from shardline.hardware import TpuSlice, tpu_slice
-from shardline.ops.preemption import SPOT_LABEL, capacity, termination_grace_seconds
 from shardline.spec import JobSpec
 
 TPU_RESOURCE = "google.com/tpu"

@@ -62,7 +62,7 @@ def netcheck_tables(records, world: int) -> list[Table]:
 
 
 def run_netcheck(spec: JobSpec, console: Console, out: Path | None) -> int:
-    from shardline.ops.netcheck import evaluate, expected_busbw, result_document, sweep
+    from shardline.ops.checks.netcheck import evaluate, expected_busbw, result_document, sweep
     from shardline.parallel.mesh import distributed
 
     with distributed() as ctx:
@@ -118,7 +118,7 @@ def gpucheck_table(results) -> Table:
 
 
 def run_gpucheck(spec: JobSpec, console: Console, out: Path | None) -> int:
-    from shardline.ops.gpucheck import check_rank, exit_code, result_document, summarize
+    from shardline.ops.checks.gpucheck import check_rank, exit_code, result_document, summarize
     from shardline.parallel.mesh import distributed
 
     with distributed() as ctx:
@@ -150,7 +150,7 @@ def run_task(spec: JobSpec, task: str, console: Console, out: Path | None) -> in
 def document_exit_code(doc: dict) -> int:
     """The task's exit code from its JSON result (torchrun turns every worker failure into 1)."""
     if doc.get("kind") == "gpucheck" and not doc.get("gpu"):
-        from shardline.ops.gpucheck import EXIT_NO_GPU
+        from shardline.ops.checks.gpucheck import EXIT_NO_GPU
 
         return EXIT_NO_GPU
     return EXIT_OK if doc.get("passed") else EXIT_FAILURE

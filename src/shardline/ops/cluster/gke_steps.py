@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 
 from shardline.network_profiles import NetworkProfile, Pin, gpu_network_names
-from shardline.ops.gke_script import NIC_LOOP, QUIET, P, R, Step, cmd
+from shardline.ops.cluster.gke_script import NIC_LOOP, QUIET, P, R, Step, cmd
 from shardline.spec import JobSpec
 
 NIC_MTU = {"rdma": 8896, "gpu-nic": 8244}

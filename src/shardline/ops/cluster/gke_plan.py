@@ -1,6 +1,6 @@
 """`shardline cluster plan gke`: a reviewable `setup.sh` / `teardown.sh` pair for a GKE training cluster.
 
-The plan is a list of `Step`s (typed data, ops/gke_script.py); the two scripts are renderings of it, so teardown
+The plan is a list of `Step`s (typed data, ops/cluster/gke_script.py); the two scripts are renderings of it, so teardown
 is the reverse of setup by construction. Steps inside the cluster (Kueue, JobSet, network objects, NCCL
 installer, bootstrap) have no delete: they go with the cluster. Machine type, accelerator, NIC count and the
 fabric's node DaemonSets come from the profile table (network_profiles.py); tunables sit in a variables block at the top
@@ -9,14 +9,14 @@ of each script.
 What it builds (the reference tutorial's stack, made idempotent and profile-driven): a check that every pinned
 upstream manifest's commit is on its repository's default branch; RDMA profiles (A3 Ultra, A4): a gVNIC VPC +
 subnet + firewall and one RDMA VPC (`--network-profile ZONE-vpc-roce`) with one subnet per GPU NIC; TCPX/TCPXO
-profiles (A3 High/Mega): one VPC + subnet + firewall per GPU NIC (ops/gke_steps.py). Then a cluster with
+profiles (A3 High/Mega): one VPC + subnet + firewall per GPU NIC (ops/cluster/gke_steps.py). Then a cluster with
 Dataplane V2, multi-networking, the GCS FUSE CSI driver and Workload Identity on a release channel, with a
 maintenance exclusion instead of disabled auto-upgrade; GKENetworkParamSet/Network objects named as the
 launcher's `networking.gke.io/interfaces` annotation expects; a DWS flex-start node pool and/or a spot node pool
 (both scale from 0); Kueue and JobSet at pinned versions; the fabric's node DaemonSets; the `shardline cluster
 bootstrap` objects (written next to the scripts); the Secrets, buckets and the Cloud Build image the spec uses
-(ops/gke_resources.py). Teardown keeps the buckets: they hold the runs and checkpoints. The capacity's risks
-(spot grace, DWS run limits) head setup.sh and are printed when it ends (ops/gke_report.py).
+(ops/cluster/gke_resources.py). Teardown keeps the buckets: they hold the runs and checkpoints. The capacity's risks
+(spot grace, DWS run limits) head setup.sh and are printed when it ends (ops/cluster/gke_report.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 
 from shardline.errors import SpecError
 from shardline.network_profiles import get_profile
-from shardline.ops.cluster_bootstrap import BOOTSTRAP_FILE, BootstrapOptions, write_bootstrap
-from shardline.ops.gke_report import TEARDOWN_LINES, plan_risks, risk_echo, setup_lines
-from shardline.ops.gke_resources import (
+from shardline.ops.cluster.bootstrap import BOOTSTRAP_FILE, BootstrapOptions, write_bootstrap
+from shardline.ops.cluster.gke_report import TEARDOWN_LINES, plan_risks, risk_echo, setup_lines
+from shardline.ops.cluster.gke_resources import (
     IMAGE_FILE,
     bucket_binding_step,
     bucket_step,
@@ -39,8 +39,8 @@ from shardline.ops.gke_resources import (
     repository_step,
     secrets_step,
 )
-from shardline.ops.gke_script import P, Step, cmd, header, setup_body, teardown_body, used
-from shardline.ops.gke_steps import (
+from shardline.ops.cluster.gke_script import P, Step, cmd, header, setup_body, teardown_body, used
+from shardline.ops.cluster.gke_steps import (
     addons_step,
     cluster_steps,
     dws_pool,
@@ -49,7 +49,7 @@ from shardline.ops.gke_steps import (
     node_pool,
     pins_step,
 )
-from shardline.ops.gke_tpu import tpu_plan_steps, tpu_setup_lines, tpu_variables
+from shardline.ops.cluster.gke_tpu import tpu_plan_steps, tpu_setup_lines, tpu_variables
 from shardline.spec import JobSpec
 
 __all__ = ["IMAGE_FILE", "GkePlanOptions", "plan_steps", "render_setup", "render_teardown", "write_plan"]
@@ -93,7 +93,7 @@ class GkePlanOptions:
 
 
 def plan_steps(spec: JobSpec, opts: GkePlanOptions) -> list[Step]:
-    if spec.train.engine == "maxtext":  # TPU slices: ops/gke_tpu.py
+    if spec.train.engine == "maxtext":  # TPU slices: ops/cluster/gke_tpu.py
         return tpu_plan_steps(spec, dws=opts.dws, spot=opts.spot)
     profile = get_profile(spec.launch.profile)
     apis = ["container.googleapis.com", "compute.googleapis.com", "monitoring.googleapis.com"]

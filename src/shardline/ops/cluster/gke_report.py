@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import shlex
 
+from shardline.engines.kubernetes.preemption import SPOT_SHUTDOWN_S, preemption_notes
 from shardline.network_profiles import NetworkProfile
-from shardline.ops.preemption import SPOT_SHUTDOWN_S, preemption_notes
 from shardline.spec import JobSpec
 
 

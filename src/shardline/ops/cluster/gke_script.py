@@ -2,7 +2,7 @@
 
 Setup runs `probe || create` for each step; teardown runs `probe && delete` for the steps that have a delete, in
 reverse order, so both scripts can be re-run after a failure. Values reach the shell only as quoted variables or
-constants the plan validated (ops/gke_plan.py).
+constants the plan validated (ops/cluster/gke_plan.py).
 """
 
 from __future__ import annotations

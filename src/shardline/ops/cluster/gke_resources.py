@@ -3,7 +3,7 @@ GCS buckets with their Workload Identity bindings, and the Kubernetes Secrets `l
 
 from __future__ import annotations
 
-from shardline.ops.gke_script import QUIET, P, Step, cmd, indent
+from shardline.ops.cluster.gke_script import QUIET, P, Step, cmd, indent
 from shardline.spec import JobSpec
 
 IMAGE_FILE = "image.txt"

@@ -12,10 +12,10 @@ The Ray operator add-on (`--addons RayOperator`) installs KubeRay for --target r
 from __future__ import annotations
 
 from shardline.hardware import tpu_slice
-from shardline.ops.gke_report import plan_header
-from shardline.ops.gke_resources import bucket_binding_step, bucket_step, buckets, secrets_step
-from shardline.ops.gke_script import QUIET, P, R, Step, cmd
-from shardline.ops.gke_steps import addons_step
+from shardline.ops.cluster.gke_report import plan_header
+from shardline.ops.cluster.gke_resources import bucket_binding_step, bucket_step, buckets, secrets_step
+from shardline.ops.cluster.gke_script import QUIET, P, R, Step, cmd
+from shardline.ops.cluster.gke_steps import addons_step
 from shardline.spec import JobSpec
 
 _WHERE = f'"${{CLUSTER}}" {P} {R}'
