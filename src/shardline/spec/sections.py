@@ -529,7 +529,7 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all
 
 
 class NetcheckSpec(Section):
-    """`shardline netcheck` / worker `--task netcheck`: the collective bandwidth sweep (ops/netcheck.py)."""
+    """`shardline netcheck` / worker `--task netcheck`: the collective bandwidth sweep (ops/checks/netcheck.py)."""
 
     ops: list[CollectiveOp] = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
     """Collectives measured."""
