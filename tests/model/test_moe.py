@@ -165,11 +165,54 @@ def test_families_accept_the_four_mixtures_and_refuse_the_others_by_name():
         check_context_parallel(config, 2)
 
 
-def test_the_planner_refuses_a_mixture_by_name_rather_than_size_it_dense(checkpoints):
-    from shardline.planning.memory import model_shape
+def test_the_planner_counts_a_mixtures_total_and_active_parameters_as_transformers_model_has_them(checkpoints):
+    """The planner sizes a mixture from its config alone: for each family's checkpoint its parameters equal those of
+    transformers' model, and the routed experts and active parameters it plans FLOPs and MFU from equal what
+    model/flops.py counts on that model (N_active = N − (1 − k/E)·N_experts); Qwen3-30B-A3B, known offline, against
+    transformers' Qwen3MoeConfig of it built on the meta device: 30.5B parameters, 3.3B active, and LoRA's adapters
+    as peft adds them."""
+    from shardline.model.flops import count_params
+    from shardline.planning.memory import model_shape, param_budget
+    from shardline.planning.step_time import planned_counts
+    from shardline.spec.resolve import load_spec
 
-    with pytest.raises(SpecError, match="Qwen3-MoE is a mixture of experts, which the planner does not size yet"):
-        model_shape(ModelSpec(path=str(checkpoints["qwen3_moe"])))
+    def same(spec, model) -> None:
+        planned, theirs = planned_counts(spec), count_params(model)
+        assert param_budget(model_shape(spec.model), spec.model.lora).total == theirs.total
+        assert (planned.trainable, planned.frozen) == (theirs.trainable, theirs.frozen)
+        assert (planned.experts_trainable, planned.experts_frozen) == (theirs.experts_trainable, theirs.experts_frozen)
+        assert planned.active_trainable + planned.active_frozen == theirs.active_trainable + theirs.active_frozen
+
+    for name in FAMILIES:
+        same(load_spec("tiny", [f"model.path={checkpoints[name]}"]), reference(checkpoints[name]))
+    qwen3 = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                           head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                           vocab_size=151936, norm_topk_prob=True, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen3)
+    full = load_spec("qwen3-30b-a3b")
+    same(full, model)
+    counts = planned_counts(full)
+    # Qwen's model card: 30.5B, 3.3B activated; with the input embedding counted, 3.35B
+    assert round(counts.total / 1e9, 1) == 30.5 and round((counts.active_trainable + counts.embedding) / 1e9, 2) == 3.35
+    lora = load_spec("qwen3-30b-a3b-lora")
+    same(lora, apply_lora(model, lora.model.lora))
+
+
+def test_plan_of_the_qwen3_30b_a3b_presets_fits_with_a_stated_ep_the_formula_and_imbalance_headroom(capsys,
+                                                                                                   monkeypatch):
+    from shardline.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["plan", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "8 × H100 80GB" in out and "FSDP ×8 (EP 8 × efsdp 1)" in out and "fits:" in out
+    assert "30.5B in all, 3.35B active per token (top-8 of 128 routed experts" in out
+    assert "16 per EP rank (ep 8)" in out and "assume balanced routing" in out
+    assert "(6·N_trainable + 4·N_frozen)·tokens" in out
+    assert main(["plan", "qwen3-30b-a3b-lora"]) == 0
+    out = capsys.readouterr().out
+    assert "1 × H100 80GB" in out and "fits:" in out and "no expert parallel" in out
 
 
 # ---- the training forward against transformers' ------------------------------------------------------------
