@@ -44,6 +44,11 @@ PLANNED_OVER_SIMULATED = {
     # plan counts the root twice (its all-gather buffer beside its unsharded parameters) and one layer's keys and
     # values twice (DynamicCache's append); the tracker sees both at their largest only at tiny's peak
     "tiny-grpo-sampling": 0.0291, "llama-3.1-8b-lora-grpo-sampling": 0.0033,
+    # Qwen3-30B-A3B at 4 blocks (a mixture's moments, planning/moe.py): EP 8 with balanced routing at world 8 and 64
+    # (the plan's peak at the end of backward: root + 2 gathered blocks, the recomputed block, the routed copies'
+    # gradients; the tracker's in the loss's backward), LoRA on one GPU with all 128 experts (transformers' grouped
+    # experts forward) where the plan's two gathered blocks are 1.2 GiB each
+    "qwen3-30b-a3b": 0.0407, "qwen3-30b-a3b-world-64": 0.0738, "qwen3-30b-a3b-lora": 0.1024,
 }
 # Each case is held to its own gap within 2 points of the simulated peak: room for torch to change a kernel's
 # temporaries, not for a term of the plan to go missing or double (the smallest term that matters, tiny's 16 MiB
@@ -52,6 +57,8 @@ GAP_SLACK = 0.02
 HUB = ("llama-3.1-8b-lora", "llama-3.1-70b-fsdp")
 FAMILY_PRESETS = ("qwen3-8b-lora", "mistral-7b-lora", "gemma-3-12b-lora")  # step simulations at reduced depth
 LONG_PRESETS = ("llama-3.1-70b-fsdp-tp8", "llama-3.1-8b-32k")  # tensor parallel, long context: the same
+MOE_PRESETS = ("qwen3-30b-a3b", "qwen3-30b-a3b-lora")  # mixtures of experts: the same, EP at world 8 and 64
+EP_WORLDS = (8, 64)
 DEPTH = 4  # decoder blocks of the step simulations of the hub presets
 WORLDS = (8, 64, 256)
 GRPO_CASES = {"tiny-grpo-sampling": {"preset": "tiny", "step": True,  # bf16 on every CPU: fake tensors compute nothing
@@ -64,12 +71,16 @@ CASES = ([{"preset": "tiny", "step": True}, *GRPO_CASES.values()]
             {"preset": "llama-3.1-8b-lora", "step": False, "values": {"parallel.tp": 2}}]
          + [{"preset": p, "world": w, "step": False} for p in HUB for w in WORLDS]
          + [{"preset": "llama-3.1-70b-fsdp", "world": 256, "step": False,
-             "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}])
+             "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}]
+         + [{"preset": "qwen3-30b-a3b", "world": w, "layers": DEPTH, "step": True} for w in EP_WORLDS]
+         + [{"preset": "qwen3-30b-a3b-lora", "layers": DEPTH, "step": True}]
+         + [{"preset": "qwen3-30b-a3b", "world": w, "step": False} for w in EP_WORLDS])
 
 
 def test_every_preset_is_covered():
     torch_presets = {n for n in preset_names() if load_spec(n).train.engine == "torch"}
-    assert torch_presets == {"tiny", *HUB, *FAMILY_PRESETS, *LONG_PRESETS}, "a new preset needs its case in CASES"
+    assert torch_presets == {"tiny", *HUB, *FAMILY_PRESETS, *LONG_PRESETS, *MOE_PRESETS}, \
+        "a new preset needs its case in CASES"
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +192,41 @@ def test_lora_under_tensor_parallel_shards_as_planned(results):
     assert (r["dp_shard"], r["tp"]) == (4, 2)
     assert (s["params"], s["grads"], s["optimizer"]) == (plan["params"], plan["grads"], plan["optimizer"])
     assert s["gather_buffers"] == plan["gather_buffers"]
+
+
+@pytest.mark.parametrize("world", EP_WORLDS)
+def test_expert_parallel_step_with_balanced_routing_is_within_10_percent_of_the_plan(results, world):
+    """The real expert-parallel code (route, all-to-all, local experts, combine; forward and backward) on fake tensors
+    as rank 0 of world 8 and 64 with EP 8, the fake group returning a rank's own counts (balanced routing): the plan
+    is at most 10 % above the tracked peak, never below, and the FLOPs counted are model/flops.py's of the active
+    parameters (to the norm weights it counts as matmul weights)."""
+    r = result(results, preset="qwen3-30b-a3b", world=world, layers=DEPTH, step=True)
+    assert r["routing"].startswith("balanced") and r["world"] == world
+    planned, simulated = r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]
+    assert 0 <= planned / simulated - 1 <= 0.10
+    _check_gap("qwen3-30b-a3b" if world == 8 else f"qwen3-30b-a3b-world-{world}", planned, simulated)
+    assert abs(r["step"]["flops"] / r["step"]["flops_expected"] - 1) < 1e-4
+
+
+def test_lora_on_a_mixture_on_one_gpu_simulated_within_bounds_of_the_plan(results):
+    r = result(results, preset="qwen3-30b-a3b-lora", layers=DEPTH, step=True)
+    assert "routing" not in r  # no expert parallel: transformers' experts forward, every expert on the rank
+    _check_gap("qwen3-30b-a3b-lora", r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
+
+
+@pytest.mark.parametrize("world", EP_WORLDS)
+def test_mixture_sharded_state_per_rank_is_the_planners_exactly(results, world):
+    """Qwen3-30B-A3B at full depth with EP 8: the experts split over ep and efsdp = world / 8, the rest over FSDP;
+    per rank the parameters, gradients and AdamW state are the plan's to the byte; a rank gathers only its own 16
+    experts of a layer (the two largest groups: two layers' experts), within the plan's two gathered blocks."""
+    r = result(results, preset="qwen3-30b-a3b", world=world, step=False)
+    s, plan = r["sharding"], r["planned"]
+    assert s["padding"] == 0 and s["notes"] == []
+    assert (s["params"], s["grads"], s["optimizer"]) == (plan["params"], plan["grads"], plan["optimizer"])
+    assert s["groups"] == 2 * 48 + 1  # every block, every layer's experts, the root
+    experts = 2 * 3 * 16 * 2048 * 768  # bf16: 16 experts of gate_up [2I, d] and down [d, I]
+    root = 2 * (2 * 151936 * 2048 + 2048)
+    assert s["gather_buffers"] == root + 2 * experts <= plan["gather_buffers"]
 
 
 def test_flops_counted_on_the_simulated_step_equal_model_flops_less_the_norm_weights(results):

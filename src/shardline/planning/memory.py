@@ -529,8 +529,16 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     root_rs = (c + 4) * pb.root_trainable + 4 * (pb.block_trainable - (0 if lora.enabled else pb.block - gathered))
 
     grads_now = grads if spec.grad_accum_steps > 1 else 0  # earlier micro-batches' gradients
+    at_loss_gathers, at_loss_saved = gathers, saved
+    if shape.moe:
+        # A mixture's block is large against the rest (its routed copies' activations; at ep 1 all of its experts),
+        # so the loss's backward is planned as FSDP2 holds it then: the root and the one block prefetched for
+        # backward gathered, no block recomputed yet (that is in the blocks' moments below). Dense plans keep the
+        # older, conservative moment (two blocks, one recomputed), which tests/train/test_dry_run.py's gaps are of.
+        at_loss_gathers = c * (pb.root + gathered - sum(nf4))
+        at_loss_saved = saved - (block if n_ckpt else 0)
     moments = {
-        "start of backward": dict(gather_buffers=gathers, activations=saved,
+        "start of backward": dict(gather_buffers=at_loss_gathers, activations=at_loss_saved,
                                   # loss parallel: counted over the whole vocabulary, as the dry run measures
                                   # torch's loss_parallel backward (its temporaries are not 1/tp of the logits)
                                   logits=_loss_bytes(t, n, shape.vocab, d, c),

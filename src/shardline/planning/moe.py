@@ -17,8 +17,8 @@ size, I_s a shared expert's, ep = parallel.ep, efsdp = dp_shard / ep.
   experts): as torch's memory tracker counts expert parallel's forward in the dry run. A compiled block is not
   planned differently (expert parallel refuses compile).
 - all-to-all buffers (ep > 1): while a MoE layer runs backward, the routed copies' gradients in flight: the send and
-  the receive buffer of the combine's and of the dispatch's all-to-all (4·c·k·d per token), beside the experts'
-  intermediates' gradients (c·k·(d + 3·I)).
+  the receive buffer of one all-to-all at a time (2·c·k·d per token), beside the experts' intermediates' gradients
+  (c·k·(d + 3·I)).
 - imbalance: the dry run and this plan assume balanced routing (each EP rank receives k·N copies). A rank whose
   experts are chosen by f times its share receives f·k·N copies: its receive-side activations and buffers grow by
   that factor; `imbalance_headroom` is the largest f at which the plan still fits.
@@ -126,11 +126,11 @@ def mlp_backward_bytes(s: ModelShape, c: int, ep: int, imbalance: float = 1.0) -
 
 
 def all_to_all_bytes(s: ModelShape, c: int, ep: int, imbalance: float = 1.0) -> float:
-    """Per token: the dispatch's and the combine's send and receive buffers of the routed copies' gradients
-    (expert parallel only; with ep = 1 no token leaves its rank)."""
+    """Per token: the send and the receive buffer of the routed copies' gradients in one all-to-all (expert parallel
+    only; with ep = 1 no token leaves its rank)."""
     if ep == 1 or not s.moe:
         return 0.0
-    return (2 + 2 * imbalance) * c * s.moe.top_k * s.hidden
+    return (1 + imbalance) * c * s.moe.top_k * s.hidden
 
 
 def expert_shards(s: ModelShape, ep: int, dp_shard: int) -> str:
