@@ -4,15 +4,17 @@ case of one world size in one start (a start, the imports of torch and transform
     torchrun --standalone --nproc-per-node=N tests/train/expert_parallel_worker.py JOBS.json
 
 JOBS.json lists jobs, done in order:
-- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "z": bool, "replicate": n, "family": name}`: a tiny
-  Qwen3-MoE (or the `family` of FAMILIES: Qwen2-MoE with its gated shared expert, Mixtral; transformers' own model
-  code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
-  `parallel.dp_replicate=n` (FSDP or HSDP over the rest)
-  takes one forward and backward of a global batch split over the ranks; rank 0 writes its summed loss and every
-  full gradient's largest difference from transformers' unsharded model on the same weights and whole batch (its
+- `{"oracle": ep, "out": path, "broken": what, "aux": bool, "z": bool, "lora": bool, "replicate": n, "family": name}`:
+  a tiny Qwen3-MoE (or the `family` of FAMILIES: Qwen2-MoE with its gated shared expert, Mixtral; transformers' own
+  model code and config class, fp32, init std 0.2) sharded by shardline's `parallelize` with `parallel.ep=ep` and
+  `parallel.dp_replicate=n` (FSDP or HSDP over the rest) takes one forward and backward of a global batch split over
+  the ranks; rank 0 writes its summed loss and every full gradient's largest difference from transformers' unsharded
+  model on the same weights and whole batch (its
   loss with labels: with `aux`, the router aux loss on, coefficient 0.05, which shardline computes from expert counts
   all-reduced over the ranks; with `z`, the router z-loss too, coefficient 0.01, against its hand derivation from
-  transformers' router logits). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
+  transformers' router logits; with `lora`, LoRA adapters per expert (drawn nonzero) on shardline's experts
+  against transformers' model with them merged into its weights, the adapters' gradients derived from the merged
+  weights' gradients). `broken: dispatch` sends every token copy to the next EP rank's experts (a dispatch
   permutation off by one rank), `broken: combine` sums the experts' outputs without their routing weights: the
   oracle must catch both;
 - `{"spec": path, "steps": n, "out": path, "save": bool, "save_at": k}`: the Trainer of a created run resumes if its
@@ -34,6 +36,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qw
 
 from shardline.data.prepare import prepare
 from shardline.model import moe
+from shardline.model.expert_lora import add_expert_adapters
 from shardline.parallel import expert
 from shardline.parallel.fsdp import device_mesh, parallelize
 from shardline.parallel.mesh import distributed
@@ -42,7 +45,7 @@ from shardline.spec import JobSpec, ParallelSpec
 from shardline.training.trainer import Trainer
 from shardline.worker import exit_without_teardown
 
-EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF, Z_COEF = 8, 2, 4, 24, 0.05, 0.01
+EXPERTS, TOP_K, ROWS, SEQ, AUX_COEF, Z_COEF, LORA_R = 8, 2, 4, 24, 0.05, 0.01, 4
 CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=TOP_K)
 FAMILIES = {
@@ -76,9 +79,50 @@ def loss_sum(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | None, family: str, z: bool) -> None:
+def expert_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """LoRA on the experts of `model` (`shardline.model.expert_lora`, r 4, alpha 8) with adapters drawn at std 0.2,
+    the same on every rank (peft's zero lora_B would leave lora_A without a gradient); returns their values by name."""
+    add_expert_adapters(model, LORA_R, 2 * LORA_R)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def merge_into(reference: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> None:
+    """Fold the adapters into transformers' model: each expert's weight becomes `W + 2 · B·A`."""
+    weights = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, a in adapters.items():
+            if ".lora_A." in name:
+                b = adapters[name.replace(".lora_A.", ".lora_B.")]
+                weights[name.replace(".lora_A.", ".")].add_(torch.bmm(b, a) * 2.0)
+
+
+def adapter_gradients(want: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters' gradients from transformers' gradient G of the merged weight `W + s·B·A`: `s·Bᵀ·G` for A and
+    `s·G·Aᵀ` for B, per expert."""
+    found = {}
+    for name, a in adapters.items():
+        if ".lora_A." in name:
+            b_name = name.replace(".lora_A.", ".lora_B.")
+            g = want[name.replace(".lora_A.", ".")]
+            found[name] = torch.bmm(adapters[b_name].transpose(1, 2), g) * 2.0
+            found[b_name] = torch.bmm(g, a.transpose(1, 2)) * 2.0
+    return found
+
+
+def oracle(job: dict) -> None:
+    ep, broken, aux, replicate = job["oracle"], job.get("broken"), job.get("aux", False), job.get("replicate", 1)
+    family, z, lora, out = job.get("family", "qwen3_moe"), job.get("z", False), job.get("lora", False), job.get("out")
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = tiny_moe(aux, family)
+    model = tiny_moe(aux, family)
+    model.load_state_dict(reference.state_dict())
+    adapters = expert_adapters(model) if lora else {}
+    merge_into(reference, adapters)
     ids = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
     tokens = ROWS * (SEQ - 1)
     with moe.router_logits(reference, record=z) as routed:  # transformers' router logits, recorded by a hook
@@ -87,9 +131,8 @@ def oracle(ep: int, broken: str | None, aux: bool, replicate: int, out: str | No
         want_loss = want_loss + Z_COEF * torch.cat([torch.logsumexp(t, dim=-1) for t in routed]).pow(2).mean()
     want_loss.backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
+    want.update(adapter_gradients(want, adapters))
 
-    model = tiny_moe(aux, family)
-    model.load_state_dict(reference.state_dict())
     moe.set_z_loss_coefficient(model.config, Z_COEF if z else 0.0)
     spec = ParallelSpec(ep=ep, dp_replicate=replicate)
     parallelize(model, device_mesh(spec, world, "cpu"), spec, "fp32")
@@ -124,8 +167,7 @@ def main(jobs_file: str) -> None:
     with distributed() as ctx:
         for job in json.loads(Path(jobs_file).read_text()):
             if "oracle" in job:
-                oracle(job["oracle"], job.get("broken"), job.get("aux", False), job.get("replicate", 1),
-                       job.get("out"), job.get("family", "qwen3_moe"), job.get("z", False))
+                oracle(job)
             else:
                 spec = JobSpec.model_validate_json(Path(job["spec"]).read_text())
                 trainer = Trainer(spec, ctx, prepare(spec), run_path(spec), Console(quiet=True))

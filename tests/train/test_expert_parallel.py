@@ -4,7 +4,9 @@ One torchrun launch per world size runs every case of that world (tests/train/ex
 Qwen3-MoE (transformers' config class, fp32, dims multiples of 8, init std 0.2 so a mis-routed token moves the loss)
 the step-0 loss and every gradient equal transformers' unsharded model on the same weights and whole batch at ep 1
 (FSDP 2), ep 2 (EP 2, its experts `(Shard(1), Shard(0))` over `[efsdp, ep]`; Mixtral and Qwen2-MoE, whose shared
-expert has a sigmoid gate, too) and, on 4 ranks, FSDP 2 × EP 2 and HSDP 2 × EP 2; a
+expert has a sigmoid gate, too) and, on 4 ranks, FSDP 2 × EP 2 and HSDP 2 × EP 2; with LoRA adapters per expert
+(drawn nonzero, sharded like their weights) at ep 2 and FSDP 2 × EP 2 the loss is transformers' with the adapters
+merged into its weights and the adapters' gradients those derived from its merged weights' gradients; a
 dispatch that sends every token to the next EP rank's experts, or a combine that leaves out the routing weights,
 fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
@@ -29,14 +31,21 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
-from shardline.data.prepare import PreparedData, prepare
+from shardline.data.prepare import prepare
 from shardline.data.tokenizer import train_bpe
 from shardline.errors import SpecError
 from shardline.parallel.expert import check_expert_parallel
 from shardline.rundir import create_run
 from shardline.spec.resolve import load_spec
 from shardline.tasks.text_to_sql.generate import generate_splits
-from tests.conftest import REPO, cli_in_background, kill_the_stopped_worker, read_metrics, small_overrides
+from tests.conftest import (
+    REPO,
+    cli_in_background,
+    kill_the_stopped_worker,
+    prepared_of_run,
+    read_metrics,
+    small_overrides,
+)
 from tests.model.families import write_family_checkpoint
 from tests.model.test_moe import write_checkpoint
 from tests.oracle import unpacked_loss
@@ -58,8 +67,12 @@ def launch(root: Path, world: int, jobs: list[dict]) -> None:
 def oracle_result(path: Path) -> tuple[float, float, float]:
     """(loss − transformers' loss, largest gradient difference, the expert weights' placements) of an oracle job."""
     found = json.loads(path.read_text())
-    return (abs(found["loss"] - found["reference_loss"]), max(found["grad_diff"].values()),
-            found["expert_placements"]["model.layers.0.mlp.experts.gate_up_proj"])
+    placed = found["expert_placements"]
+    weight = placed["model.layers.0.mlp.experts.gate_up_proj"]
+    adapters = [k for k in placed if ".lora_" in k]
+    assert all(placed[k] == weight for k in adapters), placed  # LoRA's per-expert adapters sharded like their weights
+    assert len(adapters) == (8 if "lora" in path.name else 0)  # 2 layers × (A, B) × (gate_up_proj, down_proj)
+    return abs(found["loss"] - found["reference_loss"]), max(found["grad_diff"].values()), weight
 
 
 def moe_run(root: Path, checkpoint: Path, name: str, ep: int, *extra: str) -> dict:
@@ -93,6 +106,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
                          {"oracle": 2, "family": "mixtral", "z": True, "out": str(tmp_path / "mixtral-ep2z.out")},
+                         {"oracle": 2, "lora": True, "out": str(tmp_path / "ep2lora.out")},
                          {"oracle": 2, "family": "qwen2_moe", "aux": True,
                           "out": str(tmp_path / "qwen2_moe-ep2aux.out")},
                          *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
@@ -101,7 +115,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 1},
                          {**lora_1, "steps": 3}, {**lora_2, "steps": 3}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
-                             ("mixtral-ep2z", ["S(1)", "S(0)"]), ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
+                             ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
+                             ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, loss, grad, placed)
@@ -164,8 +179,7 @@ def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_st
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
     with torch.no_grad():
-        theirs = unpacked_loss(model, PreparedData(runs.parent / "prepared-cache" / json.loads(
-            (run / "manifest.json").read_text())["dataset_version"]))
+        theirs = unpacked_loss(model, prepared_of_run(run))
     print(f"validation loss of the run {val}, of its export in transformers {theirs}")
     assert theirs == pytest.approx(val, rel=1e-5)
 
@@ -173,9 +187,10 @@ def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_st
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
     launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")},
                          {"oracle": 2, "aux": True, "z": True, "out": str(tmp_path / "fsdp2xep2aux.out")},
-                         {"oracle": 2, "replicate": 2, "out": str(tmp_path / "hsdp2xep2.out")}])
+                         {"oracle": 2, "replicate": 2, "out": str(tmp_path / "hsdp2xep2.out")},
+                         {"oracle": 2, "lora": True, "out": str(tmp_path / "fsdp2xep2lora.out")}])
     for case, placements in (("fsdp2xep2", ["S(1)", "S(0)"]), ("fsdp2xep2aux", ["S(1)", "S(0)"]),
-                             ("hsdp2xep2", ["R", "S(1)", "S(0)"])):
+                             ("hsdp2xep2", ["R", "S(1)", "S(0)"]), ("fsdp2xep2lora", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, placed)
