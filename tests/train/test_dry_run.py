@@ -16,14 +16,16 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardline.api import DryRun, dry_run
 from shardline.cli import main
 from shardline.cli_dry_run import cannot_judge
 from shardline.errors import SpecError
 from shardline.planning.memory import kv_cache_bytes, model_shape, plan_memory
+from shardline.planning.simulation.balanced_routing import balanced_top_k
 from shardline.planning.simulation.dry_run import at_world
-from shardline.planning.simulation.fake_world import PRIVATE_APIS, _import
+from shardline.planning.simulation.fake_world import PRIVATE_APIS, _import, fake_process_group
 from shardline.spec.resolve import load_spec, preset_names
 from tests.conftest import REPO
 
@@ -102,6 +104,20 @@ def result(results, **case) -> dict:
 def test_private_torch_apis_the_simulation_needs_exist():
     for path in PRIVATE_APIS:
         assert _import(path) is not None, f"torch {torch.__version__} moved {path}: the dry run cannot simulate"
+
+
+def test_the_fake_group_returns_a_ranks_own_counts_from_all_to_all_single_and_balanced_routing_is_balanced():
+    """What the dry run of expert parallel stands on (planning/simulation/balanced_routing.py): torch's fake process
+    group answers `all_to_all_single` with the rank's own input (each rank receives what it sends: balanced routing
+    on every rank), and the balanced top-k gives every expert the same number of a rank's routed copies, k distinct
+    experts per token."""
+    with fake_process_group(8, 3):
+        counts, received = torch.arange(16), torch.full((16,), -1)
+        dist.all_to_all_single(received, counts)
+    assert received.equal(counts)
+    index = balanced_top_k(4096, 8, 128)
+    assert torch.bincount(index.flatten(), minlength=128).eq(4096 * 8 // 128).all()
+    assert all(len(set(row.tolist())) == 8 for row in index)
 
 
 def _check_gap(preset: str, planned: float, simulated: float) -> None:
