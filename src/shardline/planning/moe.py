@@ -27,13 +27,10 @@ size, I_s a shared expert's, ep = parallel.ep, efsdp = dp_shard / ep.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardline.errors import SpecError
 from shardline.model.families import EXPERT_COUNT_FIELDS
-
-if TYPE_CHECKING:
-    from shardline.planning.memory import ModelShape
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,13 @@ class Experts:
     @property
     def active_fraction(self) -> float:
         return self.top_k / self.count
+
+
+class ModelShape(Protocol):
+    """What these terms read of `planning.memory.ModelShape` (which imports this module)."""
+
+    hidden: int
+    moe: Experts | None
 
 
 def experts_of(cfg: dict, where: str = "model.path") -> Experts:
