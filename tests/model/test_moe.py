@@ -480,6 +480,9 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     adapter = dict(trainer.model.named_parameters())[next(k for k in trainable if k.endswith(
         "layers.0.mlp.experts.lora_B.gate_up_proj"))]
     assert adapter.shape == (EXPERTS, 2 * 32, 4) and str(adapter.placements) == "(Shard(dim=0),)"
+    # FLOPs count the experts' adapters as active for k of E experts, as their weights: 2 layers × E × r ×
+    # (H + 2I for gate_up_proj, I + H for down_proj)
+    assert trainer.params.experts_trainable == 2 * EXPERTS * 4 * (64 + 2 * 32 + 32 + 64)
     first, second = trainer.train_step(), trainer.train_step()
     changed = sorted(k for k, p in trainer.model.named_parameters() if not torch.equal(_full(p), before[k]))
     assert set(changed) == set(trainable), sorted(set(trainable) - set(changed))

@@ -60,9 +60,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The routed experts' fused weights (parameters of each `….mlp.experts` module); a shared expert, the router
-    and dense layers are not among them."""
-    return [p for module in expert_modules(model) for p in module.parameters(recurse=False)]
+    """The routed experts' fused weights and their LoRA adapters where they carry them (parameters of each
+    `….mlp.experts` module: a token runs through k of E of both); a shared expert, the router and dense layers are
+    not among them."""
+    return [p for module in expert_modules(model) for p in module.parameters()]
 
 
 def aux_loss_coefficient(config: Any) -> float:
