@@ -13,9 +13,10 @@ counts all-reduced over the ranks, equals transformers' on the whole batch; and 
 transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
 as at ep 1 (and counts the same tokens per expert), its ep 2
 checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
-trains the same losses at ep 2 as at ep 1. A tiny Mixtral saved by transformers trains from
-`shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL and retrains the lost step bit-exact, and
-exports with the input's keys a model transformers loads with the run's validation loss.
+trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss. A tiny
+Mixtral saved by transformers trains from `shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL
+and retrains the lost step bit-exact, and exports with the input's keys a model transformers loads with the run's
+validation loss.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     expert_lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,experts]",
                    "train.lr=1e-2")
     lora_1, lora_2 = (moe_run(tmp_path, checkpoint, f"expert-lora-ep{ep}", ep, *expert_lora) for ep in (1, 2))
+    lora_grown = moe_run(tmp_path, checkpoint, "expert-lora-1to2", 2, *expert_lora,
+                         f"checkpoint.resume_from={tmp_path / 'runs' / 'expert-lora-ep1'}")  # its adapters resharded
     # ep 1's step-3 checkpoint resumed at ep 2 (its experts resharded from FSDP's dim 0 to ep's)
     grown = moe_run(tmp_path, checkpoint, "ep1to2", 2, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep1'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
@@ -113,7 +116,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                            for part in ("dispatch", "combine")),
                          {**ep1, "steps": 4, "save_at": 3}, {**ep2, "steps": 3, "save": True},
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 1},
-                         {**lora_1, "steps": 3}, {**lora_2, "steps": 3}])
+                         {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
                              ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
@@ -136,8 +139,11 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert loads[1] == loads[0][:3] and all(sum(step) == 2 * 2 * 4 * 128 for step in loads[0])
     assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
-    print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}")
+    lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
+    print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "
+          f"ep 2: {lora_then_2}")
     assert lora_at_2 == pytest.approx(lora_at_1, rel=1e-5) and lora_at_1[0] == pytest.approx(at_1[0], rel=1e-6)
+    assert lora_then_2 == pytest.approx(lora_at_1[2:], rel=1e-5)
     assert lora_at_1[2] < lora_at_1[1] < lora_at_1[0]
     bf16_first = json.loads(Path(bf16_lora["out"]).read_text())[0]["loss"]
     print(f"ep 2, bf16, LoRA: first loss {bf16_first} (fp32 ep 1: {at_1[0]})")
