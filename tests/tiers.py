@@ -33,6 +33,7 @@ LAUNCH = (
     "tests/bench/test_packed_attention_bench.py::test_the_cpu_smoke",
     "tests/bench/test_prepare_bench.py",
     "tests/bench/test_protocols.py::test_protocol_runs_at_small_size",
+    "tests/bench/test_protocols.py::test_qlora_runs_beside_its_bf16_base",
     "tests/bench/test_random_init_bench.py",
     "tests/data/test_bounded_rows.py::test_a_50_mb_row",
     "tests/data/test_bounded_rows.py::test_a_conversation_far_longer",
