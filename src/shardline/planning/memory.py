@@ -351,7 +351,8 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     # RMSNorms (2, Gemma's 4): fp32 input, normalized (weight grad), rsqrt; QK-norm the same over q and k
     norm = c if compiled else 4 + (c if full else 0)  # bytes per normalized element
     b = s.norms_per_block * (norm * d + 4) / s.tp  # sequence parallel: 1/tp of the tokens
-    b += norm * (q + kv) + 4 * ((2 if s.family.qk_norm_whole else h + s.kv_heads) if s.family.qk_norm else 0)
+    if s.family.qk_norm:  # over each head's head_dim (rsqrt per head), or over the whole q and k (OLMoE)
+        b += norm * (q + kv) + 4 * (2 if s.family.qk_norm_whole else h + s.kv_heads)
     b += inputs(("qkv_proj",) if fused else ("q_proj", "k_proj", "v_proj"), d)
     # flash's output already has o_proj's layout; per-document SDPA's outputs are concatenated into a new tensor
     b += inputs(("o_proj",), q, shared=attn == "flash_attention_2")
