@@ -94,12 +94,12 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     ep1 = moe_run(tmp_path, checkpoint, "ep1", 1)
     ep2 = moe_run(tmp_path, checkpoint, "ep2", 2, "parallel.activation_checkpointing=full")  # the dispatch recomputed
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
-    # the GPU default (bf16) with LoRA on the attention at ep 2: one step; adapters start at zero, so its loss is the
-    # fp32 base's to bf16 precision
-    bf16_lora = moe_run(tmp_path, checkpoint, "ep2bf16lora", 2, "train.precision=bf16", "model.lora.enabled=true")
     # LoRA on the attention and the routed experts (adapters per expert, sharded with their experts under ep 2)
     expert_lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,experts]",
                    "train.lr=1e-2")
+    # the GPU default (bf16) with that LoRA at ep 2 (frozen experts in bf16, their adapters fp32 in the same FSDP
+    # group): two steps, the fp32 run's losses to bf16 precision (adapters start at zero: the first is the base's)
+    bf16_lora = moe_run(tmp_path, checkpoint, "ep2bf16lora", 2, "train.precision=bf16", *expert_lora)
     lora_1, lora_2 = (moe_run(tmp_path, checkpoint, f"expert-lora-ep{ep}", ep, *expert_lora) for ep in (1, 2))
     lora_grown = moe_run(tmp_path, checkpoint, "expert-lora-1to2", 2, *expert_lora,
                          f"checkpoint.resume_from={tmp_path / 'runs' / 'expert-lora-ep1'}")  # its adapters resharded
@@ -115,7 +115,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          *({"oracle": 2, "broken": part, "out": str(tmp_path / f"broken-{part}.out")}
                            for part in ("dispatch", "combine")),
                          {**ep1, "steps": 4, "save_at": 3}, {**ep2, "steps": 3, "save": True},
-                         {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 1},
+                         {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 2},
                          {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
@@ -145,9 +145,9 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert lora_at_2 == pytest.approx(lora_at_1, rel=1e-5) and lora_at_1[0] == pytest.approx(at_1[0], rel=1e-6)
     assert lora_then_2 == pytest.approx(lora_at_1[2:], rel=1e-5)
     assert lora_at_1[2] < lora_at_1[1] < lora_at_1[0]
-    bf16_first = json.loads(Path(bf16_lora["out"]).read_text())[0]["loss"]
-    print(f"ep 2, bf16, LoRA: first loss {bf16_first} (fp32 ep 1: {at_1[0]})")
-    assert bf16_first == pytest.approx(at_1[0], rel=2e-2)
+    bf16 = [r["loss"] for r in json.loads(Path(bf16_lora["out"]).read_text())]
+    print(f"ep 2, bf16, LoRA on the attention and the experts: losses {bf16} (fp32 ep 1: {lora_at_1[:2]})")
+    assert bf16 == pytest.approx(lora_at_1[:2], rel=2e-2) and bf16[1] < bf16[0]
 
 
 def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_step_bit_exact_and_exports(tmp_path):
