@@ -61,6 +61,15 @@ protocol-a)
 protocol-a-compiled)
   step protocol-a-compiled 330 python3 bench/protocols.py A --set parallel.compile=true --out "$out/compiled"
   ;;
+protocol-a-qwen)
+  step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
+  step protocol-a-qwen 450 python3 bench/protocols.py A --shapes qwen2.5-7b --set parallel.compile=true \
+    --baseline hf-checkpointed --out "$out/protocol-a-qwen"
+  ;;
+qlora-8b)
+  step qlora-8b 420 python3 bench/protocols.py A --set model.lora.quantize_base=nf4 --baseline bf16-base \
+    --out "$out/qlora-8b"
+  ;;
 checks)
   step versions 30 bash -c 'nvidia-smi; python3 -c "
 import torch, transformers, peft, importlib.util as u

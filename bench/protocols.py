@@ -7,22 +7,31 @@
   B  torchtitan's Llama-3-8B full training: FSDP, local batch 2 × 8192, selective activation checkpointing,
      per-block torch.compile, 10 steps of which the first 5 are excluded.
 
-    python bench/protocols.py A|B [--size full|small] [--nproc N] [--model DIR] [--out DIR]
-                              [--baseline hf|hf-checkpointed]
-                              [--set KEY=VALUE]...
+    python bench/protocols.py A|B [--size full|small] [--shapes llama-3.1-8b|qwen2.5-7b] [--nproc N] [--model DIR]
+                              [--out DIR] [--baseline hf|hf-checkpointed|bf16-base] [--set KEY=VALUE]...
 
-`full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs. `small`: the same
-protocol on a 4-layer model at 1/32 of the sequence, which a CPU runs in a minute (tests/bench/test_protocols.py
-runs both in CI). Prints and writes (OUT/protocol-X.json) tok/s per device over the measured steps, MFU by
-shardline's formula (the run's own FLOPs per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without
-embeddings), peak memory, startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
+`full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs; `--shapes qwen2.5-7b`
+Qwen2.5-7B's instead (NeMo AutoModel publishes 14,110 tok/s/GPU for it under protocol A on one H100): transformers'
+own Qwen2 model (q/k/v biases) built from a config.json written here, random weights (`model.random_init`: no
+weights travel to a lent GPU). `small`: the same protocol on a 4-layer model of the family at 1/32 of the sequence,
+which a CPU runs in a minute (tests/bench/test_protocols.py runs both in CI). Prints and writes
+(OUT/protocol-X.json) tok/s per device over the measured steps, MFU by shardline's formula (the run's own FLOPs
+per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without embeddings), peak memory (and the planner's),
+startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
 number protocol A compares; its TFLOP/s formula is not reproduced here. Numbers are compared only with a baseline
 run on the same machine (bench/RESULTS-gpu.md): `--baseline hf` trains HF `Trainer` (+ peft's LoRA for A) on
 the same model, initial weights and rows in shardline's order, one process, and reports both rates, the ratio and
 both first losses (equal in fp32: the same work). HF has no selective checkpointing: for B it checkpoints whole
 blocks and compiles the whole model (`torch_compile`); `--baseline hf-checkpointed` checkpoints whole blocks for A
-too (HF Trainer + peft does not fit protocol A on an 80 GB H100 without it). A baseline that fails (out of memory,
-say) is recorded in the result with its last error line, and the command exits 1.
+too (HF Trainer + peft does not fit protocol A on an 80 GB H100 without it). `--baseline bf16-base` is QLoRA's:
+with `--set model.lora.quantize_base=nf4` it trains the same protocol again on a bf16 base in the same call and
+sets the two peaks beside the planner's NF4 dequantization transient (`qlora_memory`). A baseline that fails (out
+of memory, say) is recorded in the result with its last error line, and the command exits 1.
+
+Start-up (`startup`): from the command to the first step's start, by part — the launcher (CLI, run directory,
+data, torchrun), the worker's own laps (`start-up:` in its log: imports and process group, meta build, parallelize,
+weights, …), setup to the first step — and the first step's excess over the median step apart (compile warm-up
+when compiled).
 
 The run is stopped once its last step is recorded: its final checkpoint, which no protocol times (two minutes for
 a 3.9B-parameter full fine-tune's weights and AdamW state on a GPU host's disk), is not waited for.
@@ -52,6 +61,14 @@ LLAMA_3_1_8B = {"model.arch.vocab_size": 128256, "model.arch.hidden_size": 4096,
 SMALL = {"model.arch.vocab_size": 2048, "model.arch.hidden_size": 256, "model.arch.intermediate_size": 688,
          "model.arch.num_layers": 4, "model.arch.num_heads": 4, "model.arch.num_kv_heads": 2,
          "model.arch.max_position_embeddings": 1024, "model.arch.rope_theta": 500000.0}
+QWEN2_5_7B = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "use_sliding_window": False}
+"""Qwen2.5-7B's config.json as published (Qwen/Qwen2.5-7B; head_dim 3584 / 28 = 128), for `--shapes qwen2.5-7b`."""
+SMALL_QWEN2 = {**QWEN2_5_7B, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+SHAPES = ("llama-3.1-8b", "qwen2.5-7b")
 STEPS, WARMUP_STEPS = 10, 5
 EVERY_PROJ = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 
@@ -115,12 +132,31 @@ def keep_profile(run: Path, out: Path, protocol: str) -> None:
             shutil.copyfileobj(src, dst)
 
 
-def protocol_sets(protocol: str, size: str, nproc: int, model: str | None) -> dict[str, object]:
-    """The spec overrides of a protocol at a size (`small` divides the sequence by 32, keeps batch and steps)."""
+def config_only_model(shapes: str, size: str, where: Path) -> Path:
+    """A directory holding `shapes`' config.json at `size` (transformers' own config class) and a byte-level BPE
+    (random-token rows only draw ids), no weights: the trainer random-initialises it (`model.random_init`)."""
+    from transformers import Qwen2Config
+
+    from shardline.data.prepare import BPE_SEED_TEXT
+    from shardline.data.tokenizer import train_bpe
+
+    if shapes != "qwen2.5-7b":
+        raise ValueError(f"no config-only model for {shapes!r}: {SHAPES[0]} is built from model.arch")
+    config = QWEN2_5_7B if size == "full" else SMALL_QWEN2
+    where.mkdir(parents=True, exist_ok=True)
+    Qwen2Config(**config).save_pretrained(where)
+    train_bpe([BPE_SEED_TEXT], config["vocab_size"]).save_pretrained(where)
+    return where
+
+
+def protocol_sets(protocol: str, size: str, nproc: int, model: str | None,
+                  random_init: bool = False) -> dict[str, object]:
+    """The spec overrides of a protocol at a size (`small` divides the sequence by 32, keeps batch and steps);
+    `model`: a checkpoint directory (`random_init`: a config-only one) instead of Llama-3.1-8B's `model.arch`."""
     seq = {"A": 4096, "B": 8192}[protocol] // (32 if size == "small" else 1)
     sets: dict[str, object] = dict(SMALL if size == "small" else LLAMA_3_1_8B)
     if model:
-        sets = {"model.path": model}
+        sets = {"model.path": model} | ({"model.random_init": "true"} if random_init else {})
     sets |= {"data.task": "random_tokens", "data.validation_size": 1, "train.seq_len": seq,
              "train.max_steps": STEPS, "train.warmup_steps": 0, "train.log_every": 1, "train.eval_every": 10_000,
              "train.eval_examples": 0, "train.sample_generations": 0, "parallel.nproc_per_node": nproc,
@@ -143,15 +179,51 @@ def torchtitan_flops_per_token(setup: dict, seq: int, layers: int, heads: int, h
     return 6 * (params["trainable"] + params["frozen"]) + 12 * layers * heads * head_dim * seq
 
 
-def _shape(sets: dict) -> tuple[int, int, int]:
-    """(layers, attention heads, head dim) of the protocol's model: its arch, or a checkpoint's config.json."""
+CONFIG_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+               "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}
+"""`model.arch` field → config.json key."""
+
+
+def model_shape(sets: dict) -> dict:
+    """The protocol's model shape in `model.arch`'s names, with its family and head dim: its arch, or the config.json
+    of `model.path` (a checkpoint's, or a config-only directory's)."""
     if "model.path" in sets:
         config = json.loads((Path(str(sets["model.path"])) / "config.json").read_text())
         config = config.get("text_config", config)
-        heads = config["num_attention_heads"]
-        return config["num_hidden_layers"], heads, config.get("head_dim") or config["hidden_size"] // heads
-    heads = int(sets["model.arch.num_heads"])
-    return int(sets["model.arch.num_layers"]), heads, int(sets["model.arch.hidden_size"]) // heads
+        shape = {field: config[key] for field, key in CONFIG_KEYS.items()} | {"family": config["model_type"]}
+        head_dim = config.get("head_dim")
+    else:
+        shape = {field: int(sets[f"model.arch.{field}"]) for field in CONFIG_KEYS} | {"family": "llama"}
+        head_dim = None
+    return shape | {"head_dim": head_dim or shape["hidden_size"] // shape["num_heads"]}
+
+
+def _shape(sets: dict) -> tuple[int, int, int]:
+    """(layers, attention heads, head dim) of the protocol's model."""
+    shape = model_shape(sets)
+    return shape["num_layers"], shape["num_heads"], shape["head_dim"]
+
+
+def startup(records: list[dict], started: float) -> dict:
+    """Where the seconds before the first step go (the command started at `started`, epoch seconds): the launcher
+    (CLI, run directory, data, torchrun) to the worker's process start, the worker's laps (its `start-up:` line),
+    setup to the first step's start, and the first step's excess over the median measured step apart (first-call
+    costs: the compile warm-up when compiled, kernel selection and allocator growth when eager)."""
+    setup = next(r for r in records if r["kind"] == "event" and r["event"] == "setup")
+    steps = [r for r in records if r["kind"] == "train"]
+    first = steps[0]
+    first_start = first["time"] - first["step_time_s"]
+    median = statistics.median(r["step_time_s"] for r in steps if r["step"] > WARMUP_STEPS)
+    process_start = setup.get("process_start")
+    return {"to_first_step_s": round(first_start - started, 2),
+            "launcher_s": round(process_start - started, 2) if process_start else None,
+            "worker_s": setup.get("startup_s"),
+            "worker_prepare_s": setup.get("prepare_s"),
+            "setup_to_first_step_s": round(first_start - setup["time"], 2),
+            "first_batch_s": round(first["data_wait_s"], 3),
+            "first_step_s": round(first["step_time_s"], 2),
+            "first_step_warmup_s": round(first["step_time_s"] - median, 2)}
 
 
 def summarize(run: Path, sets: dict, started: float) -> dict:
@@ -168,8 +240,11 @@ def summarize(run: Path, sets: dict, started: float) -> dict:
         "mfu_torchtitan_formula": round(tok_s * titan / 1e12 / setup["peak_tflops"], 4),
         "step_time_s": round(statistics.median(r["step_time_s"] for r in measured), 4),
         "peak_memory_gib": round(max(r["mem_peak_bytes"] for r in steps) / 2**30, 3),
+        "planned_peak_gib": round(setup["planned_peak_bytes"] / 2**30, 3) if setup.get("planned_peak_bytes") else None,
         "startup_s": round(setup["time"] - started, 1),
         "startup_parts_s": setup.get("startup_s"),  # the worker's own laps (imports, weights, …)
+        "startup": startup(records, started),
+        "model_shape": model_shape(sets),
         "steps_measured": [r["step"] for r in measured],
         "tokens_per_step": steps[-1]["tokens_total"], "loss_tokens_per_step": steps[-1]["tokens"],
         "first_loss": steps[0]["loss"],
@@ -249,75 +324,158 @@ def versions() -> dict:
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def qlora_memory(run: Path, nf4: dict, bf16: dict) -> dict:
+    """QLoRA's peak against the bf16 base's (the same protocol, one call) and the planner's terms for it: the base
+    bytes NF4 saves (torchao's layout, exact) and the dequantization transient (one whole weight at a time).
+    `implied_transient_gib`: the saving less the measured peak difference, i.e. what the QLoRA peak holds beyond its
+    smaller base — the transient, where both peaks fall at the same moment of the step."""
+    from shardline.model.nf4_layout import nf4_bytes
+    from shardline.planning.memory import model_shape as planned_shape
+    from shardline.planning.memory import nf4_block_weights, nf4_dequantize_bytes
+    from shardline.spec.resolve import load_spec
+
+    spec = load_spec(str(run / "spec.yaml"))
+    c = 2 if spec.train.precision == "bf16" else 4
+    shape = planned_shape(spec.model)
+    weights = nf4_block_weights(shape, spec.model.lora)
+    saving = shape.layers * sum(c * n - nf4_bytes(n, c) for n in weights) / 2**30
+    measured = bf16["peak_memory_gib"] - nf4["peak_memory_gib"]
+    planned = (bf16["planned_peak_gib"] - nf4["planned_peak_gib"]) if bf16["planned_peak_gib"] else None
+    return {"nf4_weights": shape.layers * len(weights),
+            "planned_base_saving_gib": round(saving, 3),
+            "planned_dequantize_transient_gib": round(nf4_dequantize_bytes(max(weights, default=0), c) / 2**30, 3),
+            "planned_peak_difference_gib": round(planned, 3) if planned is not None else None,
+            "measured_peak_difference_gib": round(measured, 3),
+            "implied_transient_gib": round(saving - measured, 3)}
+
+
+def train(sets: dict, nproc: int, runs: Path, log: Path) -> tuple[int, Path | None, float]:
+    """One protocol run through `shardline train` (its run directory under `runs`, its output in `log`), stopped at
+    its last step: (exit code, run directory, the command's start in epoch seconds)."""
+    overrides = {**sets, "run.dir": str(runs)}
+    cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(nproc),
+           *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
+    started = time.time()
+    # The run's own output goes to its log as it comes: a run stopped at a time limit leaves it.
+    returncode = run_until_last_step(cmd, log, runs, int(sets["train.max_steps"]))
+    if returncode != 0:
+        print(log.read_text()[-8000:], file=sys.stderr)
+        return returncode, None, started
+    return 0, next(p for p in runs.iterdir() if (p / "metrics.jsonl").exists()), started
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("protocol", choices=["A", "B"])
     parser.add_argument("--size", choices=["full", "small"], default="full")
+    parser.add_argument("--shapes", choices=SHAPES, default=SHAPES[0],
+                        help="the model's shapes (qwen2.5-7b: Qwen2 built from a config.json, random weights)")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--model", help="a real checkpoint directory instead of Llama-3.1-8B's shapes")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--baseline", choices=["hf", "hf-checkpointed"],
+    parser.add_argument("--baseline", choices=["hf", "hf-checkpointed", "bf16-base"],
                         help="also train HF Trainer on the same model and rows (hf-checkpointed: with whole-block "
-                             "gradient checkpointing; B always checkpoints)")
+                             "gradient checkpointing; B always checkpoints); bf16-base: a QLoRA run's protocol again "
+                             "on a bf16 base")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one change to the protocol's spec (a variant: parallel.compile=true, say)")
     parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)  # RUN_DIR: the baseline, in a child
     args = parser.parse_args(argv)
-    checkpointing = args.protocol == "B" or args.baseline == "hf-checkpointed"
-    if args.hf_worker:
-        print(json.dumps(hf_worker(args.hf_worker, args.protocol, checkpointing)))
-        return 0
-    sets = protocol_sets(args.protocol, args.size, args.nproc, args.model)
+    if args.model and args.shapes != SHAPES[0]:
+        parser.error(f"--model {args.model} and --shapes {args.shapes}: a checkpoint has shapes of its own")
+    args.sets = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--set {item!r}: expected KEY=VALUE")
-        sets[key] = value
+        args.sets[key] = value
+    if args.baseline == "bf16-base" and args.sets.get("model.lora.quantize_base") != "nf4":
+        parser.error("--baseline bf16-base compares a QLoRA run with its bf16 base: add "
+                     "--set model.lora.quantize_base=nf4 (protocol A)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    checkpointing = args.protocol == "B" or args.baseline == "hf-checkpointed"
+    if args.hf_worker:
+        print(json.dumps(hf_worker(args.hf_worker, args.protocol, checkpointing)))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    name = f"protocol-{args.protocol}"
     with tempfile.TemporaryDirectory(prefix="shardline-protocol-") as tmp:
-        overrides = {**sets, "run.dir": f"{tmp}/runs"}
-        cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(args.nproc),
-               *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
-        started = time.time()
-        # The run's own output goes to a log beside the result, as it comes: a run stopped at a time limit leaves it.
-        returncode = run_until_last_step(cmd, args.out / f"protocol-{args.protocol}-shardline.log",
-                                         Path(tmp, "runs"), int(sets["train.max_steps"]))
-        if returncode != 0:
-            print((args.out / f"protocol-{args.protocol}-shardline.log").read_text()[-8000:], file=sys.stderr)
+        model, random_init = args.model, args.shapes != SHAPES[0]
+        if random_init:
+            model = str(config_only_model(args.shapes, args.size, Path(tmp, args.shapes)))
+        sets = protocol_sets(args.protocol, args.size, args.nproc, model, random_init) | args.sets
+        returncode, run, started = train(sets, args.nproc, Path(tmp, "runs"), args.out / f"{name}-shardline.log")
+        if run is None:
             return returncode
-        run = next(p for p in Path(tmp, "runs").iterdir() if (p / "metrics.jsonl").exists())
         keep_profile(run, args.out, args.protocol)
-        result = {"protocol": args.protocol, "size": args.size, "overrides": sets, **summarize(run, sets, started),
-                  "versions": versions()}
+        result = {"protocol": args.protocol, "size": args.size, "shapes": args.shapes, "overrides": sets,
+                  **summarize(run, sets, started), "versions": versions()}
         # shardline's numbers are written before the baseline starts, so a baseline cut short does not lose them.
-        (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
-        if args.baseline:
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+        failed = None
+        if args.baseline == "bf16-base":
+            base_sets = sets | {"model.lora.quantize_base": "none"}
+            code, base_run, base_started = train(base_sets, args.nproc, Path(tmp, "bf16-base"),
+                                                 args.out / f"{name}-bf16-base.log")
+            if base_run is None:
+                failed = f"the bf16-base run exited {code}"
+                result["bf16_base"] = {"failed": failed}
+            else:
+                base = summarize(base_run, base_sets, base_started)
+                result["bf16_base"] = {k: base[k] for k in ("tokens_per_s_per_device", "mfu_shardline", "step_time_s",
+                                                            "peak_memory_gib", "planned_peak_gib", "first_loss",
+                                                            "startup")}
+                result["ratio_vs_bf16_base"] = round(result["tokens_per_s_per_device"]
+                                                     / base["tokens_per_s_per_device"], 3)
+                result["qlora_memory"] = qlora_memory(run, result, base)
+        elif args.baseline:
             child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run),
                                     "--baseline", args.baseline], cwd=REPO, capture_output=True, text=True,
                                    env=child_env())
             if child.returncode != 0:
                 print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
-                error = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1]
-                result["hf_trainer"] = {"failed": error[:500], "gradient_checkpointing": checkpointing}
-                (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
-                print(f"HF Trainer baseline failed: {error[:500]}", file=sys.stderr)
-                return 1
-            hf = json.loads(child.stdout.strip().splitlines()[-1])
-            result["hf_trainer"] = hf
-            result["ratio_vs_hf_trainer"] = round(result["tokens_per_s_per_device"] / hf["tokens_per_s_per_device"], 3)
-    (args.out / f"protocol-{args.protocol}.json").write_text(json.dumps(result, indent=2))
-    print(f"protocol {args.protocol} ({args.size}, world {result['world']}): {result['tokens_per_s_per_device']:,.0f} "
-          f"tok/s/device over steps {result['steps_measured'][0]}-{result['steps_measured'][-1]} · MFU "
-          f"{result['mfu_shardline']:.1%} (shardline's formula), {result['mfu_torchtitan_formula']:.1%} "
-          f"(torchtitan's) · step {result['step_time_s']:.3f} s · peak {result['peak_memory_gib']:.2f} GiB · "
-          f"startup {result['startup_s']:.0f} s · {result['versions']['device']}")
-    if args.baseline:
-        hf = result["hf_trainer"]
-        print(f"HF Trainer{' + peft' if args.protocol == 'A' else ''} on the same rows: "
-              f"{hf['tokens_per_s_per_device']:,.0f} tok/s/device · shardline is "
-              f"{result['ratio_vs_hf_trainer']:.2f}× · "
-              f"first loss {result['first_loss']:.5f} (shardline) vs {hf['first_loss']:.5f} (HF)")
+                failed = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1][:500]
+                result["hf_trainer"] = {"failed": failed, "gradient_checkpointing": checkpointing}
+            else:
+                hf = json.loads(child.stdout.strip().splitlines()[-1])
+                result["hf_trainer"] = hf
+                result["ratio_vs_hf_trainer"] = round(result["tokens_per_s_per_device"]
+                                                      / hf["tokens_per_s_per_device"], 3)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    report(result)
+    if failed:
+        print(f"baseline failed: {failed}", file=sys.stderr)
+        return 1
     return 0
+
+
+def report(result: dict) -> None:
+    """The result's lines for people: the run, its start-up, and its baseline from the same call."""
+    r, up = result, result["startup"]
+    print(f"protocol {r['protocol']} ({r['size']}, {r['shapes']}, world {r['world']}): "
+          f"{r['tokens_per_s_per_device']:,.0f} tok/s/device over steps {r['steps_measured'][0]}-"
+          f"{r['steps_measured'][-1]} · MFU {r['mfu_shardline']:.1%} (shardline's formula), "
+          f"{r['mfu_torchtitan_formula']:.1%} (torchtitan's) · step {r['step_time_s']:.3f} s · peak "
+          f"{r['peak_memory_gib']:.2f} GiB · startup {r['startup_s']:.0f} s · {r['versions']['device']}")
+    worker = " · ".join(f"{k} {v:.1f}s" for k, v in (up["worker_s"] or {}).items())
+    print(f"start-up to the first step {up['to_first_step_s']:.1f} s: launcher {up['launcher_s'] or 0:.1f} s · "
+          f"worker {worker} · setup to first step {up['setup_to_first_step_s']:.1f} s; first step "
+          f"{up['first_step_s']:.1f} s, {up['first_step_warmup_s']:.1f} s over the median (warm-up)")
+    if (hf := r.get("hf_trainer")) and "failed" not in hf:
+        print(f"HF Trainer{' + peft' if r['protocol'] == 'A' else ''} on the same rows: "
+              f"{hf['tokens_per_s_per_device']:,.0f} tok/s/device · shardline is {r['ratio_vs_hf_trainer']:.2f}× · "
+              f"first loss {r['first_loss']:.5f} (shardline) vs {hf['first_loss']:.5f} (HF)")
+    if (base := r.get("bf16_base")) and "failed" not in base:
+        q = r["qlora_memory"]
+        print(f"bf16 base, same protocol: {base['tokens_per_s_per_device']:,.0f} tok/s/device, peak "
+              f"{base['peak_memory_gib']:.2f} GiB · QLoRA is {r['ratio_vs_bf16_base']:.2f}× its speed, peak "
+              f"{q['measured_peak_difference_gib']:.2f} GiB lower (planned {q['planned_peak_difference_gib']}) · "
+              f"NF4 saves {q['planned_base_saving_gib']:.2f} GiB of base: implied transient "
+              f"{q['implied_transient_gib']:.2f} GiB vs the planner's {q['planned_dequantize_transient_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@
 OUT is what `bench/gpu-session.sh OUT PHASE...` wrote, fetched from the device machine: its session.log (each step's
 command), `bench/gpu.py --json` files (the bare layer stack) and `bench/protocols.py --out` folders (the trainer).
 Each entry holds the protocol, the model's shapes, the device and versions, tok/s per GPU, MFU, peak memory, the
-command, and the baseline run in the same call: HF Trainer when the protocol ran one, else the bare layer stack on
-the same layers, rows and compile mode when the session measured it. Entries already recorded (same date, device
-and command) are not added twice.
+command, and the baseline run in the same call: HF Trainer when the protocol ran one, the same LoRA run on a bf16
+base for a QLoRA run (with `qlora_memory`: both peaks and the planner's NF4 terms), else the bare layer stack on the
+same layers, rows and compile mode when the session measured it. A protocol's entry carries its start-up by part
+(`startup`: `to_first_step_s` is the command to the first step's start, the first step's warm-up apart). Entries
+already recorded (same date, device and command) are not added twice.
 """
 
 from __future__ import annotations
@@ -55,21 +57,34 @@ def _bare_entries(path: Path, command: str | None) -> list[dict]:
 def _protocol_entry(path: Path, command: str | None) -> dict:
     result = json.loads(path.read_text())
     sets = result["overrides"]
-    shape = {k: int(sets[f"model.arch.{k}"]) for k in SHAPE_KEYS if f"model.arch.{k}" in sets}
+    # the run's own shape record (a config-only model's too), else its model.arch overrides (results before it)
+    shape = {k: v for k, v in result.get("model_shape", {}).items() if v is not None} or {
+        k: int(sets[f"model.arch.{k}"]) for k in SHAPE_KEYS if f"model.arch.{k}" in sets}
     seq = int(sets["train.seq_len"])
     shape |= {"seq": seq, "rows_per_step": result["tokens_per_step"] // seq}
-    entry = {"measurement": f"protocol {result['protocol']} ({result['size']})", "program": "bench/protocols.py",
+    quantized = sets.get("model.lora.quantize_base", "none")
+    label = ", ".join(x for x in (result["size"], result.get("shapes"),
+                                  "QLoRA NF4" if quantized == "nf4" else None) if x)
+    entry = {"measurement": f"protocol {result['protocol']} ({label})", "program": "bench/protocols.py",
              "compiled": str(sets.get("parallel.compile", "false")).lower() == "true", "shape": shape,
              "activation_checkpointing": sets.get("parallel.activation_checkpointing", "none"),
-             "lora": str(sets.get("model.lora.enabled", "false")).lower() == "true",
+             "lora": str(sets.get("model.lora.enabled", "false")).lower() == "true", "quantize_base": quantized,
              "device": result["versions"]["device"], "torch": result["versions"]["torch"],
              "transformers": result["versions"]["transformers"],
              "tokens_per_s_per_gpu": result["tokens_per_s_per_device"], "mfu": result["mfu_shardline"],
-             "peak_memory_gib": result["peak_memory_gib"], "startup_s": result["startup_s"], "command": command}
+             "peak_memory_gib": result["peak_memory_gib"], "planned_peak_gib": result.get("planned_peak_gib"),
+             "startup_s": result["startup_s"], "startup": result.get("startup"), "command": command}
     if hf := result.get("hf_trainer"):
         entry["baseline"] = {"name": "HF Trainer" + (" (gradient checkpointing)" if hf.get("gradient_checkpointing")
                                                      else ""),
-                             "tokens_per_s_per_gpu": hf.get("tokens_per_s_per_device"), "failed": hf.get("failed")}
+                             "tokens_per_s_per_gpu": hf.get("tokens_per_s_per_device"), "failed": hf.get("failed"),
+                             "peak_memory_gib": hf.get("peak_memory_gib")}
+    if base := result.get("bf16_base"):  # QLoRA's: the same protocol on a bf16 base, same call
+        entry["baseline"] = {"name": "the same LoRA run on a bf16 base",
+                             "tokens_per_s_per_gpu": base.get("tokens_per_s_per_device"), "failed": base.get("failed"),
+                             "peak_memory_gib": base.get("peak_memory_gib"),
+                             "planned_peak_gib": base.get("planned_peak_gib")}
+        entry["qlora_memory"] = result.get("qlora_memory")
     return entry
 
 

@@ -44,3 +44,36 @@ def test_a_missing_folder_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_module("record_gpu").main([str(tmp_path / "nowhere")])
     assert "nowhere: not a folder" in capsys.readouterr().err
+
+
+CPU_SESSION = Path(__file__).parent / "data" / "cpu-session"
+"""The next window's two new phases as run at small size on a CPU (bench/gpu-session.sh's protocol-a-qwen and
+qlora-8b with `--size small`): the files those phases write, with the commands in session.log."""
+
+
+def test_qwen_and_qlora_phases_become_entries_with_their_baselines_and_start_up(tmp_path):
+    record = bench_module("record_gpu")
+    added = record.record(CPU_SESSION, "2026-11-28", tmp_path / "results-gpu.json")
+    assert [e["measurement"] for e in added] == ["protocol A (small, qwen2.5-7b)",
+                                                  "protocol A (small, llama-3.1-8b, QLoRA NF4)"]
+    qwen, qlora = added
+    # Qwen2.5-7B's family and shapes from the run's own record (its model is a config-only directory, not model.arch)
+    assert qwen["shape"] == {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_layers": 4,
+                             "num_heads": 4, "num_kv_heads": 2, "family": "qwen2", "head_dim": 64, "seq": 128,
+                             "rows_per_step": 8}
+    assert qwen["baseline"]["name"] == "HF Trainer (gradient checkpointing)"
+    assert qwen["ratio_vs_baseline"] == pytest.approx(
+        qwen["tokens_per_s_per_gpu"] / qwen["baseline"]["tokens_per_s_per_gpu"], abs=1e-3)
+    # QLoRA's baseline is the bf16-base run of the same call, with both peaks and the planner's NF4 terms
+    result = json.loads((CPU_SESSION / "qlora-8b" / "protocol-A.json").read_text())
+    assert qlora["quantize_base"] == "nf4" and qlora["baseline"]["name"] == "the same LoRA run on a bf16 base"
+    assert qlora["baseline"]["tokens_per_s_per_gpu"] == result["bf16_base"]["tokens_per_s_per_device"]
+    assert qlora["baseline"]["peak_memory_gib"] == result["bf16_base"]["peak_memory_gib"]
+    assert qlora["qlora_memory"] == result["qlora_memory"]
+    assert {"planned_dequantize_transient_gib", "measured_peak_difference_gib"} <= qlora["qlora_memory"].keys()
+    assert qlora["command"].endswith("--baseline bf16-base --set train.global_batch_size=8 --out /tmp/me/cs/qlora-8b")
+    # start-up by part, so the ≤ 15 s goal reads off `to_first_step_s` with the warm-up apart
+    for entry in added:
+        up = entry["startup"]
+        assert up["to_first_step_s"] >= up["launcher_s"] + sum(up["worker_s"].values()) - 0.1
+        assert {"first_step_s", "first_step_warmup_s", "first_batch_s"} <= up.keys()
