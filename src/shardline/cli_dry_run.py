@@ -39,6 +39,11 @@ def print_dry_run(run: DryRun, console: Console) -> None:
     sharding = r["sharding"]
     console.print(f"{sharding['groups']} FSDP groups; padding {gib(sharding['padding'])} GiB of the parameter shards",
                   highlight=False)
+    if "float8_linears" in r:
+        console.print(f"float8: {r['float8_linears']} block linears run as torchao's Float8Linear (train.float8)",
+                      highlight=False)
+    if "routing" in r:
+        console.print(f"expert parallel simulated with {r['routing']}", highlight=False)
     for note in sharding["notes"]:
         console.print(f"  · {note}", highlight=False, markup=False)
     step = r.get("step")

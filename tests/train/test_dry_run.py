@@ -51,6 +51,9 @@ PLANNED_OVER_SIMULATED = {
     # gradients; the tracker's in the loss's backward), LoRA on one GPU with all 128 experts (transformers' grouped
     # experts forward) where the plan's two gathered blocks are 1.2 GiB each
     "qwen3-30b-a3b": 0.0407, "qwen3-30b-a3b-world-64": 0.0738, "qwen3-30b-a3b-lora": 0.1024,
+    # tiny with train.float8 (torchao's Float8Linear in the blocks, on CPU): the same tracked peak as bf16 (in the
+    # loss's backward, where no float8 copy is alive); the plan adds the largest linear's casts
+    "tiny-float8": 0.0701,
 }
 # Each case is held to its own gap within 2 points of the simulated peak: room for torch to change a kernel's
 # temporaries, not for a term of the plan to go missing or double (the smallest term that matters, tiny's 16 MiB
@@ -67,7 +70,8 @@ GRPO_CASES = {"tiny-grpo-sampling": {"preset": "tiny", "step": True,  # bf16 on 
                                      "values": {"train.objective": "grpo", "train.precision": "bf16"}},
               "llama-3.1-8b-lora-grpo-sampling": {"preset": "llama-3.1-8b-lora", "layers": DEPTH, "step": True,
                                                   "values": {"train.objective": "grpo"}}}
-CASES = ([{"preset": "tiny", "step": True}, *GRPO_CASES.values()]
+FLOAT8_CASE = {"preset": "tiny", "step": True, "values": {"train.precision": "bf16", "train.float8": "tensorwise"}}
+CASES = ([{"preset": "tiny", "step": True}, *GRPO_CASES.values(), FLOAT8_CASE]
          + [{"preset": p, "layers": DEPTH, "step": True} for p in (*HUB, *FAMILY_PRESETS, *LONG_PRESETS)]
          + [{"preset": "llama-3.1-70b-fsdp-tp8", "step": False},
             {"preset": "llama-3.1-8b-lora", "step": False, "values": {"parallel.tp": 2}}]
@@ -222,6 +226,14 @@ def test_expert_parallel_step_with_balanced_routing_is_within_10_percent_of_the_
     assert 0 <= planned / simulated - 1 <= 0.10
     _check_gap("qwen3-30b-a3b" if world == 8 else f"qwen3-30b-a3b-world-{world}", planned, simulated)
     assert abs(r["step"]["flops"] / r["step"]["flops_expected"] - 1) < 1e-4
+
+
+def test_float8_dry_run_converts_the_block_linears_and_stays_within_bounds_of_the_plan(results):
+    """`train.float8` reaches the dry run: the block linears are torchao's Float8Linear (tiny: 4 blocks × 7), the
+    step runs through them, and the plan (which adds the largest linear's float8 casts) stays within bounds."""
+    r = result(results, **FLOAT8_CASE)
+    assert r["float8_linears"] == 4 * 7
+    _check_gap("tiny-float8", r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
 
 
 def test_lora_on_a_mixture_on_one_gpu_simulated_within_bounds_of_the_plan(results):

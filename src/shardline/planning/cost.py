@@ -229,7 +229,8 @@ def estimate_step(spec: JobSpec, device_kind: str, device_name: str) -> tuple[fl
         peak, by = probe_cpu_peak_tflops(dtype, seconds=0.1)
         peak /= spec.parallel.nproc_per_node or 1
         where = f"probe: best {by} matmul on this host ÷ {spec.parallel.nproc_per_node} processes"
-    parts = step_time(spec, peak, gpu.hbm_gbps if gpu is not None else None, 2 if precision == "bf16" else 4)
+    fp8 = gpu.fp8_tflops if gpu is not None and spec.train.peak_tflops is None and precision == "bf16" else None
+    parts = step_time(spec, peak, gpu.hbm_gbps if gpu is not None else None, 2 if precision == "bf16" else 4, fp8)
     step_s = parts.seconds
     source = (f"estimated: {100 * spec.cost.assumed_mfu:.0f}% MFU (cost.assumed_mfu) of {peak:.4g} TFLOP/s "
               f"({where}){parts.describe()}")

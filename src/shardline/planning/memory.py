@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.errors import SpecError
-from shardline.hardware import FLOAT8_DIM_MULTIPLE
+from shardline.hardware import FLOAT8_DIM_MULTIPLE, match_device
 from shardline.model.families import (
     BY_MODEL_TYPE,
     LLAMA,
@@ -473,6 +473,16 @@ def _activations(spec: JobSpec, shape: ModelShape, c: int, kind: str, imbalance:
     return saved, block, n_ckpt
 
 
+def check_float8_gpu(float8: str, device: Device) -> None:
+    """`train.float8` needs FP8 tensor cores (compute capability 8.9 and up: the catalogue gives such a GPU an FP8
+    peak); a GPU without them is refused by name, as the trainer would refuse it (`shardline.model.float8`)."""
+    gpu = match_device(device.name) if device.kind == "cuda" and float8 != "none" else None
+    if gpu is not None and gpu.fp8_tflops is None:
+        raise SpecError("train.float8", f"is {float8}, but {gpu.name} has no FP8 tensor cores (compute capability "
+                        "below 8.9; 8.9 and up: L4, L40S, RTX 4090, H100, H200, B200)",
+                        "set train.float8=none (bf16) on this GPU, or plan for an FP8-capable one (--device h100)")
+
+
 def kv_cache_bytes(shape: ModelShape, c: int, sequences: int, tokens: int) -> int:
     """Keys and values of `sequences` sequences of `tokens` tokens in a `c`-byte dtype, every layer."""
     return 2 * shape.layers * shape.kv_heads * shape.hd * c * sequences * tokens
@@ -491,6 +501,7 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     `runtime_bytes`: a CPU run's own runtime, measured at startup (`cpu_runtime.resident_bytes`); `imbalance`: for a
     mixture of experts under expert parallel, the routed copies this rank computes against a balanced share."""
     dev = as_device(device)
+    check_float8_gpu(spec.train.float8, dev)
     shape = model_shape(spec.model)
     p, t, lora = spec.parallel, spec.train, spec.model.lora
     real = param_budget(shape, lora)

@@ -6,6 +6,9 @@ activation checkpointing runs again, and a QLoRA base's NF4 dequantization (memo
   routed experts: `planned_counts`);
 - recompute: full AC on every k-th block runs the forward of 1/k of the blocks once more (2 FLOPs per weight of a
   block and 4·a·T of attention per token), at the same MFU; selective AC recomputes no matmul;
+- float8 (`train.float8`): the block linears torchao converts (`memory.float8_block_linears`) run their three
+  matmuls (forward, input and weight gradients: 6 FLOPs per weight and token, 2 more where recomputed) at the
+  device's FP8 peak, where the catalogue has one; everything else at the bf16 peak, at the same MFU;
 - dequantization: every NF4 weight is dequantized for each forward and backward of each micro-batch (and for the
   recomputed forward): torchao writes and reads (8 + 3c) bytes of temporaries per element
   (`memory.nf4_dequantize_bytes`) besides reading the NF4 storage — counted at the catalogue's memory bandwidth.
@@ -28,6 +31,8 @@ class StepTime:
     compute_s: float
     recompute_s: float = 0.0
     dequantize_s: float = 0.0
+    float8_tflops: float | None = None
+    """The FP8 peak the float8 matmuls were counted at (None: none counted at it)."""
 
     @property
     def seconds(self) -> float:
@@ -37,6 +42,8 @@ class StepTime:
         """The parts beyond the model FLOPs, for `plan`'s time line ('' when there are none)."""
         parts = [f"{label} {s:.3g} s" for label, s in (("recompute", self.recompute_s),
                                                           ("NF4 dequantization", self.dequantize_s)) if s]
+        if self.float8_tflops:
+            parts.append(f"the float8 block matmuls at the FP8 peak, {self.float8_tflops:g} TFLOP/s")
         return f" (incl. {', '.join(parts)})" if parts else ""
 
 
@@ -66,13 +73,20 @@ def planned_counts(spec: JobSpec) -> ParamCounts:
                        active_experts=shape.moe.active_fraction if shape.moe else 1.0)
 
 
-def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = None, compute_bytes: int = 2) -> StepTime:
+def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = None, compute_bytes: int = 2,
+              fp8_tflops: float | None = None) -> StepTime:
     """Seconds per step at `cost.assumed_mfu` of `peak_tflops` per device; `memory_gbps` (the device's memory
     bandwidth, GB/s) prices a QLoRA base's dequantization into `compute_bytes` per element (left out where the
-    bandwidth is unknown)."""
+    bandwidth is unknown); `fp8_tflops` (the device's FP8 peak) the float8 matmuls of `train.float8`."""
     from shardline.model.flops import flops_per_token
     from shardline.model.nf4_layout import nf4_bytes
-    from shardline.planning.memory import model_shape, nf4_block_weights, nf4_dequantize_bytes, param_budget
+    from shardline.planning.memory import (
+        float8_block_linears,
+        model_shape,
+        nf4_block_weights,
+        nf4_dequantize_bytes,
+        param_budget,
+    )
     from shardline.spec.objective import reference_forward
 
     shape = model_shape(spec.model)
@@ -96,4 +110,11 @@ def step_time(spec: JobSpec, peak_tflops: float, memory_gbps: float | None = Non
         per_pass = pb.layers * sum(nf4_bytes(n, c) + 2 * nf4_dequantize_bytes(n, c) for n in weights)
         micro_batches = t.global_batch_size // (spec.world_size // spec.parallel.ranks_per_row * t.micro_batch_size)
         dequantize = (2 + fraction) * micro_batches * per_pass / (memory_gbps * 1e9)
-    return StepTime(per_token * tokens / rate, recompute * tokens / rate, dequantize)
+    compute_s, recompute_s = per_token * tokens / rate, recompute * tokens / rate
+    float8 = shape.layers * sum(i * o for i, o in float8_block_linears(shape, t.float8))
+    if float8 and fp8_tflops:  # those matmuls' FLOPs move from the bf16 rate to the FP8 one
+        faster = 1.0 - peak_tflops / fp8_tflops
+        compute_s -= 6.0 * float8 * tokens / rate * faster
+        recompute_s -= fraction * 2.0 * float8 * tokens / rate * faster
+        return StepTime(compute_s, recompute_s, dequantize, fp8_tflops)
+    return StepTime(compute_s, recompute_s, dequantize)

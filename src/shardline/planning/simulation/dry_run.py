@@ -76,7 +76,8 @@ def simulated_attention(name: str) -> str:
 
 
 def build_sharded(spec: JobSpec, precision: str) -> nn.Module:
-    """Meta build → LoRA → shardline's `parallelize` (compile off: nothing is compiled for a simulation)."""
+    """Meta build → LoRA → shardline's `parallelize` (float8 block linears with `train.float8`; compile off: nothing
+    is compiled for a simulation)."""
     config = simulation_config(spec)
     config.use_cache = False
     with torch.device("meta"):
@@ -86,7 +87,7 @@ def build_sharded(spec: JobSpec, precision: str) -> nn.Module:
         model = apply_lora(model, spec.model.lora)
     quantize_frozen_base(model, spec.model.lora, precision)
     mesh = device_mesh(spec.parallel, spec.world_size, "cpu")
-    return parallelize(model, mesh, spec.parallel.model_copy(update={"compile": False}), precision)
+    return parallelize(model, mesh, spec.parallel.model_copy(update={"compile": False}), precision, spec.train.float8)
 
 
 def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
@@ -192,6 +193,8 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
         progress(f"building and sharding on the meta device (world {spec.world_size}, rank {rank})")
         model = build_sharded(spec, precision)
         result["sharding"] = asdict(sharding(model, c))
+        if spec.train.float8 != "none":  # torchao's Float8Linear, as `parallelize` converted the block linears
+            result["float8_linears"] = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
         result["sharding_seconds"] = round(time.perf_counter() - start, 2)
         if step:
             micro_batches = 2 if spec.grad_accum_steps > 1 else 1
