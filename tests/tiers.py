@@ -35,6 +35,7 @@ LAUNCH = (
     "tests/bench/test_protocols.py::test_protocol_runs_at_small_size",
     "tests/bench/test_protocols.py::test_qlora_runs_beside_its_bf16_base",
     "tests/bench/test_random_init_bench.py",
+    "tests/bench/test_startup_bench.py::test_an_import_is_timed_in_a_fresh_interpreter",
     "tests/data/test_bounded_rows.py::test_a_50_mb_row",
     "tests/data/test_bounded_rows.py::test_a_conversation_far_longer",
     "tests/data/test_bounded_rows.py::test_a_json_array_is_read_element_by_element",
