@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from shardline.errors import SpecError
 from shardline.planning.devices import Device
-from shardline.planning.memory import MemoryPlan, as_device, plan_memory
+from shardline.planning.memory import MemoryPlan, as_device, model_shape, plan_memory
 from shardline.spec import JobSpec
 from shardline.spec.resolve import set_field
 
@@ -99,7 +99,8 @@ def _candidates(spec: JobSpec, device: Device) -> Iterator[tuple[str, dict[str, 
     lora = spec.model.lora
     for change in _same_devices(spec):
         yield KINDS[0], change
-    if lora.enabled and lora.quantize_base != "nf4":
+    # a mixture of experts' base is not quantized (shardline.model.lora refuses NF4 with experts)
+    if lora.enabled and lora.quantize_base != "nf4" and model_shape(spec.model).moe is None:
         for change in _same_devices(spec):
             yield KINDS[1], {"model.lora.quantize_base": "nf4"} | change
     if device.kind == "cpu":  # more processes on one host share its memory: nothing more fits
