@@ -29,6 +29,8 @@ def test_plan_of_the_qwen3_30b_a3b_presets_fits_with_a_stated_ep_the_formula_and
     assert "30.5B in all, 3.35B active per token (top-8 of 128 routed experts" in out
     assert "16 per EP rank (ep 8)" in out and "assume balanced routing" in out
     assert "(6·N_trainable + 4·N_frozen)·tokens" in out
+    # (2 + 4) B × 128 experts × 8192 tokens; send and receive of 8192 × 8 copies of 2048 bf16 values
+    assert "router logits and probabilities 6 MiB" in out and "all-to-all buffers 512 MiB" in out
     assert main(["plan", "qwen3-30b-a3b-lora"]) == 0
     out = capsys.readouterr().out
     assert "1 × H100 80GB" in out and "fits:" in out and "no expert parallel" in out

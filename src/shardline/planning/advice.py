@@ -11,7 +11,7 @@ from shardline.planning.cost import devices, estimate_step
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.fixes import Suggestion
 from shardline.planning.memory import MemoryPlan, gib, model_shape, plan_memory
-from shardline.planning.moe import expert_shards
+from shardline.planning.moe import all_to_all_bytes, expert_shards, mlp_saved_bytes
 from shardline.planning.offload import offload_cost
 from shardline.planning.step_time import planned_counts
 from shardline.spec import JobSpec
@@ -76,6 +76,13 @@ def mixture_lines(spec: JobSpec, plan: MemoryPlan, device: Device) -> list[str]:
              f"model FLOPs per token at seq {t.seq_len}: {per_token / 1e9:.4g} GFLOP, from the active parameters "
              f"(MFU's numerator): {FORMULA}",
              expert_shards(shape, p.ep, plan.dp_shard)]
+    n, c = t.micro_batch_size * t.seq_len, 2 if planned_precision(t.precision, device) == "bf16" else 4
+    router = (c + 4) * e.count * n
+    routed = mlp_saved_bytes(shape, c, not spec.model.lora.enabled) * n - router
+    lines.append(f"per MoE layer and micro-batch of {n:,} tokens: router logits and probabilities "
+                 f"{router / 2**20:,.0f} MiB, the routed copies' saved activations {routed / 2**30:.2f} GiB (every "
+                 f"layer without AC, one with full AC), all-to-all buffers "
+                 f"{all_to_all_bytes(shape, c, p.ep) * n / 2**20:,.0f} MiB while it runs backward")
     copies = t.micro_batch_size * t.seq_len * e.top_k
     if p.ep == 1:
         lines.append(f"routing: no expert parallel, every rank computes its own {copies:,} routed copies per "
