@@ -3,10 +3,45 @@
 # torch and transformers but no network, so shardline runs from src/ and pydantic travels as wheels in .whl/
 # (bench/RESULTS-gpu.md says how to fetch them). Each step has its own time limit and log; one failing step
 # does not stop the others.
-# Usage: bench/gpu-session.sh OUT PHASE... with PHASE one of
+# Usage: bench/gpu-session.sh OUT PHASE...; then, here, `python bench/record_gpu.py OUT` (bench/results-gpu.json).
+#
+# Plan for the next window (15 minutes of device time, machine start included, ~2-3 min; at most 8 min a call, a
+# timeout that leaves time to rerun; minutes expected on an H100, an H200 is faster), in this order:
+#   call 1  protocol-b varlen   ~3 min (timeout 420 s)  never run on a GPU: protocol B with selective checkpointing
+#                               (the transformers-5.17 fallback) and the whole-step synchronisation test after its fix
+#   call 2  protocol-a-qwen     ~6.5 min (timeout 480 s)  Qwen2.5-7B's shapes against NeMo's 14,110 tok/s/GPU and HF
+#                               Trainer + peft on the same rows; start-up by part of a 7B LoRA spec
+#   give the machine back (~12.5 min used; the slack reruns call 1 if it failed fast)
+# The window after: qlora-8b (~6 min: QLoRA NF4 beside the bf16 base, whose eager run reads off the 8B LoRA start-up
+# against the 15 s goal), then fp8 (~7 min; first check `python3 -c "import torchao.float8"` in the image), then
+# profile-a (~4 min: where protocol A's compiled step goes, for 15,000 tok/s/GPU).
+#
+# Phases not yet run on a GPU:
+#   protocol-a-qwen  protocol A at Qwen2.5-7B's shapes (transformers' Qwen2 from a config.json, random weights:
+#               `bench/protocols.py A --shapes qwen2.5-7b`), per-block compile (protocol A's best), and HF Trainer +
+#               peft with gradient checkpointing on the same rows (~6.5 min)
+#   qlora-8b    protocol A with the base as NF4 (`model.lora.quantize_base=nf4`, eager) beside the same run on a bf16
+#               base in one call: tok/s and peak of each, the planner's NF4 saving and dequantization transient
+#               against the measured peak difference (~6 min)
+#   protocol-b  torchtitan's protocol B scaled to one GPU: Llama-3.1-8B's layer shapes, 16 layers, seq 8192 × 2, FSDP,
+#               selective activation checkpointing, per-block compile (~2 min)
+#   varlen      the GPU tests of packed attention and of a whole step's synchronisations; bench/packed_attention.py
+#               (buckets, varlen, dense mask; ~1 min)
+#   fp8         FP8 full fine-tuning (train.float8) against bf16 in the same call: protocol B at 16 layers of
+#               Llama-3.1-8B's shapes in bf16, then tensorwise float8 (float8 all-gather), then rowwise; the ratios
+#               printed last (~7 min; needs torchao, carried as a wheel in .whl/: bench/RESULTS-gpu.md)
+#   profile-a   protocol A compiled with torch.profiler on steps 4-6 (ops table + gzipped trace kept in OUT;
+#               where the step's time goes: attention, matmuls, LoRA's small matmuls, optimizer, host gaps; ~4 min)
+# Every protocol run also records its start-up by part (`startup` in its JSON: launcher, the worker's laps, setup to
+# the first step's start; the first step's warm-up apart).
+#
+# Phases already measured (bench/RESULTS-gpu.md; rerun only to check a change):
 #   protocol-a  NeMo AutoModel's 8B LoRA protocol through the real trainer (bench/protocols.py A) and HF Trainer +
-#               peft with checkpointing (it needs it on 80 GB) on the same rows: run it first (~8 min expected)
+#               peft with checkpointing (it needs it on 80 GB) on the same rows (~8 min)
 #   protocol-a-compiled  the same with per-block compile, shardline alone (~4 min; its own call after protocol-a)
+#   layers      the trainer's MFU against the bare HF layer stack on one workload (Llama-3.1-8B's layer shapes, 13
+#               layers, seq 8192 × 1, full fine-tune, no checkpointing): bench/gpu.py train + compile, then protocol B
+#               at that size eager and compiled (~7 min)
 #   checks      versions, gpucheck, the embedded default on CUDA, netcheck (1 rank; 2 ranks sharing the GPU)
 #   bench       bench/gpu.py attention, train, compile (Llama-3.1-8B layer shapes)
 #   memory      bench/gpu-8b-lora.yaml trained with async and with sync checkpoints (peak memory, stall)
@@ -18,18 +53,6 @@
 #   gap         why shardline trails HF Trainer on the 0.8B model: shardline vs HF same rows, a profiled shardline
 #               run (ops table + gzipped Chrome trace), then one change at a time (metrics of each in gap.tar.gz)
 #   gap-check   after the fixes: the GPU tests of packed attention, shardline vs HF same rows again
-#   layers      the trainer's MFU against the bare HF layer stack on one workload (Llama-3.1-8B's layer shapes, 13
-#               layers, seq 8192 × 1, full fine-tune, no checkpointing): bench/gpu.py train + compile, then protocol B
-#               at that size eager and compiled (~7 min)
-#   profile-a   protocol A compiled with torch.profiler on steps 4-6 (ops table + gzipped trace kept in OUT;
-#               where the step's time goes: attention, matmuls, LoRA's small matmuls, optimizer, host gaps; ~4 min)
-#   protocol-b  torchtitan's protocol B scaled to one GPU: Llama-3.1-8B's layer shapes, 16 layers, seq 8192 × 2, FSDP,
-#               selective activation checkpointing, per-block compile (~2 min)
-#   varlen      the GPU tests of packed attention and of a whole step's synchronisations; bench/packed_attention.py
-#               (buckets, varlen, dense mask; ~1 min)
-#   fp8         FP8 full fine-tuning (train.float8) against bf16 in the same call: protocol B at 16 layers of
-#               Llama-3.1-8B's shapes in bf16, then tensorwise float8 (float8 all-gather), then rowwise; the ratios
-#               printed last (~7 min; needs torchao, carried as a wheel in .whl/: bench/RESULTS-gpu.md)
 set -uo pipefail
 out=$1
 shift
@@ -63,7 +86,7 @@ protocol-a-compiled)
   ;;
 protocol-a-qwen)
   step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
-  step protocol-a-qwen 450 python3 bench/protocols.py A --shapes qwen2.5-7b --set parallel.compile=true \
+  step protocol-a-qwen 440 python3 bench/protocols.py A --shapes qwen2.5-7b --set parallel.compile=true \
     --baseline hf-checkpointed --out "$out/protocol-a-qwen"
   ;;
 qlora-8b)
