@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.console import Console
 
+from shardline.clock import Laps
 from shardline.data.prepare import PreparedData, prepare, prepared_by_launcher
 from shardline.environment import check_environment
 from shardline.errors import (
@@ -32,6 +33,7 @@ from shardline.failures import REPORTER_ENV, WorkerFailure, write_failure
 from shardline.observe.session import observing
 from shardline.ops.checks.runner import OPS_TASKS, run_task
 from shardline.parallel.mesh import DistContext, distributed
+from shardline.procfs import process_age
 from shardline.resilience.signals import EvaluationStopped, Preempted, StopRequest
 from shardline.resilience.watchdog import enable_flight_recorder, hang_watchdog
 from shardline.run_status import RECORD_PROCESSES_ENV, record_process
@@ -66,12 +68,15 @@ def prepare_once_per_node(spec: JobSpec, ctx: DistContext) -> PreparedData:
 
 
 def run(spec: JobSpec, task: str, console: Console) -> int:
+    startup = Laps()  # the worker's part of the start-up, lap by lap, the trainer's laps after it
+    startup.seconds["imports and spec"] = round(process_age() or 0.0, 3)  # from the process's creation
     run_dir = run_path(spec)
     check_locations(spec)  # before the process group and data preparation: a bad location fails in seconds
     stop = StopRequest().install()  # before the process group: a signal during setup is not lost
     if spec.launch.hang_timeout_seconds and task == "train":
         enable_flight_recorder(run_dir)  # read when the process group is created
     with distributed() as ctx:
+        startup.lap("process group")
         trainer: Trainer | None = None
         try:
             if ctx.world not in spec.allowed_world_sizes:  # elastic jobs (launch.min_nnodes) allow a range
@@ -84,9 +89,12 @@ def run(spec: JobSpec, task: str, console: Console) -> int:
                 record_process(run_dir, os.getpid(), f"rank {ctx.rank}")
             _setup_logging(run_dir, ctx.rank)
             check_environment(spec, task)  # packages the spec asks for must be on this node (flash-attn, trackers)
+            startup.lap("run directory")
             started = time.perf_counter()
             data = prepare_once_per_node(spec, ctx)
-            trainer = Trainer(spec, ctx, data, run_dir, console, stop, prepare_s=time.perf_counter() - started)
+            startup.lap("data")
+            trainer = Trainer(spec, ctx, data, run_dir, console, stop, prepare_s=time.perf_counter() - started,
+                              startup=startup)
             if task == "eval":
                 return _evaluate(trainer)
             return _train(trainer, spec, data, run_dir, console)

@@ -28,6 +28,19 @@ def test_the_setup_event_times_each_part_of_the_start_up(ctx, session_dir, prepa
     assert startup["process start to trainer"] > 1.0  # at least the imports of torch and transformers
 
 
+def test_the_workers_laps_come_first_and_the_trainer_continues_them(ctx, session_dir, prepared):
+    # the worker times its own parts (imports, process group, run directory, data) and hands the stopwatch over
+    worker = Laps()
+    worker.seconds["imports and spec"] = 4.0
+    worker.lap("process group")
+    run_dir = session_dir / "runs" / "startup-worker"
+    Trainer(small_spec(session_dir), ctx, prepared, run_dir, Console(quiet=True), startup=worker).describe()
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    startup = next(e for e in events if e.get("event") == "setup")["startup_s"]
+    assert list(startup) == ["imports and spec", "process group", "tokenizer", *PHASES[1:]]
+    assert startup["imports and spec"] == 4.0
+
+
 def test_laps_add_up_and_read_for_people():
     laps = Laps()
     laps.lap("a")

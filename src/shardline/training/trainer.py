@@ -84,7 +84,8 @@ WARMUP_STEPS_EXCLUDED = 3  # first steps (allocator, compile) are left out of th
 
 class Trainer:
     def __init__(self, spec: JobSpec, ctx: DistContext, data: PreparedData, run_dir: Path,
-                 console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0) -> None:
+                 console: Console, stop: StopRequest | None = None, prepare_s: float = 0.0,
+                 startup: Laps | None = None) -> None:
         accelerator = ctx.device.type != "cpu"
         self.precision = choose_precision(spec.train.precision, accelerator,
                                           native_bf16=ctx.device.type != "cuda" or cuda_native_bf16())
@@ -109,9 +110,13 @@ class Trainer:
         torch.manual_seed(spec.train.seed + self.dp_rank)
         # the CPU plan's runtime: what this worker holds before its model (imports, process group, tokenizer, data)
         self.startup_rss = resident_bytes() if ctx.device.type == "cpu" else 0
-        # where the start-up goes, from the process's creation: imports, process group, data, then the model's parts
-        self.startup = Laps()
-        self.startup.seconds["process start to trainer"] = round(process_age() or 0.0, 3)
+        # where the start-up goes, from the process's creation: the worker's laps (imports, process group, run
+        # directory, data) where it passes them, else one lap to here; then the model's parts
+        self.startup = startup or Laps()
+        if startup is None:
+            self.startup.seconds["process start to trainer"] = round(process_age() or 0.0, 3)
+        else:
+            self.startup.lap("tokenizer")
         model_spec = staged_model_spec(spec.model, ctx.local_rank)
         model = build_model(model_spec, meta["vocab_size"], special, device="meta")
         if spec.model.lora.enabled:
