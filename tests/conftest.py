@@ -18,6 +18,7 @@ import pytest
 
 from shardline.data.prepare import PreparedData, prepare
 from shardline.precision import cpu_bf16_feature
+from shardline.rundir import read_spec
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from tests import skip_policy, tiers
@@ -29,6 +30,7 @@ LOADED_SLACK_S = 15.0
 other work can be held off the CPU for seconds. A call that ignores its timeout never returns, so it still fails;
 a bound tighter than timeout + this is an ordering or a ratio instead."""
 _SECONDS: dict[str, float] = {}
+_CONFIG: list[pytest.Config] = []
 
 
 def pytest_addoption(parser) -> None:
@@ -38,6 +40,7 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     tiers.configure(config)
+    _CONFIG.append(config)
 
 
 def pytest_unconfigure(config) -> None:
@@ -125,11 +128,23 @@ def bench_module(name: str):
     return module
 
 
-def small_overrides(run_dir: Path) -> list[str]:
-    """A model and dataset small enough for a multi-process run in seconds on 2 cores."""
+def shared_prepared_cache() -> Path | None:
+    """The test session's one prepared-data cache, under pytest's base temporary directory; None outside pytest (a
+    worker process importing this module)."""
+    return _CONFIG[0]._tmp_path_factory.getbasetemp() / "prepared-cache" if _CONFIG else None
+
+
+def small_overrides(run_dir: Path, *, shared_cache: bool = True) -> list[str]:
+    """A model and dataset small enough for a multi-process run in seconds on 2 cores.
+
+    `data.cache_dir` is the session's shared cache (content-addressed, shared by many runs as users share one): each
+    distinct dataset is prepared once per session, not once per test (~3 s of CPU each, and in the launcher of
+    `shardline train` the tokenizer's torch and transformers imports on top). `shared_cache=False` gives the runs
+    their own cache beside `run_dir`, for a test that empties, damages or inspects it."""
+    cache = (shared_cache and shared_prepared_cache()) or run_dir.parent / "prepared-cache"
     return [
         f"run.dir={run_dir}",
-        f"data.cache_dir={run_dir.parent / 'prepared-cache'}",
+        f"data.cache_dir={cache}",
         "model.arch.vocab_size=512", "model.arch.hidden_size=64", "model.arch.intermediate_size=172",
         "model.arch.num_layers=2", "model.arch.num_heads=4", "model.arch.num_kv_heads=2",
         "model.arch.max_position_embeddings=256",
@@ -147,8 +162,15 @@ def small_overrides(run_dir: Path) -> list[str]:
     ]
 
 
-def small_spec(tmp: Path, *extra: str) -> JobSpec:
-    return load_spec("tiny", [*small_overrides(tmp / "runs"), "parallel.nproc_per_node=1", *extra])
+def small_spec(tmp: Path, *extra: str, shared_cache: bool = True) -> JobSpec:
+    return load_spec("tiny", [*small_overrides(tmp / "runs", shared_cache=shared_cache), "parallel.nproc_per_node=1",
+                              *extra])
+
+
+def prepared_of_run(run: Path) -> PreparedData:
+    """The prepared data a run trained on: its spec's cache directory, the dataset version its manifest names."""
+    version = json.loads((run / "manifest.json").read_text())["dataset_version"]
+    return PreparedData(Path(read_spec(run / "spec.yaml").data.cache_dir) / version)
 
 
 def free_port() -> int:

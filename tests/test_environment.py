@@ -63,7 +63,8 @@ def test_local_train_stops_before_creating_a_run_when_a_package_is_missing(packa
 
 @without_gpu("flash-attn (CUDA only) is installed here", gpu_side=importlib.util.find_spec("flash_attn") is not None)
 def test_the_worker_refuses_to_start_without_flash_attn_and_records_why(tmp_path):
-    spec, run_dir = create_run(load_spec("tiny", [*small_overrides(tmp_path / "runs"), "parallel.nproc_per_node=1",
+    spec, run_dir = create_run(load_spec("tiny", [*small_overrides(tmp_path / "runs", shared_cache=False),
+                                                  "parallel.nproc_per_node=1",
                                                   "model.attn_implementation=flash_attention_2"]))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")

@@ -81,7 +81,7 @@ def test_version_changes_with_seq_len(session_dir, prepared):
 
 
 def test_crash_mid_prepare_leaves_no_directory_that_counts(tmp_path, monkeypatch):
-    spec = small_spec(tmp_path)
+    spec = small_spec(tmp_path, shared_cache=False)
 
     def crash(*a, **k):
         raise OSError("No space left on device")
@@ -164,7 +164,7 @@ def _corrupt_interrupted_old_style(root):  # an older prepare killed mid-way: no
 
 @pytest.mark.parametrize("corrupt", [_corrupt_missing_file, _corrupt_truncated_file, _corrupt_interrupted_old_style])
 def test_incomplete_prepared_directory_is_prepared_again(tmp_path, corrupt, caplog):
-    spec = small_spec(tmp_path)
+    spec = small_spec(tmp_path, shared_cache=False)
     first = prepare(spec)
     expected = {a: np.asarray(getattr(first.rows("validation"), a)).copy() for a in prepare_mod.ARRAYS}
     corrupt(first.root)
@@ -181,7 +181,7 @@ def test_incomplete_prepared_directory_is_prepared_again(tmp_path, corrupt, capl
 
 
 def test_prepared_directory_deleted_during_a_run_is_a_named_error(tmp_path):
-    data = prepare(small_spec(tmp_path))
+    data = prepare(small_spec(tmp_path, shared_cache=False))
     shutil.rmtree(data.root)
     for read in (lambda: data.rows("validation"), lambda: data.examples("test"), data.tokenizer,
                  lambda: data.meta):

@@ -33,7 +33,7 @@ def _checksums_removed(root):  # a meta.json of an older shardline, or one rewri
 
 @pytest.mark.parametrize("tamper", [_same_size_other_tokens, _same_size_other_chat_template, _checksums_removed])
 def test_a_cache_whose_content_differs_from_its_manifest_is_prepared_again(tmp_path, tamper, caplog):
-    spec = small_spec(tmp_path)
+    spec = small_spec(tmp_path, shared_cache=False)
     first = prepare(spec)
     tokens = np.load(first.root / "train.tokens.npy").copy()
     config = (first.root / "tokenizer" / "tokenizer_config.json").read_text()
@@ -48,7 +48,7 @@ def test_a_cache_whose_content_differs_from_its_manifest_is_prepared_again(tmp_p
 
 
 def test_a_tampered_copy_handed_by_the_launcher_is_not_opened(tmp_path, monkeypatch):
-    data = prepare(small_spec(tmp_path))
+    data = prepare(small_spec(tmp_path, shared_cache=False))
     monkeypatch.setenv(prepare_mod.PREPARED_DATA_ENV, str(data.root))
     assert prepare_mod.prepared_by_launcher() == data
     _same_size_other_tokens(data.root)
@@ -60,7 +60,7 @@ def test_files_past_the_hashing_budget_are_checked_by_sampled_blocks(tmp_path, m
     their size and blocks spread from the first byte to the last, so a change in one of those blocks is seen."""
     monkeypatch.setattr(prepare_mod, "VERIFY_WHOLE_BYTES", 64 << 10)
     monkeypatch.setattr(prepare_mod, "SAMPLE_BLOCK_BYTES", 256)
-    spec = small_spec(tmp_path)
+    spec = small_spec(tmp_path, shared_cache=False)
     data = prepare(spec)
     sums = json.loads((data.root / "meta.json").read_text())["sha256"]
     assert sums["train.tokens.npy"].startswith("sampled:") and not sums["stats.json"].startswith("sampled:")

@@ -35,7 +35,7 @@ def _arrays(data, split="train"):
 
 def _spec(root: Path, data: Path, *extra: str):
     return small_spec(root, f"data.path={data}", "data.validation_size=8", "data.test_size=0",
-                      "data.train_size=null", *extra)
+                      "data.train_size=null", *extra, shared_cache=False)  # tests that interrupt a preparation
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ COMMON = ["train.precision=fp32", f"train.max_steps={STEPS}", "train.lr=1e-2", f
 
 
 def _args(runs: Path, *extra: str) -> list[str]:
-    return ["train", *[a for o in [*small_overrides(runs), *COMMON, *extra] for a in ("--set", o)], "--nproc", "2"]
+    return ["train", *[a for o in [*small_overrides(runs, shared_cache=False), *COMMON, *extra] for a in ("--set", o)],
+            "--nproc", "2"]  # its own prepared data: one drill deletes it
 
 
 def _env(fault: str | None = None) -> dict[str, str]:

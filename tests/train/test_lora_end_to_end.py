@@ -10,10 +10,9 @@ import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from shardline.data.prepare import PreparedData
 from shardline.export import build_plain, export_run
 from shardline.rundir import read_spec
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import only_run, prepared_of_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
 
 
@@ -44,8 +43,7 @@ def test_lora_run_with_generation_eval_exits_0_and_exports_reproduce_its_validat
     run_dir = lora_run
     assert json.loads((run_dir / "eval.json").read_text())["n"] == 6
     val = [r["val_loss"] for r in read_metrics(run_dir, "eval") if "val_loss" in r][-1]
-    data = PreparedData(run_dir.parent.parent / "prepared-cache" / json.loads((run_dir / "manifest.json").read_text())
-                        ["dataset_version"])
+    data = prepared_of_run(run_dir)
     for merge in (False, True):  # in this process: test_training exports through the CLI
         out = tmp_path / f"export-merged-{merge}"
         export_run(run_dir, out, merge_lora=merge)

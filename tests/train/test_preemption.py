@@ -23,6 +23,7 @@ from tests.conftest import (
     cli_in_background,
     kill_the_stopped_worker,
     only_run,
+    prepared_of_run,
     read_metrics,
     run_cli,
     small_overrides,
@@ -136,8 +137,8 @@ def test_world_size_change_on_resume_skips_and_repeats_no_sample(reference_run, 
     assert worlds == [2, 1, 2]
     rows = _trained_rows(run)
     assert sorted(rows) == list(range(1, STEPS + 7))
-    n_rows = json.loads(next((run.parent.parent / "prepared-cache").glob("*/stats.json")).read_text())
-    sampler = StepSampler(n_rows["splits"]["train"]["rows"], 0, global_rows=8, micro_rows=4, world=1)
+    n_rows = prepared_of_run(run).stats["splits"]["train"]["rows"]
+    sampler = StepSampler(n_rows, 0, global_rows=8, micro_rows=4, world=1)
     for step, got in rows.items():
         expected = np.concatenate([sampler.micro_indices(step - 1, k, 0) for k in range(sampler.accum)])
         assert sorted(got) == sorted(expected.tolist()), step

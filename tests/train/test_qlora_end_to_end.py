@@ -10,10 +10,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from shardline.data.prepare import PreparedData
 from shardline.export import build_plain, checkpoint_store, export_run, load_model_entry
 from shardline.rundir import read_spec
-from tests.conftest import only_run, read_metrics, run_cli, small_overrides
+from tests.conftest import only_run, prepared_of_run, read_metrics, run_cli, small_overrides
 from tests.oracle import unpacked_loss
 
 # hidden 128, MLP 256: q/o and the MLP projections quantize (multiples of 64 × 256 elements); k/v (64 × 128) stay fp32
@@ -49,8 +48,7 @@ def test_qlora_trains_resumes_exactly_and_exports_an_adapter_and_a_dequantized_m
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[s] == losses[s] for s in resumed), (resumed, losses)
 
-    data = PreparedData(tmp_path / "prepared-cache" / json.loads((run_a / "manifest.json").read_text())
-                        ["dataset_version"])
+    data = prepared_of_run(run_a)
     vocab = data.meta["vocab_size"]
     # the run's model rebuilt in this process: its NF4 base dequantized (fp32), the adapters from the checkpoint
     adapter = tmp_path / "adapter"

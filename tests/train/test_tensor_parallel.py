@@ -22,7 +22,7 @@ from shardline.rundir import read_spec, run_path
 from shardline.spec import JobSpec
 from shardline.spec.resolve import load_spec
 from shardline.training.optim import clip_grad_norm
-from tests.conftest import read_metrics, workers
+from tests.conftest import prepared_of_run, read_metrics, workers
 from tests.oracle import unpacked_loss
 from tests.train.test_preemption import _losses, _start, _wait_for_step
 from tests.train.world_worker import created, run_world
@@ -155,8 +155,7 @@ def _peers(world: dict[str, Path], name: str) -> tuple[dict[str, float], dict[st
 
 
 def _dataset(run: Path) -> PreparedData:
-    return PreparedData(run.parent.parent / "prepared-cache" / json.loads((run / "manifest.json").read_text())
-                        ["dataset_version"])
+    return prepared_of_run(run)
 
 
 @pytest.mark.slow
