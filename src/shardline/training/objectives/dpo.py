@@ -134,3 +134,6 @@ class Dpo(Sft):
                           f"validation DPO loss {found['loss']:.4f} · reward accuracy {found['accuracy']:.3f} · margin "
                           f"{found['margin']:+.4f} · chosen more likely than rejected in "
                           f"{100 * found['prefers_chosen']:.1f}% of {found['pairs']} pairs")
+
+
+OBJECTIVE = Dpo

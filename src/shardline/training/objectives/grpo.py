@@ -201,3 +201,6 @@ class Grpo(Sft):
         """Its loss is a policy gradient's surrogate: the reward is what moves."""
         return (f"reward {first.grpo['reward']:.3f} → {last.grpo['reward']:.3f} "
                 "(mean of each step's completions)")
+
+
+OBJECTIVE = Grpo

@@ -98,3 +98,6 @@ def token_validation(run: Run) -> Validation:
     per = " · ".join(f"{name} {value:.4f}" for name, value in by_source.items())
     return Validation(loss, {"val_loss_by_source": by_source} if by_source else {},
                       f"validation loss {loss:.4f}" + (f" ({per})" if per else ""))
+
+
+OBJECTIVE = Sft
