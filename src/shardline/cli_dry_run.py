@@ -24,7 +24,7 @@ def _pct(planned: float | None, simulated: float) -> str:
 
 def print_dry_run(run: DryRun, console: Console) -> None:
     r = run.result
-    layout = layout_name(r["dp_replicate"], r["dp_shard"], r.get("tp", 1))
+    layout = layout_name(r["dp_replicate"], r["dp_shard"], r.get("tp", 1), ep=r.get("ep", 1))
     console.print(f"dry run: rank {r['rank']} of world {r['world']} ({layout}, {r['precision']}), torch {r['torch']}, "
                   f"sharded in {r['sharding_seconds']:.1f} s" + (f", step simulated in {r['step_seconds']:.0f} s"
                                                                    if "step" in r else ""), highlight=False)

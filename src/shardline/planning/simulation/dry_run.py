@@ -184,7 +184,7 @@ def dry_run(spec: JobSpec, device: Device, rank: int = 0, step: bool = True, pro
     result: dict = {"world": spec.world_size, "rank": rank, "dp_replicate": spec.parallel.dp_replicate,
                     "dp_shard": spec.parallel.dp_shard or spec.world_size // (spec.parallel.dp_replicate
                                                                               * spec.parallel.tp),
-                    "tp": spec.parallel.tp,
+                    "tp": spec.parallel.tp, "ep": spec.parallel.ep,
                     "precision": precision, "torch": torch.__version__, "kernels": KERNELS,
                     "planned": _planned(eager, device, c),
                     "planned_cpu_kernels": _planned(eager, Device("CPU kernels", device.memory_bytes, "cpu"), c)}
