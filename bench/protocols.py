@@ -12,26 +12,26 @@
 
 `full`: Llama-3.1-8B's shapes (random weights, or --model DIR for a real checkpoint) on GPUs; `--shapes qwen2.5-7b`
 Qwen2.5-7B's instead (NeMo AutoModel publishes 14,110 tok/s/GPU for it under protocol A on one H100): transformers'
-own Qwen2 model (q/k/v biases) built from a config.json written here, random weights (`model.random_init`: no
-weights travel to a lent GPU). `small`: the same protocol on a 4-layer model of the family at 1/32 of the sequence,
-which a CPU runs in a minute (tests/bench/test_protocols.py runs both in CI). Prints and writes
-(OUT/protocol-X.json) tok/s per device over the measured steps, MFU by shardline's formula (the run's own FLOPs
-per token) and by torchtitan's (6·N + 12·L·H·D·S per token, N without embeddings), peak memory (and the planner's),
-startup apart from the steps, and the versions. NeMo AutoModel publishes tok/s/GPU, the
-number protocol A compares; its TFLOP/s formula is not reproduced here. Numbers are compared only with a baseline
-run on the same machine (bench/RESULTS-gpu.md): `--baseline hf` trains HF `Trainer` (+ peft's LoRA for A) on
-the same model, initial weights and rows in shardline's order, one process, and reports both rates, the ratio and
-both first losses (equal in fp32: the same work). HF has no selective checkpointing: for B it checkpoints whole
-blocks and compiles the whole model (`torch_compile`); `--baseline hf-checkpointed` checkpoints whole blocks for A
-too (HF Trainer + peft does not fit protocol A on an 80 GB H100 without it). `--baseline bf16-base` is QLoRA's:
-with `--set model.lora.quantize_base=nf4` it trains the same protocol again on a bf16 base in the same call and
-sets the two peaks beside the planner's NF4 dequantization transient (`qlora_memory`). A baseline that fails (out
-of memory, say) is recorded in the result with its last error line, and the command exits 1.
+own Qwen2 model (q/k/v biases) built from a config.json written here, random weights (`model.random_init`: no weights
+travel to a lent GPU). `small`: the same protocol on a 4-layer model of the family at 1/32 of the sequence, which a
+CPU runs in a minute (tests/bench/test_protocols.py runs both in CI). Prints and writes (OUT/protocol-X.json) tok/s
+per device over the measured steps, MFU by shardline's formula (the run's own FLOPs per token) and by torchtitan's
+(6·N + 12·L·H·D·S per token, N without embeddings), peak memory (and the planner's), startup apart from the steps,
+and the versions. NeMo AutoModel publishes tok/s/GPU, the number protocol A compares; its TFLOP/s formula is not
+reproduced here. Numbers are compared only with a baseline run on the same machine (bench/RESULTS-gpu.md):
+`--baseline hf` trains HF `Trainer` (+ peft's LoRA for A; in bench/hf_baseline.py) on the same model, initial weights
+and rows in shardline's order, one process, and reports both rates, the ratio and both first losses (equal in fp32:
+the same work). HF has no selective checkpointing: for B it checkpoints whole blocks and compiles the whole model
+(`torch_compile`); `--baseline hf-checkpointed` checkpoints whole blocks for A too (HF Trainer + peft does not fit
+protocol A on an 80 GB H100 without it). `--baseline bf16-base` is QLoRA's: with `--set model.lora.quantize_base=nf4`
+it trains the same protocol again on a bf16 base in the same call and sets the two peaks beside the planner's NF4
+dequantization transient (`qlora_memory`). A baseline that fails (out of memory, say) is recorded in the result with
+its last error line, and the command exits 1.
 
 Start-up (`startup`): from the command to the first step's start, by part — the launcher (CLI, run directory,
-data, torchrun), the worker's own laps (`start-up:` in its log: imports and process group, meta build, parallelize,
-weights, …), setup to the first step — and the first step's excess over the median step apart (compile warm-up
-when compiled).
+data, torchrun), the worker's own laps (`start-up:` in its log: imports and spec, process group, run directory,
+data, tokenizer, model on meta, parallelize, weights, …), setup to the first step — and the first step's excess over
+the median step apart (compile warm-up when compiled).
 
 The run is stopped once its last step is recorded: its final checkpoint, which no protocol times (two minutes for
 a 3.9B-parameter full fine-tune's weights and AdamW state on a GPU host's disk), is not waited for.
@@ -254,68 +254,6 @@ def summarize(run: Path, sets: dict, started: float) -> dict:
     }
 
 
-def hf_worker(run: Path, protocol: str, checkpointing: bool) -> dict:
-    """HF Trainer (+ peft for A) on the run's model, initial weights and rows in its step order (in this process)."""
-    import numpy as np
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from shardline.data.loader import IGNORE_INDEX, StepSampler
-    from shardline.data.prepare import PreparedData, default_cache_dir
-    from shardline.data.tokenizer import special_ids
-    from shardline.model.build import build_model
-    from shardline.spec.resolve import load_spec
-
-    spec = load_spec(str(run / "spec.yaml"))
-    t = spec.train
-    data = PreparedData(default_cache_dir(spec) / json.loads((run / "manifest.json").read_text())["dataset_version"])
-    rows = data.rows("train")
-    sampler = StepSampler(len(rows.n_real), t.seed, t.global_batch_size, t.global_batch_size, world=1)
-    index = np.concatenate([sampler.micro_indices(step, 0, 0) for step in range(t.max_steps)])
-    tokens = torch.from_numpy(np.asarray(rows.tokens[index], dtype=np.int64))
-    labels = torch.where(torch.from_numpy(np.asarray(rows.loss_mask[index], dtype=bool)), tokens, IGNORE_INDEX)
-    positions = torch.from_numpy(np.asarray(rows.position_ids[index], dtype=np.int64))
-    model = build_model(spec.model, data.meta["vocab_size"], special_ids(data.tokenizer(), data.meta["pad_id"]))
-    if protocol == "A":
-        lora = spec.model.lora
-        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-
-    class Rows(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            for i in range(len(tokens)):
-                yield {"input_ids": tokens[i], "labels": labels[i], "position_ids": positions[i]}
-
-    stamps: list[float] = []
-    losses: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
-
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, max_steps=t.max_steps, per_device_train_batch_size=t.micro_batch_size,
-            gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, learning_rate=t.lr,
-            lr_scheduler_type="constant", weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm or 0.0,
-            bf16=t.precision == "bf16", use_cpu=not torch.cuda.is_available(), logging_steps=1, save_strategy="no",
-            report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=0, disable_tqdm=True,
-            gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
-            torch_compile=protocol == "B")
-        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()]).train()
-    wall = stamps[-1] - stamps[WARMUP_STEPS - 1]
-    timed = int(tokens[WARMUP_STEPS * t.global_batch_size:].numel())
-    return {"tokens_per_s_per_device": round(timed / wall, 1), "first_loss": losses[0],
-            "gradient_checkpointing": checkpointing,
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available()
-            else None}
-
-
 def versions() -> dict:
     import torch
     import transformers
@@ -379,7 +317,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "on a bf16 base")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="one change to the protocol's spec (a variant: parallel.compile=true, say)")
-    parser.add_argument("--hf-worker", type=Path, help=argparse.SUPPRESS)  # RUN_DIR: the baseline, in a child
     args = parser.parse_args(argv)
     if args.model and args.shapes != SHAPES[0]:
         parser.error(f"--model {args.model} and --shapes {args.shapes}: a checkpoint has shapes of its own")
@@ -398,9 +335,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     checkpointing = args.protocol == "B" or args.baseline == "hf-checkpointed"
-    if args.hf_worker:
-        print(json.dumps(hf_worker(args.hf_worker, args.protocol, checkpointing)))
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"protocol-{args.protocol}"
     with tempfile.TemporaryDirectory(prefix="shardline-protocol-") as tmp:
@@ -433,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      / base["tokens_per_s_per_device"], 3)
                 result["qlora_memory"] = qlora_memory(run, result, base)
         elif args.baseline:
-            child = subprocess.run([sys.executable, __file__, args.protocol, "--hf-worker", str(run),
-                                    "--baseline", args.baseline], cwd=REPO, capture_output=True, text=True,
-                                   env=child_env())
+            hf_cmd = [sys.executable, str(REPO / "bench" / "hf_baseline.py"), str(run), args.protocol,
+                      "--warmup-steps", str(WARMUP_STEPS), *(["--checkpointing"] if checkpointing else [])]
+            child = subprocess.run(hf_cmd, cwd=REPO, capture_output=True, text=True, env=child_env())
             if child.returncode != 0:
                 print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
                 failed = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1][:500]

@@ -58,7 +58,11 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
         assert "Self CPU" in (tmp_path / "protocol-B-ops.txt").read_text()
         assert (tmp_path / "protocol-B-trace.json.gz").stat().st_size > 0
     up = out["startup"]  # the command to the first step's start, by part; the first step's warm-up apart
-    assert 0 < up["launcher_s"] < up["to_first_step_s"] and "weights" in up["worker_s"]
+    assert 0 < up["launcher_s"] < up["to_first_step_s"]
+    # the worker's own laps from its process's creation: imports apart from the process group, the data, the weights
+    assert list(up["worker_s"]) == ["imports and spec", "process group", "run directory", "data", "tokenizer",
+                                    "model on meta", "parallelize", "weights", "objective", "optimizer",
+                                    "rest of setup"]
     assert up["first_step_s"] > 0 and out["planned_peak_gib"] > 0
     assert f"protocol {protocol} (small, {out['shapes']}, world 1)" in stdout
     assert "start-up to the first step" in stdout
