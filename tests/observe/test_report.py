@@ -6,7 +6,14 @@ from pathlib import Path
 from PIL import Image
 
 from shardline.cli import main
-from shardline.observe.report import PLOTS, read_records, report_is_current, write_report, write_report_safely
+from shardline.observe.report import (
+    PLOTS,
+    plot_experts,
+    read_records,
+    report_is_current,
+    write_report,
+    write_report_safely,
+)
 from shardline.rundir import write_manifest
 
 
@@ -119,3 +126,26 @@ def test_a_dpo_run_gets_the_preference_plot_and_an_sft_run_does_not(tmp_path):
     assert "DPO: reward accuracy and margin" in html
     with Image.open(run / "report" / "preference.png") as im:
         assert im.size == (880, 374) and len(im.getcolors(1 << 20) or []) > 20
+
+
+def test_a_mixture_of_experts_run_gets_the_load_per_expert_and_a_dense_run_does_not(tmp_path):
+    """The heat map reads each step's expert_tokens (its last record when a resume redid it) and the title the
+    imbalance of the first and last step."""
+    run = _crashed_then_resumed_run(tmp_path)
+    write_report(run)
+    assert not (run / "report" / "experts.png").exists()
+    records = [{"kind": "event", "event": "setup", "world": 2}]
+    records += [_train(s, expert_tokens=[100 + 10 * s, 100, 100 - 10 * s, 100], expert_imbalance=1 + s / 10)
+                for s in range(1, 9)]
+    records += [{"kind": "event", "event": "resume", "step": 4, "world": 2, "rng_restored": True, "location": "x"}]
+    records += [_train(s, expert_tokens=[100, 100, 100, 100], expert_imbalance=1.0) for s in range(5, 9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html = write_report(run).read_text()
+    assert "Mixture of experts: each expert" in html
+    with Image.open(run / "report" / "experts.png") as im:
+        assert im.size == (880, 374) and len(im.getcolors(1 << 20) or []) > 20
+    fig = plot_experts(read_records(run / "metrics.jsonl"))
+    title = fig.axes[0].get_title("left")
+    assert "1.10 at step 1" in title and "1.00 at step 8" in title  # step 8 redone after the resume: balanced
+    grid = fig.axes[0].images[0].get_array()
+    assert grid.shape == (4, 8) and abs(float(grid[0, 0]) - 110 / 400) < 1e-9 and float(grid[0, 7]) == 0.25

@@ -245,6 +245,32 @@ def plot_stragglers(recs: RunRecords):
     return fig
 
 
+def plot_experts(recs: RunRecords):
+    """A mixture of experts' routing (model/moe.py): each expert's share of the step's routed tokens, summed over
+    the MoE layers (a heat map: 1/E everywhere is balanced), the title with the largest expert's load over the mean
+    (`expert_imbalance`, the worst layer) at the first and last step."""
+    last = {r["step"]: r for r in recs.train if r.get("expert_tokens")}  # a redone step: its last record
+    steps = sorted(last)
+    shares = [[n / max(1, sum(last[s]["expert_tokens"])) for n in last[s]["expert_tokens"]] for s in steps]
+    experts = len(shares[0])
+    fig, ax = _figure("")
+    image = ax.imshow([list(col) for col in zip(*shares, strict=True)], aspect="auto", origin="lower",
+                      cmap="viridis", interpolation="nearest",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, experts - 0.5))
+    from matplotlib.ticker import MaxNLocator
+
+    ax.grid(False)
+    ax.set_ylabel("expert")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    colorbar = fig.colorbar(image, ax=ax, pad=0.02)
+    colorbar.set_label(f"share of routed tokens (balanced: 1/{experts})")
+    first, final = last[steps[0]].get("expert_imbalance"), last[steps[-1]].get("expert_imbalance")
+    ax.set_title(f"tokens per expert · busiest expert over the mean: {first:.2f} at step {steps[0]}, {final:.2f} at "
+                 f"step {steps[-1]}", fontsize=11, loc="left")
+    _mark_resumes(ax, recs)
+    return fig
+
+
 def plot_memory(recs: RunRecords):
     fig, ax = _figure("peak memory (rank 0)")
     _lines(ax, recs, "mem_peak_bytes", "measured peak", "tab:blue", scale=1 / GiB)
@@ -411,6 +437,8 @@ def write_report(run_dir: Path) -> Path:
         plots["grpo.png"] = ("GRPO: reward, solved share, KL and completion length per step", plot_grpo)
     if any(r.get("slowest_rank") is not None for r in recs.train):  # a world of more than one rank
         plots["stragglers.png"] = ("Per-rank step time: slowest vs median rank, and which rank", plot_stragglers)
+    if any(r.get("expert_tokens") for r in recs.train):  # a mixture of experts
+        plots["experts.png"] = ("Mixture of experts: each expert's share of the routed tokens per step", plot_experts)
     priced = any(r.get("cost_usd") is not None for r in recs.train)
     for name, (caption, plot) in plots.items():
         if name == "cost.png" and not priced:  # no price, no panel (the summary says how to set one)
