@@ -6,17 +6,18 @@ tests/model/test_moe.py; the dry run of expert parallel against the plan: tests/
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.planning.advice import imbalance_headroom
 from shardline.planning.devices import get_device
 from shardline.planning.fixes import fixes
-from shardline.planning.memory import model_shape, param_budget, plan_memory
+from shardline.planning.memory import _from_config, model_shape, param_budget, plan_memory, shape_config
 from shardline.spec.resolve import load_spec
 
 
@@ -72,3 +73,12 @@ def test_no_qlora_is_suggested_for_a_mixture_and_dense_layers_are_named(tmp_path
     with pytest.raises(SpecError, match="mlp_only_layers") as e:
         model_shape(load_spec("tiny", [f"model.path={tmp_path}"]).model)
     assert e.value.where == "model.path"
+
+
+@pytest.mark.parametrize("config_class", [MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig])
+def test_a_mixtures_shape_round_trips_through_the_config_the_dry_run_builds(config_class):
+    """A hub model the planner knows offline is built by the dry run from `shape_config`: each family's expert
+    fields (its count and intermediate-size names, a shared expert) come back as the planner read them."""
+    shape = _from_config(config_class(num_hidden_layers=2).to_dict())
+    again = _from_config(shape_config(shape).to_dict())
+    assert replace(again, head_dim=None) == replace(shape, head_dim=None) and again.hd == shape.hd and shape.moe

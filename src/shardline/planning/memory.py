@@ -184,11 +184,10 @@ def shape_config(s: ModelShape) -> PretrainedConfig:
         windows["layer_types"] = ["sliding_attention" if w else "full_attention" for w in s.windows]
     model_type = s.family.model_types[0] if s.family.tested else "llama"
     experts = moe.config_fields(s.moe, AutoConfig.for_model(model_type)) if s.moe else {}
-    return AutoConfig.for_model(
-        model_type, vocab_size=s.vocab, hidden_size=s.hidden,
-        intermediate_size=s.intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False,
-        **windows, **experts)
+    fields = dict(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                  num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                  head_dim=s.hd, tie_word_embeddings=s.tie, use_cache=False)
+    return AutoConfig.for_model(model_type, **(fields | windows | experts))
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
