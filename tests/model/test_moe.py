@@ -493,3 +493,41 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     torch.testing.assert_close(off, base, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_logits, ours_, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(peft_logits, ours_, atol=1e-5, rtol=1e-5)
+
+
+def test_the_experts_run_as_one_grouped_matmul_per_projection_equal_to_the_loop_over_experts(monkeypatch):
+    """run_experts (expert parallel's and the expert adapters' forward): on CPU with 16-byte rows, torch's grouped
+    matmul, one call per projection and adapter factor, with an expert that got no token; values and every gradient
+    equal the loop over experts in fp32. Misaligned rows fall back to the loop."""
+    torch.manual_seed(0)
+    experts, hidden, inter, rank = 4, 16, 24, 8
+    module = torch.nn.Module()
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, hidden))
+    module.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inter))
+    module.act_fn = torch.nn.SiLU()
+    module.lora_A = torch.nn.ParameterDict({"gate_up_proj": torch.randn(experts, rank, hidden),
+                                            "down_proj": torch.randn(experts, rank, inter)})
+    module.lora_B = torch.nn.ParameterDict({"gate_up_proj": torch.randn(experts, 2 * inter, rank),
+                                            "down_proj": torch.randn(experts, hidden, rank)})
+    module.lora_scaling = 0.5
+    per_expert = [3, 0, 5, 2]
+    rows = torch.randn(sum(per_expert), hidden, requires_grad=True)
+    params = [rows, *module.parameters()]
+    calls = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = moe.run_experts(module, rows, per_expert, torch.tensor(per_expert))
+        grads = torch.autograd.grad(out.sum(), params)  # an expanded gradient: the grouped backward needs it whole
+        return out, grads
+
+    grouped, grouped_grads = run()
+    assert len(calls) == 6  # gate_up, down, and each one's two adapter factors
+    monkeypatch.setattr(moe, "grouped_matmul_runs", lambda rows, weights: False)
+    looped, looped_grads = run()
+    assert len(calls) == 6
+    torch.testing.assert_close(grouped, looped, rtol=0, atol=0)
+    for a, b in zip(grouped_grads, looped_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not moe.grouped_matmul_runs(rows, [torch.randn(experts, 2 * inter, hidden + 1)])

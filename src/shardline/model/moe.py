@@ -242,30 +242,65 @@ def _local(weight: torch.Tensor, gradient_scale: float) -> torch.Tensor:
     return _ScaleGradient.apply(local, gradient_scale) if gradient_scale != 1.0 else local
 
 
-def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int],
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity forward; backward hands the gradient on contiguous (torch's grouped matmul backward refuses an
+    expanded one, e.g. the gradient of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_matmul_runs(rows: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether torch's grouped matmul (`F.grouped_mm`) takes these operands: on CPU, or on CUDA in bf16 from SM 8.0,
+    with every row of every operand a multiple of 16 bytes (`[E, out, in]` weights: in and out)."""
+    if rows.device.type == "cuda":
+        runs = rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+    else:
+        runs = rows.device.type == "cpu"
+    return runs and all(w.dtype == rows.dtype and all(d * w.element_size() % 16 == 0 for d in w.shape[-2:])
+                        for w in weights)
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
+                   offsets: torch.Tensor | None) -> torch.Tensor:
+    """Row block e of `x` (`per_expert[e]` rows) times `weight[e]ᵀ` for every expert: one grouped matmul where
+    `offsets` (the blocks' ends, on the device) are given, else one matmul per expert."""
+    if offsets is not None:
+        return _ContiguousGradient.apply(nn.functional.grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    return torch.cat([nn.functional.linear(part, weight[e]) for e, part in enumerate(torch.split(x, per_expert))])
+
+
+def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int], counts: torch.Tensor,
                 gradient_scale: float = 1.0) -> torch.Tensor:
-    """Each of the module's (local) experts on its consecutive rows of `rows` (`per_expert[e]` of them):
-    transformers' expert math `act(x·gate) * (x·up) · down`, plus, where the module carries LoRA adapters
-    (`shardline.model.expert_lora`), `scaling · (x·Aᵉᵀ)·Bᵉᵀ` on each projection — the low-rank path per token, never
-    a ΔW of every expert. The weights' gradients are multiplied by `gradient_scale` (expert parallel's 1/ep)."""
+    """Each of the module's (local) experts on its consecutive rows of `rows` (`per_expert[e]` of them on the host,
+    `counts` the same on the device): transformers' expert math `act(x·gate) * (x·up) · down`, plus, where the module
+    carries LoRA adapters (`shardline.model.expert_lora`), `scaling · (x·Aᵉᵀ)·Bᵉᵀ` on each projection — the
+    low-rank path per token, never a ΔW of every expert. Each projection is one grouped matmul over the experts
+    where torch's runs (`grouped_matmul_runs`; equal to the loop over experts in fp32), else a loop. The weights'
+    gradients are multiplied by `gradient_scale` (expert parallel's 1/ep)."""
     weights = {n: _local(getattr(module, n), gradient_scale) for n in EXPERT_WEIGHTS}
-    adapters = getattr(module, "lora_A", None) is not None and not getattr(module, "lora_disabled", False)
-    if adapters:
+    factors = {}
+    if getattr(module, "lora_A", None) is not None and not getattr(module, "lora_disabled", False):
         factors = {n: (_local(module.lora_A[n], gradient_scale), _local(module.lora_B[n], gradient_scale))
                    for n in EXPERT_WEIGHTS}
+    operands = [*weights.values(), *(t for pair in factors.values() for t in pair)]
+    offsets = counts.cumsum(0).to(torch.int32) if grouped_matmul_runs(rows, operands) else None
 
-    def project(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        y = nn.functional.linear(x, weights[name][e])
-        if adapters:
+    def project(x: torch.Tensor, name: str) -> torch.Tensor:
+        y = _expert_linear(x, weights[name], per_expert, offsets)
+        if factors:
             a, b = factors[name]
-            y = y + nn.functional.linear(nn.functional.linear(x, a[e]), b[e]) * module.lora_scaling
+            low_rank = _expert_linear(_expert_linear(x, a, per_expert, offsets), b, per_expert, offsets)
+            y = y + low_rank * module.lora_scaling
         return y
 
-    outputs = []
-    for e, part in enumerate(torch.split(rows, per_expert)):
-        gate, up = project(part, "gate_up_proj", e).chunk(2, dim=-1)
-        outputs.append(project(module.act_fn(gate) * up, "down_proj", e))
-    return torch.cat(outputs) if outputs else rows[:0]
+    gate, up = project(rows, "gate_up_proj").chunk(2, dim=-1)
+    return project(module.act_fn(gate) * up, "down_proj")
 
 
 class SortedExpertsForward:
@@ -283,7 +318,7 @@ class SortedExpertsForward:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=experts).tolist()  # the layer's one host read
-        computed = run_experts(self.module, hidden_states[token], counts)
+        counts = torch.bincount(flat, minlength=experts)
+        computed = run_experts(self.module, hidden_states[token], counts.tolist(), counts)  # the one host read
         weighted = computed * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))

@@ -90,13 +90,14 @@ def expert_parallel_layers(model: nn.Module) -> int:
 class Routing:
     """Where one layer's routed token copies go. `order` sorts the copies (token-major, top-k inner) by expert;
     `send`/`receive` are the rows exchanged with each EP rank (host integers); `grouped` sorts the received rows
-    by local expert and `per_expert` counts them."""
+    by local expert and `per_expert` counts them (on the host; `expert_counts` on the device)."""
 
     order: torch.Tensor
     send: list[int]
     receive: list[int]
     grouped: torch.Tensor
     per_expert: list[int]
+    expert_counts: torch.Tensor
 
 
 def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routing:
@@ -114,7 +115,8 @@ def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> 
     grouped = torch.argsort(torch.repeat_interleave(source_expert, received), stable=True)
     return Routing(order=order, send=[sum(sent[r * local:(r + 1) * local]) for r in range(ranks)],
                    receive=[sum(got[r * local:(r + 1) * local]) for r in range(ranks)], grouped=grouped,
-                   per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)])
+                   per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)],
+                   expert_counts=received.view(ranks, local).sum(dim=0))
 
 
 def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -140,7 +142,7 @@ class ExpertParallelForward:
         # the weights' gradients hold the whole EP group's tokens: divided by its size, FSDP then averages them over
         # efsdp only, which together is the mean over all data-parallel ranks FSDP takes of every other gradient
         # (`set_gradient_divide_factor` would say it too, but gloo has no pre-multiplied reduce-scatter)
-        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert,
+        computed = run_experts(self.module, arrived[plan.grouped], plan.per_expert, plan.expert_counts,
                                1.0 / dist.get_world_size(self.group))
         back = torch.empty_like(computed).index_copy(0, plan.grouped, computed)  # in arrival order again
         returned = exchange(back, plan.send, plan.receive, self.group)
