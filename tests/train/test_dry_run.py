@@ -218,8 +218,9 @@ def test_lora_under_tensor_parallel_shards_as_planned(results):
 def test_expert_parallel_step_with_balanced_routing_is_within_10_percent_of_the_plan(results, world):
     """The real expert-parallel code (route, all-to-all, local experts, combine; forward and backward) on fake tensors
     as rank 0 of world 8 and 64 with EP 8, the fake group returning a rank's own counts (balanced routing): the plan
-    is at most 10 % above the tracked peak, never below, and the FLOPs counted are model/flops.py's of the active
-    parameters (to the norm weights it counts as matmul weights)."""
+    is at most 10 % above the tracked peak, never below, and the FLOPs counted (the experts' grouped matmuls by
+    `step_memory.grouped_mm_flops`) are model/flops.py's of the active parameters (to the norm weights it counts
+    as matmul weights)."""
     r = result(results, preset="qwen3-30b-a3b", world=world, layers=DEPTH, step=True)
     assert r["routing"].startswith("balanced") and r["world"] == world
     planned, simulated = r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"]
@@ -240,6 +241,8 @@ def test_lora_on_a_mixture_on_one_gpu_simulated_within_bounds_of_the_plan(result
     r = result(results, preset="qwen3-30b-a3b-lora", layers=DEPTH, step=True)
     assert "routing" not in r  # no expert parallel: transformers' experts forward, every expert on the rank
     _check_gap("qwen3-30b-a3b-lora", r["planned_cpu_kernels"]["peak"], r["step"]["peak_bytes"])
+    # its grouped matmuls counted by the simulation's formula: model/flops.py's active parameters, to the norms
+    assert abs(r["step"]["flops"] / r["step"]["flops_expected"] - 1) < 1e-4
 
 
 @pytest.mark.parametrize("world", EP_WORLDS)

@@ -2,7 +2,8 @@
 happens, and the FLOPs its kernels execute; for GRPO, its sampling's peak too.
 
 The step is the trainer's: `token_loss_sum` (forward with the document spans, summed cross-entropy in fp32),
-backward, gradient clipping, AdamW, zero_grad; on micro-batches of random tokens, one document per row (two
+backward, gradient clipping, AdamW, zero_grad (FLOPs counted by FlopCounterMode, grouped matmuls by
+`grouped_mm_flops`); on micro-batches of random tokens, one document per row (two
 micro-batches when the spec accumulates gradients). A first step runs untracked: it creates AdamW's state (as
 every later step finds it) and lets DTensor cache its shape propagation, which the tracker would otherwise count
 as memory. CPU kernels run: shardline's per-document SDPA on the CPU flash kernel (FlopCounterMode counts no
@@ -14,6 +15,7 @@ weights gathered in turn, and the fp32 softmax of the last position's logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +45,15 @@ class StepMemory:
     phase: str  # where the peak is: "forward", "backward (model.layers.3)", "optimizer step", …
     breakdown: dict[str, int]  # the tracker's categories at the peak (Sharded Param, Activation, OptState, …)
     flops: int  # counted by FlopCounterMode over the untracked step (CPU SDPA counts none)
+
+
+def grouped_mm_flops(a_shape, b_shape, *_, out_shape=None, **__) -> int:
+    """FLOPs of torch's grouped matmul (`aten._grouped_mm`: a mixture's experts, each on its own rows), for which
+    FlopCounterMode has no formula: 2 per multiply-add. Forward and input gradient multiply rows [S, K] by every
+    group's [K, N] into [S, N]; the weight gradient multiplies [K, S] by [S, N] into one [K, N] per group."""
+    if len(out_shape) == 3 and len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
 
 
 def one_document_rows(spec: TrainSpec, vocab: int) -> Batch:
@@ -124,7 +135,7 @@ def _sample(model: nn.Module, optimizer: torch.optim.Optimizer, sampling: Sampli
 def _run(model: nn.Module, optimizer: torch.optim.Optimizer, spec: TrainSpec, batches: list[Batch],
          progress: Callable[[str], None]) -> StepMemory:
     progress("warm-up step (untracked, FLOPs counted)")
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops}) as counter:
         _step(model, optimizer, spec, batches, lambda _: None)
     progress("tracked step")
     tracker = mem_tracker_class()(causal_lm(model), optimizer)  # the FSDP root, inside a peft wrapper
