@@ -197,6 +197,13 @@ def test_the_planner_counts_a_mixtures_total_and_active_parameters_as_transforme
     assert round(counts.total / 1e9, 1) == 30.5 and round((counts.active_trainable + counts.embedding) / 1e9, 2) == 3.35
     lora = load_spec("qwen3-30b-a3b-lora")
     same(lora, apply_lora(model, lora.model.lora))
+    # LoRA on the routed experts too: E·r·(in + out) per fused projection, adapters counted among the experts
+    experts = load_spec("qwen3-30b-a3b-lora", ["model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]",
+                                               "model.lora.dropout=0"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen3)
+    same(experts, apply_lora(model, experts.model.lora))
+    assert planned_counts(experts).experts_trainable == 48 * 128 * 16 * (2048 + 2 * 768 + 768 + 2048)
 
 
 # ---- the training forward against transformers' ------------------------------------------------------------

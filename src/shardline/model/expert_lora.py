@@ -23,9 +23,6 @@ from torch import nn
 from shardline.errors import SpecError
 from shardline.model.moe import EXPERT_WEIGHTS, SortedExpertsForward, expert_modules
 
-EXPERTS_TARGET = "experts"
-"""The name in `model.lora.target_modules` that adapts the routed experts (the module transformers calls so)."""
-
 
 def check_expert_dropout(dropout: float) -> None:
     if dropout:

@@ -65,6 +65,9 @@ SUPPORTED = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts")
 """Where the configs of the trained mixtures keep their number of routed experts (`shardline.model.moe`, the
 planner)."""
+EXPERTS_TARGET = "experts"
+"""The name in `model.lora.target_modules` that adapts the routed experts (the module transformers calls so;
+`shardline.model.expert_lora`, the planner)."""
 _EXPERT_FIELDS = (*EXPERT_COUNT_FIELDS, "n_routed_experts", "moe_num_experts")
 TRAINED_EXPERTS = ", ".join(f.name for f in FAMILIES if f.experts)
 REFUSED_EXPERTS = {

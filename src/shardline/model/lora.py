@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from shardline.errors import SpecError
-from shardline.model.expert_lora import EXPERTS_TARGET, add_expert_adapters, check_expert_dropout
-from shardline.model.families import family_of
+from shardline.model.expert_lora import add_expert_adapters, check_expert_dropout
+from shardline.model.families import EXPERTS_TARGET, family_of
 from shardline.model.moe import is_moe
 from shardline.model.nf4 import QuantizedBase, quantize_base_on_meta
 from shardline.spec import LoraSpec, Precision

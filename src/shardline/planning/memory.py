@@ -51,6 +51,7 @@ from shardline.errors import SpecError
 from shardline.hardware import FLOAT8_DIM_MULTIPLE, match_device
 from shardline.model.families import (
     BY_MODEL_TYPE,
+    EXPERTS_TARGET,
     LLAMA,
     MULTIMODAL_LANGUAGE_MODELS,
     Family,
@@ -243,10 +244,11 @@ def lora_targets(shape: ModelShape, lora: LoraSpec) -> list[str]:
     if not lora.enabled:
         return []
     targets = list(lora.target_modules or shape.family.lora_targets)
-    unknown = [m for m in targets if m not in linear_dims(shape)]
+    known = set(linear_dims(shape)) | ({EXPERTS_TARGET} if shape.moe else set())
+    unknown = [m for m in targets if m not in known]
     if unknown:
         raise SpecError("model.lora.target_modules", f"{unknown} are not modules of this model",
-                        f"choose from {sorted(linear_dims(shape))}")
+                        f"choose from {sorted(known)}")
     return targets
 
 
@@ -280,8 +282,10 @@ def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
     block += moe.mlp_params(s) if s.moe else 0
     block += (s.heads + 2 * s.kv_heads) * s.hd if s.family.qkv_bias else 0
     root = (s.vocab + (0 if s.tie else s.head_vocab)) * s.hidden + s.hidden
-    adapters = {m: lora.r * sum(dims[m]) for m in lora_targets(s, lora)}
+    targets = lora_targets(s, lora)
+    adapters = {m: lora.r * sum(dims[m]) for m in targets if m != EXPERTS_TARGET}
     block_lora = sum(n for m, n in adapters.items() if m in block_linears(s))
+    block_lora += moe.expert_adapter_params(s, lora.r) if EXPERTS_TARGET in targets else 0
     root_lora = adapters.get("lm_head", 0)
     if lora.enabled:
         return ParamBudget(block + block_lora, block_lora, root + root_lora, root_lora, s.layers)
@@ -360,7 +364,7 @@ def block_saved_bytes(s: ModelShape, c: int, lora: LoraSpec, attn: str, seq_len:
     else:  # SDPA / flash: q, k, v, output and logsumexp
         b += c * (2 * q + 2 * kv_saved) + 4 * h
     if s.moe:  # the router, the dispatch and the experts (`planning.moe`); the router's input is the MLP's
-        b += (c * d if full else 0) + moe.mlp_saved_bytes(s, c, full, imbalance)
+        b += (c * d if full else 0) + moe.mlp_saved_bytes(s, c, full or EXPERTS_TARGET in targets, imbalance)
     else:
         b += inputs(("gate_up_proj",) if fused else ("gate_proj", "up_proj"), d)
         b += (2 if compiled else 3) * c * i  # gate, up and (eager) act(gate)

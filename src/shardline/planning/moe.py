@@ -98,6 +98,13 @@ def expert_params(s: ModelShape) -> int:
     return s.moe.per_layer(s.hidden) if s.moe else 0
 
 
+def expert_adapter_params(s: ModelShape, r: int) -> int:
+    """LoRA on one layer's routed experts (`experts` among `model.lora.target_modules`): per expert r·(in + out) on
+    each fused projection, gate_up (d → 2I) and down (I → d)."""
+    e, d = s.moe, s.hidden
+    return e.count * r * ((d + 2 * e.intermediate) + (e.intermediate + d))
+
+
 def gathered_block(s: ModelShape, block: int, ep: int) -> int:
     """What FSDP gathers of one block: everything but the experts other EP ranks hold."""
     return block - expert_params(s) * (ep - 1) // ep

@@ -57,9 +57,10 @@ def planned_counts(spec: JobSpec) -> ParamCounts:
     """The model's parameters as `shardline.model.flops` counts them in training (matmul weights trainable and
     frozen, the embedding table, a mixture's routed experts and the share of them a token runs through), from the
     planner's shape: what the trainer's MFU will be computed from."""
+    from shardline.model.families import EXPERTS_TARGET
     from shardline.model.flops import ParamCounts
-    from shardline.planning.memory import model_shape, param_budget
-    from shardline.planning.moe import expert_params
+    from shardline.planning.memory import lora_targets, model_shape, param_budget
+    from shardline.planning.moe import expert_adapter_params, expert_params
 
     shape = model_shape(spec.model)
     pb = param_budget(shape, spec.model.lora)
@@ -67,9 +68,11 @@ def planned_counts(spec: JobSpec) -> ParamCounts:
     matmul = pb.total - embedding + (embedding if shape.tie else 0)  # lm_head counts even when tied
     trainable = pb.trainable if spec.model.lora.enabled else matmul
     experts = pb.layers * expert_params(shape)
+    lora = spec.model.lora
+    adapters = pb.layers * expert_adapter_params(shape, lora.r) if EXPERTS_TARGET in lora_targets(shape, lora) else 0
     return ParamCounts(trainable=trainable, frozen=matmul - trainable, embedding=embedding, tied=shape.tie,
-                       experts_trainable=0 if spec.model.lora.enabled else experts,
-                       experts_frozen=experts if spec.model.lora.enabled else 0,
+                       experts_trainable=adapters if lora.enabled else experts,
+                       experts_frozen=experts if lora.enabled else 0,
                        active_experts=shape.moe.active_fraction if shape.moe else 1.0)
 
 
