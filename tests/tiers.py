@@ -98,6 +98,7 @@ LAUNCH = (
     "tests/train/test_dry_run.py::test_absent_lora_targets",
     "tests/train/test_dry_run.py::test_expert_parallel_step_with_balanced_routing",
     "tests/train/test_dry_run.py::test_flops_counted_on_the_simulated",
+    "tests/train/test_dry_run.py::test_the_fake_group_returns",  # reads the module's dry-run child (results)
     "tests/train/test_dry_run.py::test_float8_dry_run_converts",
     "tests/train/test_dry_run.py::test_grpo_sampling_simulated",
     "tests/train/test_dry_run.py::test_hsdp_shards",

@@ -3,6 +3,8 @@ torn down per case): `python -m tests.train.dry_run_cases` reads cases as JSON o
 
 A case: {"preset", "world" (or null), "values" (dotted fields set after the world), "layers" (or null: a local
 config.json of the preset's hub model with this many layers, read by planner and simulation alike), "step"}.
+Or {"fake_group": true}: what torch's fake process group answers to `all_to_all_single` (the pytest process may
+already hold a process group, which the fake one cannot join).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from shardline.api import planning_device
 from shardline.errors import ShardlineError
 from shardline.planning.memory import model_shape, shape_config
 from shardline.planning.simulation.dry_run import at_world, dry_run
+from shardline.planning.simulation.fake_world import fake_process_group
 from shardline.spec.resolve import load_spec, resolve_data
 
 
@@ -27,7 +33,17 @@ def with_layers(spec, layers: int, directory: Path):
     return resolve_data(spec.model_dump(mode="json"), values={"model.path": str(directory)})
 
 
+def fake_group_all_to_all() -> dict:
+    """What torch's fake process group (rank 3 of 8) answers to `all_to_all_single` of 0..15."""
+    with fake_process_group(8, 3):
+        counts, received = torch.arange(16), torch.full((16,), -1)
+        dist.all_to_all_single(received, counts)
+    return {"received": received.tolist()}
+
+
 def run(case: dict, tmp: Path) -> dict:
+    if case.get("fake_group"):
+        return fake_group_all_to_all()
     spec = at_world(load_spec(case["preset"]), case.get("world"))
     if case.get("values"):
         spec = resolve_data(spec.model_dump(mode="json"), values=case["values"])

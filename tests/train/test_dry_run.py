@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardline.api import DryRun, dry_run
 from shardline.cli import main
@@ -25,7 +24,7 @@ from shardline.errors import SpecError
 from shardline.planning.memory import kv_cache_bytes, model_shape, plan_memory
 from shardline.planning.simulation.balanced_routing import balanced_top_k
 from shardline.planning.simulation.dry_run import at_world
-from shardline.planning.simulation.fake_world import PRIVATE_APIS, _import, fake_process_group
+from shardline.planning.simulation.fake_world import PRIVATE_APIS, _import
 from shardline.spec.resolve import load_spec, preset_names
 from tests.conftest import REPO
 
@@ -80,7 +79,8 @@ CASES = ([{"preset": "tiny", "step": True}, *GRPO_CASES.values(), FLOAT8_CASE]
              "values": {"parallel.dp_replicate": 4, "parallel.dp_shard": 64}}]
          + [{"preset": "qwen3-30b-a3b", "world": w, "layers": DEPTH, "step": True} for w in EP_WORLDS]
          + [{"preset": "qwen3-30b-a3b-lora", "layers": DEPTH, "step": True}]
-         + [{"preset": "qwen3-30b-a3b", "world": w, "step": False} for w in EP_WORLDS])
+         + [{"preset": "qwen3-30b-a3b", "world": w, "step": False} for w in EP_WORLDS]
+         + [{"fake_group": True}])  # what the EP dry run stands on, in the child: it has no process group yet
 
 
 def test_every_preset_is_covered():
@@ -110,15 +110,12 @@ def test_private_torch_apis_the_simulation_needs_exist():
         assert _import(path) is not None, f"torch {torch.__version__} moved {path}: the dry run cannot simulate"
 
 
-def test_the_fake_group_returns_a_ranks_own_counts_from_all_to_all_single_and_balanced_routing_is_balanced():
+def test_the_fake_group_returns_a_ranks_own_counts_from_all_to_all_single_and_balanced_routing_is_balanced(results):
     """What the dry run of expert parallel stands on (planning/simulation/balanced_routing.py): torch's fake process
     group answers `all_to_all_single` with the rank's own input (each rank receives what it sends: balanced routing
     on every rank), and the balanced top-k gives every expert the same number of a rank's routed copies, k distinct
     experts per token."""
-    with fake_process_group(8, 3):
-        counts, received = torch.arange(16), torch.full((16,), -1)
-        dist.all_to_all_single(received, counts)
-    assert received.equal(counts)
+    assert result(results, fake_group=True) == {"received": list(range(16))}  # rank 3 of 8 sent 0..15
     index = balanced_top_k(4096, 8, 128)
     assert torch.bincount(index.flatten(), minlength=128).eq(4096 * 8 // 128).all()
     assert all(len(set(row.tolist())) == 8 for row in index)
