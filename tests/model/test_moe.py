@@ -12,6 +12,7 @@ routed to the wrong experts moves the loss (checked below), so the oracles could
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from shardline.parallel.context import check_context_parallel
 from shardline.parallel.tensor import check_tensor_parallel
 from shardline.rundir import create_run
 from shardline.spec import LoraSpec, ModelSpec
+from shardline.spec.resolve import load_spec
 from shardline.tasks.text_to_sql.generate import generate_splits
 from shardline.training.loss import token_loss_sum
 from shardline.training.preference import adapters_off
@@ -207,16 +209,17 @@ def test_the_planner_counts_a_mixtures_total_and_active_parameters_as_transforme
 
 
 # ---- the training forward against transformers' ------------------------------------------------------------
-def _batch(seed: int) -> tuple[Batch, torch.Tensor]:
-    """Two rows of one document each, the second with a 9-token padding tail, as the loader builds them; and the
-    attention mask transformers is given for the same rows."""
-    rows, seq, real = 2, 48, torch.tensor([48, 39])
+def _batch(seed: int, real: tuple[int, int] = (48, 39)) -> tuple[Batch, torch.Tensor]:
+    """Two rows of one document each, the second with a 9-token padding tail (or the `real` lengths), as the loader
+    builds them; and the attention mask transformers is given for the same rows."""
+    rows, seq, real = 2, 48, torch.tensor(real)
     ids = torch.randint(3, 400, (rows, seq), generator=torch.Generator().manual_seed(seed))
     mask = torch.arange(seq)[None] < real[:, None]
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:, :-1] = torch.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
     positions = torch.arange(seq).repeat(rows, 1)
-    positions[1, 39:] = torch.arange(seq - 39)  # the packer's padding tail: its own span, positions from 0
+    for row, length in enumerate(real.tolist()):  # the packer's padding tail: its own span, positions from 0
+        positions[row, length:] = torch.arange(seq - length)
     spans = document_spans(positions, real)
     return Batch(ids, labels, positions, int(mask[:, 1:].sum()), int(real.sum()), spans), mask
 
@@ -293,6 +296,77 @@ def test_mis_routing_moves_the_loss_beyond_the_oracles_tolerance(checkpoints):
         rolled = token_loss_sum(model, batch).item() / batch.n_loss_tokens
     print(f"qwen3_moe: experts rolled by one change the loss by {abs(rolled - base) / base:.2e} relative")
     assert abs(rolled - base) / base > 1e-3
+
+
+def _capped_by_hand(experts: torch.nn.Module, factor: float, dropped: list[int]) -> None:
+    """transformers' experts module on the copies within capacity only, chosen here by hand: of each expert's copies
+    the ceil(tokens·k / E · factor) of largest routing weight (earlier position first among equal weights) keep their
+    weight, the others get 0 (so they add nothing); the copies left out are appended to `dropped`."""
+    forward = experts.forward
+
+    def capped(hidden_states, top_k_index, top_k_weights):
+        capacity = math.ceil(hidden_states.shape[0] * TOP_K / EXPERTS * factor)
+        keep = torch.zeros_like(top_k_index, dtype=torch.bool)
+        for e in range(EXPERTS):
+            copies = sorted((-top_k_weights[t, j].item(), t, j) for t, j in (top_k_index == e).nonzero().tolist())
+            for _, t, j in copies[:capacity]:
+                keep[t, j] = True
+        dropped.append(int((~keep).sum()))
+        return forward(hidden_states, top_k_index, top_k_weights * keep)
+
+    experts.forward = capped
+
+
+def test_a_capacity_factor_drops_the_lightest_copies_over_capacity_as_transformers_experts_on_the_kept_copies(
+        checkpoints):
+    """`train.expert_capacity_factor`: each expert takes at most ceil(tokens·k / E · factor) routed copies of a
+    forward, the lightest over it dropped. The loss and every gradient equal transformers' model whose experts get the
+    kept copies only (chosen by hand, `_capped_by_hand`), and the copies counted as dropped are the ones left out
+    there (factor 1 drops; factor E/k, capacity of every token, drops none). No factor: the model is untouched, its
+    loss bit-equal to one never given a factor. A dense model refuses a factor, and so does the spec one ≤ 0."""
+    # 2 whole rows of 48 positions (a padding tail would be routed, and take capacity, differently in transformers'
+    # masked forward): capacity ceil(96 · 2 / 8 · factor) per expert and layer
+    batch, _ = _batch(seed=4, real=(48, 48))
+    path = checkpoints["qwen3_moe"]
+    untouched = ours(path)
+    moe.limit_expert_capacity(untouched, None)
+    assert all("forward" not in vars(m) for m in moe.expert_modules(untouched))
+    assert torch.equal(token_loss_sum(untouched, batch), token_loss_sum(ours(path), batch))
+    for factor, drops in ((EXPERTS / TOP_K, False), (1.0, True)):
+        model, theirs = ours(path), reference(path)
+        moe.limit_expert_capacity(model, factor)
+        load = moe.ExpertLoad(model)
+        dropped: list[int] = []
+        for layer in theirs.model.layers:
+            _capped_by_hand(layer.mlp.experts, factor, dropped)
+        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        loss.backward()
+        want = theirs(input_ids=batch.input_ids, labels=batch.input_ids).loss
+        want.backward()
+        counted = int(load.take()[-1])
+        grads = {k: p.grad for k, p in theirs.named_parameters()}
+        diffs = {k: (p.grad - grads[k]).abs().max().item() for k, p in model.named_parameters()}
+        print(f"capacity factor {factor}: capacity {moe.expert_capacity(96, TOP_K, EXPERTS, factor)}, copies dropped "
+              f"{counted} (by hand, per layer: {dropped}); loss {loss.item():.6f} vs transformers' on the kept copies "
+              f"{want.item():.6f}; every gradient: max abs diff {max(diffs.values()):.2e}")
+        assert counted == sum(dropped) and (counted > 0) == drops
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[key], atol=2e-6, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+        if drops:  # the oracle has teeth: the dropped copies move the loss
+            dropless = token_loss_sum(untouched, batch).item() / batch.n_loss_tokens
+            assert abs(loss.item() - dropless) > 1e-3 * loss.item(), (loss.item(), dropless)
+            assert load.fields(load.take().tolist())["expert_dropped"] == 0  # taken: counted afresh
+    with torch.no_grad():  # forwards without gradients (validation) drop, but do not count
+        token_loss_sum(model, batch)
+    assert int(load.take()[-1]) == 0
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(SpecError, match="no routed experts") as e:
+        moe.limit_expert_capacity(dense, 1.0)
+    assert e.value.where == "train.expert_capacity_factor"
+    with pytest.raises(SpecError, match="train.expert_capacity_factor"):
+        load_spec("tiny", ["train.expert_capacity_factor=0"])
 
 
 # ---- the Trainer, one in-process rank -----------------------------------------------------------------------

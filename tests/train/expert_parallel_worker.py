@@ -18,8 +18,8 @@ JOBS.json lists jobs, done in order:
   permutation off by one rank), `broken: combine` sums the experts' outputs without their routing weights: the
   oracle must catch both;
 - `{"spec": path, "steps": n, "out": path, "save": bool, "save_at": k}`: the Trainer of a created run resumes if its
-  spec says so, trains n steps (rank 0 writes their losses and expert loads), saves a checkpoint after its k-th step
-  if `save_at` and after the last if `save`.
+  spec says so, trains n steps (rank 0 writes their losses, expert loads and dropped copies), saves a checkpoint
+  after its k-th step if `save_at` and after the last if `save`.
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main(jobs_file: str) -> None:
                         trainer.save_checkpoint(blocking=True)
                 if ctx.is_main and job.get("out"):
                     Path(job["out"]).write_text(json.dumps([{"loss": r.loss, "expert_tokens": r.expert_tokens,
-                                                             "expert_imbalance": r.expert_imbalance}
+                                                             "expert_imbalance": r.expert_imbalance,
+                                                             "expert_dropped": r.expert_dropped}
                                                             for r in records]))
                 if job.get("save"):
                     trainer.save_checkpoint(blocking=True)

@@ -13,7 +13,8 @@ counts all-reduced over the ranks, equals transformers' on the whole batch; and 
 transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
 as at ep 1 (and counts the same tokens per expert), its ep 2
 checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
-trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss. A tiny
+trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss; with a
+capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies. A tiny
 Mixtral saved by transformers trains from `shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL
 and retrains the lost step bit-exact, and exports with the input's keys a model transformers loads with the run's
 validation loss.
@@ -105,6 +106,10 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          f"checkpoint.resume_from={tmp_path / 'runs' / 'expert-lora-ep1'}")  # its adapters resharded
     # ep 1's step-3 checkpoint resumed at ep 2 (its experts resharded from FSDP's dim 0 to ep's)
     grown = moe_run(tmp_path, checkpoint, "ep1to2", 2, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep1'}")
+    # a capacity factor that drops (1.0: an expert busier than the mean loses copies) at ep 1 and at ep 2, where the
+    # copies are dropped before the dispatch (and activation checkpointing's recomputation must not count them again)
+    capped_1, capped_2 = (moe_run(tmp_path, checkpoint, f"capacity-ep{ep}", ep, "train.expert_capacity_factor=1.0",
+                                  *extra) for ep, extra in ((1, ()), (2, ("parallel.activation_checkpointing=full",))))
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
@@ -116,7 +121,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                            for part in ("dispatch", "combine")),
                          {**ep1, "steps": 4, "save_at": 3}, {**ep2, "steps": 3, "save": True},
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 2},
-                         {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1}])
+                         {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1},
+                         {**capped_1, "steps": 2}, {**capped_2, "steps": 2}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
                              ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
@@ -138,6 +144,17 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     print(f"tokens per expert, step 1: {loads[0][0]}, max/mean {records[ep1['out']][0]['expert_imbalance']:.2f}")
     assert loads[1] == loads[0][:3] and all(sum(step) == 2 * 2 * 4 * 128 for step in loads[0])
     assert all(r["expert_imbalance"] >= 1 for r in records[ep2["out"]])
+    assert all(r["expert_dropped"] is None for r in records[ep1["out"]])  # no factor: nothing dropped, no field
+    capped = [json.loads(Path(job["out"]).read_text()) for job in (capped_1, capped_2)]
+    print(f"capacity factor 1.0, ep 1: losses {[r['loss'] for r in capped[0]]}, dropped copies "
+          f"{[r['expert_dropped'] for r in capped[0]]}; ep 2: losses {[r['loss'] for r in capped[1]]}, dropped "
+          f"{[r['expert_dropped'] for r in capped[1]]} (of 2 layers × top-2 × 4 rows × 128 positions a step)")
+    assert [r["loss"] for r in capped[1]] == pytest.approx([r["loss"] for r in capped[0]], rel=1e-5)
+    assert [r["expert_dropped"] for r in capped[1]] == [r["expert_dropped"] for r in capped[0]]
+    assert all(r["expert_dropped"] > 0 for r in capped[0])
+    # the routers' choice counted, dropped copies too: every routed copy of the global batch
+    assert all(sum(r["expert_tokens"]) == 2 * 2 * 4 * 128 for r in capped[0] + capped[1])
+    assert abs(capped[0][0]["loss"] - at_1[0]) > 1e-4  # the dropped copies changed the loss
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
     lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
     print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "

@@ -13,11 +13,18 @@ is left out), with the expert counts and row totals all-reduced over the ranks (
 and weights it by the micro-batch's loss-bearing tokens on all ranks, so that the step's loss (summed, divided by
 the step's loss tokens) is `cross-entropy + coef · aux` exactly as transformers computes it on one batch, and the
 token-weighted mean of the micro-batches' aux terms over several.
+
+Capacity (`train.expert_capacity_factor`, off by default): each expert takes at most
+ceil(tokens·k / E · factor) routed copies per forward (one micro-batch of one rank), Megatron-Core's `get_capacity`
+of its `tokens · topk` copies (GShard's and Switch's capacity with k copies a token); the copies over it are dropped
+lowest routing weight first (Megatron-Core's drop policy "probs"; equal weights: the later position first), before
+any dispatch, and counted (`ExpertLoad`, the step's `expert_dropped`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -178,7 +185,8 @@ class ExpertLoad:
     that the step can carry them in its one all-reduce and host copy. Every position a router sees counts (a packed
     row's padding tail too: the experts compute it); forwards without gradients (validation, generation) and the
     recomputation of activation checkpointing in backward do not. A dense model has no routers: nothing is
-    counted and `fields` is empty."""
+    counted and `fields` is empty. With a capacity factor (`limit_expert_capacity`) the copies the experts dropped
+    are counted too (by the experts' forwards, `count_dropped`), in one more slot."""
 
     def __init__(self, lm: nn.Module) -> None:
         config = lm.config
@@ -188,6 +196,7 @@ class ExpertLoad:
         self.top_k = getattr(config, "num_experts_per_tok", 1)
         self.counts: torch.Tensor | None = None
         self.layers = len(routers)
+        self.capped = [m for m in expert_modules(lm) if getattr(m, "capacity_factor", None)] if self.experts else []
         for i, router in enumerate(routers):
             router.register_forward_hook(self._hook(i, recorder.index))
 
@@ -205,19 +214,82 @@ class ExpertLoad:
         return count
 
     def take(self) -> torch.Tensor:
-        """The counts since the last call, flattened [layers × E] (empty for a dense model), and start again."""
+        """The counts since the last call, flattened [layers × E] (empty for a dense model), then the copies dropped
+        over capacity where a capacity factor is set, and start again."""
         counts, self.counts = self.counts, None
-        return counts.reshape(-1) if counts is not None else torch.zeros(self.layers * self.experts)
+        flat = counts.reshape(-1) if counts is not None else torch.zeros(self.layers * self.experts,
+                                                                          dtype=torch.float64)
+        if not self.capped:
+            return flat
+        dropped = [m.dropped_copies.to(flat) for m in self.capped if m.dropped_copies is not None]
+        for module in self.capped:
+            module.dropped_copies = None
+        return torch.cat([flat, sum(dropped, torch.zeros(1, dtype=flat.dtype, device=flat.device))])
 
     def fields(self, load: list[float]) -> dict[str, Any]:
         """The step record's load fields from the counts of all ranks (`take`, summed): tokens per expert over the
         layers, and the imbalance: the largest over layers of (busiest expert's tokens / the mean expert's)."""
         if not self.layers or not load:
             return {}
-        per_layer = torch.tensor(load).view(self.layers, self.experts)
+        dropped = {"expert_dropped": int(load[-1])} if self.capped else {}
+        per_layer = torch.tensor(load[:self.layers * self.experts]).view(self.layers, self.experts)
         mean = per_layer.mean(dim=1).clamp(min=1e-9)
         return {"expert_tokens": [int(x) for x in per_layer.sum(dim=0).tolist()],
-                "expert_imbalance": float((per_layer.max(dim=1).values / mean).max())}
+                "expert_imbalance": float((per_layer.max(dim=1).values / mean).max()), **dropped}
+
+
+CAPACITY_FIELD = "train.expert_capacity_factor"
+
+
+def limit_expert_capacity(model: nn.Module, factor: float | None) -> None:
+    """Give every routed-experts module of `model` the capacity `factor` (`within_capacity`), run by shardline's
+    forward (`SortedExpertsForward`, or expert parallel's dispatch, which read `module.capacity_factor`); None leaves
+    the model as it is. A SpecError for a factor on a dense model."""
+    if factor is None:
+        return
+    if not is_moe(model.config):
+        name = getattr(model.config, "model_type", "the model")
+        raise SpecError(CAPACITY_FIELD, f"is {factor}, but {name} has no routed experts (not a mixture of experts)",
+                        f"remove {CAPACITY_FIELD} (or set it to null)")
+    for module in expert_modules(model):
+        module.capacity_factor, module.dropped_copies = float(factor), None
+        if "forward" not in vars(module):  # transformers' own forward drops nothing; LoRA's is ours already
+            module.forward = SortedExpertsForward(module)
+
+
+def expert_capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """The most routed copies one expert takes of `tokens` tokens' top-k copies: Megatron-Core's
+    `get_capacity(tokens · top_k, experts, factor)`, ceil(tokens·k / E · factor)."""
+    return math.ceil(tokens * top_k / experts * factor)
+
+
+def within_capacity(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,
+                    factor: float | None) -> torch.Tensor:
+    """The expert of each routed copy (`top_k_index` flattened: token-major, top-k inner) with `experts`, one past
+    the last, for a copy dropped over its expert's capacity (`expert_capacity` of these tokens): each expert keeps
+    its copies of the largest routing weight, the earlier position where weights are equal. On the device, no host
+    read; without a factor the copies as they are."""
+    flat = top_k_index.reshape(-1)
+    if factor is None:
+        return flat
+    capacity = expert_capacity(top_k_index.shape[0], top_k_index.shape[-1], experts, factor)
+    heaviest = torch.argsort(top_k_weights.detach().reshape(-1), descending=True, stable=True)
+    order = heaviest[torch.argsort(flat[heaviest], stable=True)]  # by expert, heaviest first
+    counts = torch.zeros(experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    return torch.where(rank < capacity, flat, experts)
+
+
+def count_dropped(module: nn.Module, dropped: int) -> None:
+    """Add a training forward's dropped copies to the module's count (`ExpertLoad.take` collects it); as for the
+    expert load, forwards without gradients and activation checkpointing's recomputation do not count."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    device = module.gate_up_proj.device
+    if module.dropped_copies is None:
+        module.dropped_copies = torch.zeros(1, dtype=torch.float64, device=device)
+    module.dropped_copies += dropped  # a host integer into a device tensor: no host read, no blocking copy
 
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -305,9 +377,10 @@ def run_experts(module: nn.Module, rows: torch.Tensor, per_expert: list[int], co
 
 class SortedExpertsForward:
     """A routed-experts module's forward on the experts it holds whole (no expert parallel), by `run_experts`: the
-    token copies sorted by expert, each expert run on its rows (one host read of the counts), the outputs weighted
-    and summed per token. Same signature and result as transformers' `(hidden_states [N, H], top_k_index [N, k],
-    top_k_weights [N, k]) -> [N, H]`; used where the experts carry LoRA adapters transformers' forward ignores."""
+    token copies sorted by expert (those over a capacity left out: `within_capacity`), each expert run on its rows
+    (one host read of the counts), the outputs weighted and summed per token. Same signature and result as
+    transformers' `(hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]`; used where the
+    experts carry LoRA adapters transformers' forward ignores, or a capacity factor it knows nothing of."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -315,10 +388,14 @@ class SortedExpertsForward:
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         k, experts = top_k_index.shape[-1], self.module.gate_up_proj.shape[0]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        factor = getattr(self.module, "capacity_factor", None)
+        routed = within_capacity(top_k_index, top_k_weights, experts, factor)
+        counts = torch.bincount(routed, minlength=experts + 1)  # the last: copies dropped over capacity
+        host = counts.tolist()  # the one host read
+        order = torch.argsort(routed, stable=True)[:len(routed) - host[experts]]  # the dropped sort last
+        if factor is not None:
+            count_dropped(self.module, host[experts])
         token = order // k
-        counts = torch.bincount(flat, minlength=experts)
-        computed = run_experts(self.module, hidden_states[token], counts.tolist(), counts)  # the one host read
+        computed = run_experts(self.module, hidden_states[token], host[:experts], counts[:experts])
         weighted = computed * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))

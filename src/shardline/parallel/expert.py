@@ -15,7 +15,9 @@ One MoE layer's forward on a rank (`ExpertParallelForward`): its N tokens × top
 the per-expert counts exchanged with `all_to_all_single` (one small collective), then read on the host once (the
 splits of the token all-to-all are host integers: one host read per MoE layer and forward — the step's host-read
 budget, tests/train/test_host_reads.py, covers dense steps only); the copies sent with `all_to_all_single` with
-exact uneven splits (no capacity, no token dropped; gloo takes uneven splits on CPU, NCCL on GPU); the received
+exact uneven splits (gloo takes uneven splits on CPU, NCCL on GPU; no copy dropped unless a capacity factor is set,
+`shardline.model.moe.within_capacity`: then the copies over an expert's capacity, of this rank's tokens as at ep 1,
+are left out before the counts, so the all-to-all sends fewer rows, and counted); the received
 rows grouped by local expert and run through each expert (`act(x·gate) * (x·up) · down`, transformers' own
 expert math, exact on CPU); the outputs sent back by the reverse all-to-all, weighted by their routing weights and
 summed per token. Both all-to-alls are autograd functions: backward sends the gradients the opposite way.
@@ -33,7 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardline.errors import SpecError
-from shardline.model.moe import EXPERT_WEIGHTS, expert_modules, num_experts, run_experts
+from shardline.model.moe import (
+    EXPERT_WEIGHTS,
+    count_dropped,
+    expert_modules,
+    num_experts,
+    run_experts,
+    within_capacity,
+)
 
 
 def check_expert_parallel(config: object, ep: int) -> None:
@@ -88,9 +97,10 @@ def expert_parallel_layers(model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class Routing:
-    """Where one layer's routed token copies go. `order` sorts the copies (token-major, top-k inner) by expert;
-    `send`/`receive` are the rows exchanged with each EP rank (host integers); `grouped` sorts the received rows
-    by local expert and `per_expert` counts them (on the host; `expert_counts` on the device)."""
+    """Where one layer's routed token copies go. `order` sorts the copies (token-major, top-k inner) by expert, the
+    dropped ones left out (`dropped` of them, a host integer); `send`/`receive` are the rows exchanged with each EP
+    rank (host integers); `grouped` sorts the received rows by local expert and `per_expert` counts them (on the
+    host; `expert_counts` on the device)."""
 
     order: torch.Tensor
     send: list[int]
@@ -98,25 +108,27 @@ class Routing:
     grouped: torch.Tensor
     per_expert: list[int]
     expert_counts: torch.Tensor
+    dropped: int
 
 
 def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routing:
-    """The dispatch plan of one MoE layer: one count all-to-all and one host read."""
+    """The dispatch plan of one MoE layer (`top_k_index`: each copy's expert, `experts` for a copy dropped over
+    capacity, as `within_capacity` gives them): one count all-to-all and one host read."""
     ranks = dist.get_world_size(group)
     local = experts // ranks
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)  # [ranks × local]: what this rank sends each expert
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [source rank × local]: what each rank sends mine
+    counts = torch.bincount(flat, minlength=experts + 1)  # [ranks × local]: what this rank sends each expert; dropped
+    received = torch.empty_like(counts[:experts])
+    dist.all_to_all_single(received, counts[:experts], group=group)  # [source rank × local]: what each rank sends mine
     host = torch.cat([counts, received]).tolist()  # the layer's one host read: the splits are host integers
-    sent, got = host[:experts], host[experts:]
+    sent, dropped, got = host[:experts], host[experts], host[experts + 1:]
+    order = torch.argsort(flat, stable=True)[:len(flat) - dropped]  # the dropped sort last
     source_expert = torch.arange(local, device=flat.device).repeat(ranks)
     grouped = torch.argsort(torch.repeat_interleave(source_expert, received), stable=True)
     return Routing(order=order, send=[sum(sent[r * local:(r + 1) * local]) for r in range(ranks)],
                    receive=[sum(got[r * local:(r + 1) * local]) for r in range(ranks)], grouped=grouped,
                    per_expert=[sum(got[r * local + e] for r in range(ranks)) for e in range(local)],
-                   expert_counts=received.view(ranks, local).sum(dim=0))
+                   expert_counts=received.view(ranks, local).sum(dim=0), dropped=dropped)
 
 
 def exchange(rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -135,7 +147,11 @@ class ExpertParallelForward:
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
-        plan = route(top_k_index, self.experts, self.group)
+        factor = getattr(self.module, "capacity_factor", None)
+        # the copies over capacity dropped here, before the dispatch, of this rank's own tokens (as at ep 1)
+        plan = route(within_capacity(top_k_index, top_k_weights, self.experts, factor), self.experts, self.group)
+        if factor is not None:
+            count_dropped(self.module, plan.dropped)
         token = plan.order // k  # the token each sorted copy is of
         sent = hidden_states[token]
         arrived = exchange(sent, plan.receive, plan.send, self.group)

@@ -335,6 +335,13 @@ class TrainSpec(Section):
     """Mixtures of experts: weight of the router z-loss (ST-MoE; transformers' `router_z_loss_func`: the mean over
     the real tokens and MoE layers of each router's logsumexp(logits)², which keeps router logits small) added to
     the training loss; 0: off. Above 0 with a dense model is an error."""
+    expert_capacity_factor: float | None = Field(None, gt=0)
+    """Mixtures of experts: each expert takes at most ceil(tokens·k / E · factor) routed copies per forward (one
+    micro-batch of one rank: Megatron-Core's `get_capacity` of the tokens' k copies, GShard's and Switch's capacity);
+    the copies over it are dropped, lowest routing weight first (Megatron-Core's "probs" policy; equal weights: the
+    later position), before the expert-parallel dispatch, the same at every `parallel.ep`: a dropped copy adds
+    nothing, its token keeps its other experts and the residual. Counted per step as `expert_dropped`. Validation
+    forwards drop too. null: no capacity, no copy dropped. Set with a dense model is an error."""
     precision: Precision = "auto"
     """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
     (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""

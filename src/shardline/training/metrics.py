@@ -49,6 +49,8 @@ class TrainRecord:
     # its MoE layers and all ranks, and the imbalance: the largest over layers of busiest expert / mean expert
     expert_tokens: list[int] | None = None
     expert_imbalance: float | None = None
+    # with train.expert_capacity_factor: the routed copies dropped over capacity in the step (all layers and ranks)
+    expert_dropped: int | None = None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -117,7 +119,8 @@ class MetricsWriter:
                 + (f"acc {pref['accuracy']:4.2f} margin {pref['margin']:+7.4f}  " if pref else "")
                 + (f"reward {r.grpo['reward']:6.3f} len {r.grpo['completion_length']:5.1f} "
                    f"gen {r.grpo['generation_s']:5.2f}s  " if r.grpo else "")
-                + (f"experts max/mean {r.expert_imbalance:4.2f}  " if r.expert_imbalance is not None else "") +
+                + (f"experts max/mean {r.expert_imbalance:4.2f}  " if r.expert_imbalance is not None else "")
+                + (f"dropped {r.expert_dropped:,}  " if r.expert_dropped is not None else "") +
                 f"{r.tokens_per_s_per_device:8,.0f} tok/s/dev  {r.tflops_per_device:7.3f} TFLOP/s  "
                 f"MFU {100 * r.mfu:5.1f}% (HFU {100 * r.hfu:5.1f}%)  "
                 f"step {r.step_time_s:5.2f}s (data {r.data_wait_s * 1000:4.1f}ms)  "

@@ -50,7 +50,7 @@ from shardline.model.flops import (
 )
 from shardline.model.local_cache import staged_model_spec
 from shardline.model.lora import apply_lora, quantize_frozen_base
-from shardline.model.moe import ExpertLoad, set_z_loss_coefficient
+from shardline.model.moe import ExpertLoad, limit_expert_capacity, set_z_loss_coefficient
 from shardline.model.sharded_load import materialize
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.expert import expert_parallel_layers
@@ -123,6 +123,7 @@ class Trainer:
             model = apply_lora(model, spec.model.lora)
         self.quantized_base = quantize_frozen_base(model, spec.model.lora, spec.train.precision)
         set_z_loss_coefficient(model.config, spec.train.router_z_loss_coef)  # the loss reads it there
+        limit_expert_capacity(model, spec.train.expert_capacity_factor)  # before EP takes the forward
         self.params = count_params(model)
         self.startup.lap("model on meta")
         cfg = model.config
@@ -185,6 +186,7 @@ class Trainer:
         """A frozen copy of the starting weights, sharded and placed like the policy (a reference policy's)."""
         spec = self.spec
         reference = build_model(model_spec, vocab_size, special, device="meta").requires_grad_(False)
+        limit_expert_capacity(reference, spec.train.expert_capacity_factor)  # the policy's function
         reference = parallelize(reference, self.mesh, spec.parallel, spec.train.precision)
         materialize(reference, model_spec, torch.device("cpu") if spec.parallel.offload else self.ctx.device)
         return reference.eval()
