@@ -14,7 +14,7 @@
 #   give the machine back (~12.5 min used; the slack reruns call 1 if it failed fast)
 # The window after: qlora-8b (~6 min: QLoRA NF4 beside the bf16 base, whose eager run reads off the 8B LoRA start-up
 # against the 15 s goal), then fp8 (~7 min; first check `python3 -c "import torchao.float8"` in the image), then
-# profile-a (~4 min: where protocol A's compiled step goes, for 15,000 tok/s/GPU).
+# profile-a (~5 min: where protocol A's compiled step goes, for 15,000 tok/s/GPU).
 #
 # Phases not yet run on a GPU:
 #   protocol-a-qwen  protocol A at Qwen2.5-7B's shapes (transformers' Qwen2 from a config.json, random weights:
@@ -30,8 +30,11 @@
 #   fp8         FP8 full fine-tuning (train.float8) against bf16 in the same call: protocol B at 16 layers of
 #               Llama-3.1-8B's shapes in bf16, then tensorwise float8 (float8 all-gather), then rowwise; the ratios
 #               printed last (~7 min; needs torchao, carried as a wheel in .whl/: bench/RESULTS-gpu.md)
-#   profile-a   protocol A compiled with torch.profiler on steps 4-6 (ops table + gzipped trace kept in OUT;
-#               where the step's time goes: attention, matmuls, LoRA's small matmuls, optimizer, host gaps; ~4 min)
+#   profile-a   protocol A compiled with torch.profiler on steps 4-6 (ops table + gzipped trace kept in OUT; the trace
+#               is likely over the 16 MiB a file that comes back): where the step's device time goes, read from the
+#               trace on the machine into protocol-A.json's `profile_breakdown` (bench/profile_breakdown.py) and
+#               printed: attention, matmuls, LoRA's small matmuls, optimizer, communication, other, host gaps, in ms a
+#               step and %; its tok/s is not protocol A's number (the profiler's overhead and export; ~5 min)
 # Every protocol run also records its start-up by part (`startup` in its JSON: launcher, the worker's laps, setup to
 # the first step's start; the first step's warm-up apart).
 #
@@ -154,8 +157,11 @@ layers)
   step trainer-13-layers-compiled 180 python3 bench/protocols.py B "${same[@]}" --out "$out/trainer-13-layers-compiled"
   ;;
 profile-a)
-  step profile-a 330 python3 bench/protocols.py A --set parallel.compile=true --set observe.profile_steps=3 \
+  # 400 s: the run (~4 min) plus exporting, gzipping and reading a trace of 3 steps × 16 micro-batches (~1 min)
+  step profile-a 400 python3 bench/protocols.py A --set parallel.compile=true --set observe.profile_steps=3 \
     --out "$out/profile-a"
+  # where the compiled step's time went (protocol-A.json's profile_breakdown), on the call's own output
+  grep -h "^profile, \|^profile breakdown failed" "$log" | tail -n 1
   ;;
 protocol-b)
   step protocol-b-16-layers 200 python3 bench/protocols.py B --set model.arch.num_layers=16 --out "$out/protocol-b-16"

@@ -33,6 +33,10 @@ data, torchrun), the worker's own laps (`start-up:` in its log: imports and spec
 data, tokenizer, model on meta, parallelize, weights, …), setup to the first step — and the first step's excess over
 the median step apart (compile warm-up when compiled).
 
+A profiled run (`--set observe.profile_steps=N`) keeps its rank-0 ops table and gzipped Chrome trace in OUT and
+writes where the profiled steps' time goes into its result (`profile_breakdown`: attention, matmuls, LoRA's matmuls,
+optimizer, communication, other, host gaps, in ms a step and % — bench/profile_breakdown.py).
+
 The run is stopped once its last step is recorded: its final checkpoint, which no protocol times (two minutes for
 a 3.9B-parameter full fine-tune's weights and AdamW state on a GPU host's disk), is not waited for.
 """
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -121,15 +126,34 @@ def run_until_last_step(cmd: list[str], log: Path, runs: Path, steps: int) -> in
     return proc.returncode
 
 
-def keep_profile(run: Path, out: Path, protocol: str) -> None:
+def keep_profile(run: Path, out: Path, protocol: str, sets: dict) -> dict | None:
     """A profiled run's (`--set observe.profile_steps=N`) rank-0 ops table and gzipped Chrome trace, kept in `out`
-    before the run's temporary directory goes."""
+    before the run's temporary directory goes; returns where the profiled steps' time goes
+    (bench/profile_breakdown.py, LoRA's matmuls apart by the run's rank), None without a trace. A trace that cannot
+    be read is recorded as such (`failed`): the run's own numbers are not lost to it."""
     profile = run / "profile"
     if (table := profile / "ops-rank-0.txt").exists():
         shutil.copyfile(table, out / f"protocol-{protocol}-ops.txt")
-    if (trace := profile / "trace-rank-0.json").exists():
-        with open(trace, "rb") as src, gzip.open(out / f"protocol-{protocol}-trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    if not (trace := profile / "trace-rank-0.json").exists():
+        return None
+    with open(trace, "rb") as src, gzip.open(out / f"protocol-{protocol}-trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    lora = str(sets.get("model.lora.enabled", "false")).lower() == "true"
+    try:  # the spec's default rank where the protocol names none
+        return _breakdown_module().breakdown_file(trace, int(sets.get("model.lora.r", 16)) if lora else None)
+    except Exception as e:  # noqa: BLE001 - a window's run outweighs its profile
+        return {"failed": f"{type(e).__name__}: {e}"}
+
+
+def _breakdown_module():
+    """bench/profile_breakdown.py, a script beside this one (bench/ is no package): loaded by path, under the name
+    tests/conftest.py's bench_module gives it (a dataclass needs its module in sys.modules)."""
+    name = "bench_profile_breakdown"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("profile_breakdown.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def config_only_model(shapes: str, size: str, where: Path) -> Path:
@@ -345,9 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         returncode, run, started = train(sets, args.nproc, Path(tmp, "runs"), args.out / f"{name}-shardline.log")
         if run is None:
             return returncode
-        keep_profile(run, args.out, args.protocol)
+        profiled = keep_profile(run, args.out, args.protocol, sets)
         result = {"protocol": args.protocol, "size": args.size, "shapes": args.shapes, "overrides": sets,
                   **summarize(run, sets, started), "versions": versions()}
+        if profiled:
+            result["profile_breakdown"] = profiled
         # shardline's numbers are written before the baseline starts, so a baseline cut short does not lose them.
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
         failed = None
@@ -403,6 +429,8 @@ def report(result: dict) -> None:
         print(f"HF Trainer{' + peft' if r['protocol'] == 'A' else ''} on the same rows: "
               f"{hf['tokens_per_s_per_device']:,.0f} tok/s/device · shardline is {r['ratio_vs_hf_trainer']:.2f}× · "
               f"first loss {r['first_loss']:.5f} (shardline) vs {hf['first_loss']:.5f} (HF)")
+    if prof := r.get("profile_breakdown"):
+        print(f"profile breakdown failed: {prof['failed']}" if "failed" in prof else _breakdown_module().describe(prof))
     if (base := r.get("bf16_base")) and "failed" not in base:
         q = r["qlora_memory"]
         print(f"bf16 base, same protocol: {base['tokens_per_s_per_device']:,.0f} tok/s/device, peak "

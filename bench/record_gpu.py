@@ -8,7 +8,8 @@ Each entry holds the protocol, the model's shapes, the device and versions, tok/
 command, and the baseline run in the same call: HF Trainer when the protocol ran one, the same LoRA run on a bf16
 base for a QLoRA run (with `qlora_memory`: both peaks and the planner's NF4 terms), else the bare layer stack on the
 same layers, rows and compile mode when the session measured it. A protocol's entry carries its start-up by part
-(`startup`: `to_first_step_s` is the command to the first step's start, the first step's warm-up apart). Entries
+(`startup`: `to_first_step_s` is the command to the first step's start, the first step's warm-up apart), and a
+profiled run's entry where its steps' time went (`profile_breakdown`, bench/profile_breakdown.py). Entries
 already recorded (same date, device and command) are not added twice.
 """
 
@@ -74,6 +75,8 @@ def _protocol_entry(path: Path, command: str | None) -> dict:
              "tokens_per_s_per_gpu": result["tokens_per_s_per_device"], "mfu": result["mfu_shardline"],
              "peak_memory_gib": result["peak_memory_gib"], "planned_peak_gib": result.get("planned_peak_gib"),
              "startup_s": result["startup_s"], "startup": result.get("startup"), "command": command}
+    if profiled := result.get("profile_breakdown"):  # a profiled run's: where its steps' time goes
+        entry["profile_breakdown"] = profiled
     if hf := result.get("hf_trainer"):
         entry["baseline"] = {"name": "HF Trainer" + (" (gradient checkpointing)" if hf.get("gradient_checkpointing")
                                                      else ""),

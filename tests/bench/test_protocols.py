@@ -57,6 +57,14 @@ def test_protocol_runs_at_small_size_with_every_token_a_target(tmp_path, capsys,
         # a profiled variant keeps the run's ops table and trace beside its result (the run's directory is gone)
         assert "Self CPU" in (tmp_path / "protocol-B-ops.txt").read_text()
         assert (tmp_path / "protocol-B-trace.json.gz").stat().st_size > 0
+        # and where the profiled step's time went, from that trace (bench/profile_breakdown.py): by the host's ops on
+        # a CPU, every category's share summing to the step
+        profiled = out["profile_breakdown"]
+        ms = {c: v["ms_per_step"] for c, v in profiled["categories"].items()}
+        assert (profiled["device"], profiled["steps"], profiled["lora_rank"]) == ("cpu", 1, None)
+        assert sum(ms.values()) == pytest.approx(profiled["step_ms"], rel=0.01)
+        assert ms["matmul"] > 0 and ms["optimizer"] > 0 and ms["attention"] > 0 and ms["lora_matmul"] == 0
+        assert "profile, 1 step(s) by host ops (CPU trace)" in stdout
     up = out["startup"]  # the command to the first step's start, by part; the first step's warm-up apart
     assert 0 < up["launcher_s"] < up["to_first_step_s"]
     # the worker's own laps from its process's creation: imports apart from the process group, the data, the weights

@@ -77,3 +77,23 @@ def test_qwen_and_qlora_phases_become_entries_with_their_baselines_and_start_up(
         up = entry["startup"]
         assert up["to_first_step_s"] >= up["launcher_s"] + sum(up["worker_s"].values()) - 0.1
         assert {"first_step_s", "first_step_warmup_s", "first_batch_s"} <= up.keys()
+
+
+PROFILE_SESSION = Path(__file__).parent / "data" / "cpu-session-profile"
+"""bench/gpu-session.sh's profile-a phase (protocol A compiled, steps 4-6 profiled) as run at small size on a CPU,
+rows per step cut to 8: the result protocols.py wrote with the breakdown of its trace (the trace itself not kept)."""
+
+
+def test_a_profiled_protocol_carries_where_its_steps_time_went(tmp_path):
+    [entry] = bench_module("record_gpu").record(PROFILE_SESSION, "2026-11-28", tmp_path / "results-gpu.json")
+    result = json.loads((PROFILE_SESSION / "profile-a" / "protocol-A.json").read_text())
+    assert entry["measurement"] == "protocol A (small, llama-3.1-8b)" and entry["compiled"] and entry["lora"]
+    assert entry["profile_breakdown"] == result["profile_breakdown"]
+    profiled = entry["profile_breakdown"]
+    ms = {c: v["ms_per_step"] for c, v in profiled["categories"].items()}
+    # three steps by the host's ops: LoRA's rank-16 matmuls told apart from the base's, each share of the step
+    assert (profiled["device"], profiled["steps"], profiled["lora_rank"]) == ("cpu", 3, 16)
+    assert ms["lora_matmul"] > 0 and ms["matmul"] > 0 and ms["optimizer"] > 0
+    assert sum(ms.values()) == pytest.approx(profiled["step_ms"], rel=0.01)
+    assert entry["command"].endswith("--set observe.profile_steps=3 --set train.global_batch_size=8 "
+                                     "--out /tmp/pb/cps/profile-a")
