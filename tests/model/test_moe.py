@@ -42,6 +42,7 @@ from shardline.model.build import build_model
 from shardline.model.families import family_of
 from shardline.model.flops import flops_per_token
 from shardline.model.lora import apply_lora, quantize_frozen_base
+from shardline.model.router_bias import router_bias
 from shardline.model.sharded_load import _checkpoint_files, _read
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.tensor import check_tensor_parallel
@@ -367,6 +368,66 @@ def test_a_capacity_factor_drops_the_lightest_copies_over_capacity_as_transforme
     assert e.value.where == "train.expert_capacity_factor"
     with pytest.raises(SpecError, match="train.expert_capacity_factor"):
         load_spec("tiny", ["train.expert_capacity_factor=0"])
+
+
+def _biased_by_hand(router: torch.nn.Module, bias: torch.Tensor, normalise: bool, chosen: list[torch.Tensor]) -> None:
+    """transformers' router choosing by hand: the top-k of softmax(logits) + `bias`, weighted by the plain
+    probabilities (normalised over the k where the family does); each choice appended to `chosen`."""
+
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = torch.nn.functional.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight)
+        p = torch.softmax(logits.float(), dim=-1)
+        index = torch.topk(p + bias, TOP_K, dim=-1).indices
+        weights = p.gather(-1, index)
+        if normalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen.append(index)
+        return logits, weights, index
+
+    router.forward = forward
+
+
+def test_router_biases_steer_the_top_k_choice_but_not_the_weights_and_move_against_the_load(checkpoints):
+    """`train.router_bias_update_rate` (auxiliary-loss-free balancing): with biases drawn nonzero, the loss and every
+    gradient equal transformers' model whose routers choose, by hand here, the top-k of softmax(logits) + bias and
+    weight the choice by the plain probabilities (normalised as the family does: Qwen3-MoE's config says, Mixtral
+    always), and the expert load counts the biased choice; the update moves each layer's bias by
+    rate · sign(mean − load), centred. A rate of 0 leaves the routers transformers' own; a dense model refuses one."""
+    batch, _ = _batch(seed=5, real=(48, 48))
+    for name in ("qwen3_moe", "mixtral"):
+        model, theirs = ours(checkpoints[name]), reference(checkpoints[name])
+        biases = router_bias(model, 0.01)
+        load = moe.ExpertLoad(model)
+        biases.bias.copy_(torch.randn(biases.bias.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
+        chosen: list[torch.Tensor] = []
+        for layer, router in enumerate(moe.routers(theirs)):
+            _biased_by_hand(router, biases.bias[layer].clone(), getattr(router, "norm_topk_prob", True), chosen)
+        loss = token_loss_sum(model, batch) / batch.n_loss_tokens
+        loss.backward()
+        want = theirs(input_ids=batch.input_ids, labels=batch.input_ids).loss
+        want.backward()
+        grads = {k: p.grad for k, p in theirs.named_parameters()}
+        diffs = {k: (p.grad - grads[k]).abs().max().item() for k, p in model.named_parameters()}
+        counted = load.take().view(len(chosen), EXPERTS)
+        plain = token_loss_sum(ours(checkpoints[name]), batch).item() / batch.n_loss_tokens
+        print(f"{name} with router biases: loss {loss.item():.6f} vs transformers' routers by hand {want.item():.6f} "
+              f"(unbiased {plain:.6f}); every gradient: max abs diff {max(diffs.values()):.2e}")
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6) and abs(loss.item() - plain) > 1e-4
+        for key, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[key], atol=2e-6, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+        for layer, index in enumerate(chosen):
+            assert counted[layer].tolist() == torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist()
+    before = biases.bias.clone()
+    loads = torch.tensor([[8.0] * 8, [20.0, 0.0, 8.0, 8.0, 8.0, 8.0, 8.0, 4.0]])  # means 8 and 8
+    biases.update(loads.reshape(-1))
+    sign = torch.tensor([[0.0] * 8, [-1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])  # centred: minus 1/8 each
+    assert torch.allclose(biases.bias - before, 0.01 * (sign - sign.mean(dim=1, keepdim=True)), atol=1e-7)
+    assert router_bias(ours(checkpoints["qwen3_moe"]), 0.0) is None
+    dense = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(SpecError, match="has no router") as e:
+        router_bias(dense, 0.001)
+    assert e.value.where == "train.router_bias_update_rate"
 
 
 # ---- the Trainer, one in-process rank -----------------------------------------------------------------------

@@ -14,7 +14,9 @@ transformers takes the same 3 steps at ep 2 (with activation checkpointing: the 
 as at ep 1 (and counts the same tokens per expert), its ep 2
 checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
 trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss; with a
-capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies. A tiny
+capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies;
+with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, and ep 1's checkpoint
+resumes at ep 2 with its biases and ep 1's next loss. A tiny
 Mixtral saved by transformers trains from `shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL
 and retrains the lost step bit-exact, and exports with the input's keys a model transformers loads with the run's
 validation loss.
@@ -110,6 +112,12 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # copies are dropped before the dispatch (and activation checkpointing's recomputation must not count them again)
     capped_1, capped_2 = (moe_run(tmp_path, checkpoint, f"capacity-ep{ep}", ep, "train.expert_capacity_factor=1.0",
                                   *extra) for ep, extra in ((1, ()), (2, ("parallel.activation_checkpointing=full",))))
+    # auxiliary-loss-free balancing (router biases, 0.05 a step: large enough to move the choice at once) at ep 1 and
+    # 2, and ep 1's step-2 checkpoint (its biases in it) resumed at ep 2
+    bias = "train.router_bias_update_rate=0.05"
+    biased_1, biased_2 = (moe_run(tmp_path, checkpoint, f"bias-ep{ep}", ep, bias) for ep in (1, 2))
+    biased_grown = moe_run(tmp_path, checkpoint, "bias-1to2", 2, bias,
+                           f"checkpoint.resume_from={tmp_path / 'runs' / 'bias-ep1'}")
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
@@ -122,7 +130,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {**ep1, "steps": 4, "save_at": 3}, {**ep2, "steps": 3, "save": True},
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 2},
                          {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1},
-                         {**capped_1, "steps": 2}, {**capped_2, "steps": 2}])
+                         {**capped_1, "steps": 2}, {**capped_2, "steps": 2}, {**biased_1, "steps": 3, "save_at": 2},
+                         {**biased_2, "steps": 3}, {**biased_grown, "steps": 1}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
                              ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
@@ -155,6 +164,15 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # the routers' choice counted, dropped copies too: every routed copy of the global batch
     assert all(sum(r["expert_tokens"]) == 2 * 2 * 4 * 128 for r in capped[0] + capped[1])
     assert abs(capped[0][0]["loss"] - at_1[0]) > 1e-4  # the dropped copies changed the loss
+    biased = [json.loads(Path(job["out"]).read_text()) for job in (biased_1, biased_2, biased_grown)]
+    print(f"router biases (rate 0.05), ep 1: losses {[r['loss'] for r in biased[0]]}, imbalance "
+          f"{[round(r['expert_imbalance'], 3) for r in biased[0]]}; ep 2: {[r['loss'] for r in biased[1]]}; ep 1's "
+          f"step 2 resumed at ep 2: {[r['loss'] for r in biased[2]]} (without biases: {at_1[:3]})")
+    assert [r["loss"] for r in biased[1]] == pytest.approx([r["loss"] for r in biased[0]], rel=1e-5)
+    assert [r["expert_tokens"] for r in biased[1]] == [r["expert_tokens"] for r in biased[0]]
+    assert [r["loss"] for r in biased[2]] == pytest.approx([biased[0][2]["loss"]], rel=1e-5)
+    assert biased[0][0]["loss"] == pytest.approx(at_1[0], rel=1e-6)  # the biases start at zero
+    assert biased[0][1]["expert_tokens"] != loads[0][1]  # then steer the choice
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
     lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
     print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "

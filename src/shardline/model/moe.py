@@ -106,6 +106,15 @@ def forward_kwargs(config: Any) -> dict[str, Any]:
     return {"output_router_logits": False} if is_moe(config) else {}
 
 
+def routers(lm: nn.Module) -> list[nn.Module]:
+    """Each MoE layer's router (the family's class transformers records `router_logits` from), in layer order; none
+    for a dense model. In the four families it returns `(logits [N, E], scores [N, k], indices [N, k])`."""
+    if not is_moe(lm.config):
+        return []
+    recorder = type(lm)._can_record_outputs["router_logits"]
+    return [m for m in lm.modules() if isinstance(m, recorder.target_class)]
+
+
 @contextlib.contextmanager
 def router_logits(lm: nn.Module, record: bool) -> Iterator[list[torch.Tensor]]:
     """The router logits ([tokens, E], one per MoE layer in order) of the forwards run inside, when `record`:
@@ -181,33 +190,30 @@ def z_loss_term(lm: nn.Module, logits: list[torch.Tensor], spans: DocumentSpans 
 
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer by the training forwards since the last `take` (forward hooks
-    on the family's router; the top-k of its logits, as the router selects): counted on the device, no host read, so
-    that the step can carry them in its one all-reduce and host copy. Every position a router sees counts (a packed
-    row's padding tail too: the experts compute it); forwards without gradients (validation, generation) and the
-    recomputation of activation checkpointing in backward do not. A dense model has no routers: nothing is
-    counted and `fields` is empty. With a capacity factor (`limit_expert_capacity`) the copies the experts dropped
-    are counted too (by the experts' forwards, `count_dropped`), in one more slot."""
+    on the family's router; its top-k choice, biased where `shardline.model.router_bias` steers it): counted on the
+    device, no host read, so that the step can carry them in its one all-reduce and host copy. Every position a
+    router sees counts (a packed row's padding tail too: the experts compute it); forwards without gradients
+    (validation, generation) and the recomputation of activation checkpointing in backward do not. A dense model has
+    no routers: nothing is counted and `fields` is empty. With a capacity factor (`limit_expert_capacity`) the
+    copies the experts dropped are counted too (by the experts' forwards, `count_dropped`), in one more slot."""
 
     def __init__(self, lm: nn.Module) -> None:
         config = lm.config
         self.experts = num_experts(config)
-        recorder = type(lm)._can_record_outputs["router_logits"] if self.experts else None
-        routers = [m for m in lm.modules() if isinstance(m, recorder.target_class)] if recorder else []
-        self.top_k = getattr(config, "num_experts_per_tok", 1)
+        found = routers(lm)
         self.counts: torch.Tensor | None = None
-        self.layers = len(routers)
+        self.layers = len(found)
         self.capped = [m for m in expert_modules(lm) if getattr(m, "capacity_factor", None)] if self.experts else []
-        for i, router in enumerate(routers):
-            router.register_forward_hook(self._hook(i, recorder.index))
+        for i, router in enumerate(found):
+            router.register_forward_hook(self._hook(i))
 
-    def _hook(self, layer: int, index: int):
+    def _hook(self, layer: int):
         def count(_module, _args, out) -> None:
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no grad, or a recompute
                 return
-            logits = out[index]
+            chosen = out[-1].detach().reshape(-1)  # the router's top-k choice (`routers`)
             if self.counts is None:
-                self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=logits.device)
-            chosen = torch.topk(logits.detach(), self.top_k, dim=-1).indices.reshape(-1)
+                self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64, device=chosen.device)
             # scatter_add, not bincount: bincount reads its maximum on the host (a sync on a GPU)
             self.counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float64))
 

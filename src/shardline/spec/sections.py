@@ -342,6 +342,13 @@ class TrainSpec(Section):
     later position), before the expert-parallel dispatch, the same at every `parallel.ep`: a dropped copy adds
     nothing, its token keeps its other experts and the residual. Counted per step as `expert_dropped`. Validation
     forwards drop too. null: no capacity, no copy dropped. Set with a dense model is an error."""
+    router_bias_update_rate: float = Field(0.0, ge=0)
+    """Mixtures of experts: auxiliary-loss-free load balancing (DeepSeek-V3; torchtitan's `expert_bias`): a bias per
+    expert and MoE layer, added to the router's probabilities for the top-k choice only (a token's weights stay its
+    plain probabilities), moved after every step by this rate × sign(mean load − the expert's load) from the step's
+    tokens per expert over all ranks, centred; kept in checkpoints. DeepSeek-V3 pre-trained with 0.001. 0: off.
+    Above 0 with a dense model is an error. Exported checkpoints do not carry the biases (transformers' routers of
+    these families have none)."""
     precision: Precision = "auto"
     """auto: bf16 on GPUs, TPUs and CPUs with native bf16 matmul (AMX, AVX512_BF16, Arm BF16), fp32 on other CPUs
     (where bf16 is emulated and far slower); chosen where the run is created and kept in its spec.yaml."""

@@ -51,6 +51,7 @@ from shardline.model.flops import (
 from shardline.model.local_cache import staged_model_spec
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.moe import ExpertLoad, limit_expert_capacity, set_z_loss_coefficient
+from shardline.model.router_bias import check_router_bias, router_bias
 from shardline.model.sharded_load import materialize
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.expert import expert_parallel_layers
@@ -124,6 +125,7 @@ class Trainer:
         self.quantized_base = quantize_frozen_base(model, spec.model.lora, spec.train.precision)
         set_z_loss_coefficient(model.config, spec.train.router_z_loss_coef)  # the loss reads it there
         limit_expert_capacity(model, spec.train.expert_capacity_factor)  # before EP takes the forward
+        check_router_bias(model.config, spec.train.router_bias_update_rate)
         self.params = count_params(model)
         self.startup.lap("model on meta")
         cfg = model.config
@@ -147,6 +149,8 @@ class Trainer:
         self.startup.lap("parallelize")
         materialize(self.model, model_spec, torch.device("cpu") if spec.parallel.offload else ctx.device)
         self.startup.lap("weights")
+        # auxiliary-loss-free balancing (None: off): before ExpertLoad, whose hooks count the biased choice
+        self.router_bias = router_bias(causal_lm(self.model), spec.train.router_bias_update_rate)
         self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
         self.rows = data.rows("train")
         run = objectives.Run(
@@ -298,7 +302,12 @@ class Trainer:
     def _counters(self) -> dict:
         counters = {"step": self.step, "consumed_rows": self.step * self.spec.train.global_batch_size,
                     "consumed_tokens": self.consumed_tokens, "scheduler": self.scheduler.state_dict()}
-        return counters | self.objective.state()  # the objective's own (a precomputed reference table)
+        return counters | self.objective.state() | self._router_state()  # the objective's own (a reference table)
+
+    def _router_state(self) -> dict:
+        """The routers' balancing biases where `train.router_bias_update_rate` keeps them (part of the model's
+        routing: an evaluation restores them too)."""
+        return {"router_bias": self.router_bias.bias} if self.router_bias is not None else {}
 
     def _checkpoint_files(self) -> dict[str, str]:
         meta = {"step": self.step, "world": self.ctx.world, "dataset_version": self.data.version,
@@ -356,10 +365,13 @@ class Trainer:
         started = time.perf_counter()
         optimizer = self.optimizer if with_optimizer else None
         state = training_state(self.model, optimizer, self._counters(), self.ctx.rank)
-        if not with_optimizer and (kept := self.objective.state()):  # an evaluation scores against its reference
+        if not with_optimizer and (kept := self.objective.state() | self._router_state()):  # an evaluation scores
+            # against its reference, and routes by the trained biases
             state["train"] = kept
         state = self.checkpointer.load(step, state, store, ranks_per_row=self.spec.parallel.ranks_per_row)
         rng = apply_training_state(self.model, optimizer, state, self.ctx.rank)
+        if self.router_bias is not None:
+            self.router_bias.bias.copy_(state["train"]["router_bias"])
         if with_optimizer:
             counters = state["train"]
             self.scheduler.load_state_dict(counters["scheduler"])
@@ -457,6 +469,8 @@ class Trainer:
             reduced = with_rank_slot(loss_sum, own, ctx.rank, ctx.world)  # every rank's time rides along
             slots, reduced = len(reduced), torch.cat([reduced, self.expert_load.take().to(reduced)])  # MoE load
             dist.all_reduce(reduced)
+            if self.router_bias is not None:  # the next step's choice from this step's load, on the device
+                self.router_bias.update(reduced[slots:slots + self.router_bias.bias.numel()])
             # the step's one read of device data (on a GPU it waits for the step and the all-reduce): the loss sum,
             # every rank's time, the counts and the gradient norm in one copy to the host
             host = torch.cat([reduced, counts, grad_norm.reshape(1).to(reduced)]).to("cpu", copy=True).tolist()
