@@ -130,7 +130,7 @@ def test_a_dpo_run_gets_the_preference_plot_and_an_sft_run_does_not(tmp_path):
 
 def test_a_mixture_of_experts_run_gets_the_load_per_expert_and_a_dense_run_does_not(tmp_path):
     """The heat map reads each step's expert_tokens (its last record when a resume redid it) and the title the
-    imbalance of the first and last step."""
+    imbalance of the first and last step, and with a capacity factor the copies dropped over the run."""
     run = _crashed_then_resumed_run(tmp_path)
     write_report(run)
     assert not (run / "report" / "experts.png").exists()
@@ -149,3 +149,10 @@ def test_a_mixture_of_experts_run_gets_the_load_per_expert_and_a_dense_run_does_
     assert "1.10 at step 1" in title and "1.00 at step 8" in title  # step 8 redone after the resume: balanced
     grid = fig.axes[0].images[0].get_array()
     assert grid.shape == (4, 8) and abs(float(grid[0, 0]) - 110 / 400) < 1e-9 and float(grid[0, 7]) == 0.25
+    assert "dropped" not in title  # no capacity factor
+    for record in records:  # with one: 5 copies dropped a step, 10 in the steps redone after the resume
+        if record["kind"] == "train":
+            record["expert_dropped"] = 10 if record["expert_imbalance"] == 1.0 else 5
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    title = plot_experts(read_records(run / "metrics.jsonl")).axes[0].get_title("left")
+    assert "dropped over capacity: 60 of 3,200 routed copies (1.88 %)" in title

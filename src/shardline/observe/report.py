@@ -248,7 +248,8 @@ def plot_stragglers(recs: RunRecords):
 def plot_experts(recs: RunRecords):
     """A mixture of experts' routing (model/moe.py): each expert's share of the step's routed tokens, summed over
     the MoE layers (a heat map: 1/E everywhere is balanced), the title with the largest expert's load over the mean
-    (`expert_imbalance`, the worst layer) at the first and last step."""
+    (`expert_imbalance`, the worst layer) at the first and last step, and with a capacity factor the routed copies
+    dropped over the run (`expert_dropped`)."""
     last = {r["step"]: r for r in recs.train if r.get("expert_tokens")}  # a redone step: its last record
     steps = sorted(last)
     shares = [[n / max(1, sum(last[s]["expert_tokens"])) for n in last[s]["expert_tokens"]] for s in steps]
@@ -265,8 +266,12 @@ def plot_experts(recs: RunRecords):
     colorbar = fig.colorbar(image, ax=ax, pad=0.02)
     colorbar.set_label(f"share of routed tokens (balanced: 1/{experts})")
     first, final = last[steps[0]].get("expert_imbalance"), last[steps[-1]].get("expert_imbalance")
+    dropped = [last[s]["expert_dropped"] for s in steps if last[s].get("expert_dropped") is not None]
+    routed = sum(sum(last[s]["expert_tokens"]) for s in steps)
+    capacity = (f"\ndropped over capacity: {sum(dropped):,} of {routed:,} routed copies "
+                f"({100 * sum(dropped) / max(1, routed):.2f} %)") if dropped else ""
     ax.set_title(f"tokens per expert · busiest expert over the mean: {first:.2f} at step {steps[0]}, {final:.2f} at "
-                 f"step {steps[-1]}", fontsize=11, loc="left")
+                 f"step {steps[-1]}{capacity}", fontsize=11, loc="left")
     _mark_resumes(ax, recs)
     return fig
 
