@@ -29,10 +29,11 @@ def balanced_top_k(tokens: int, k: int, experts: int) -> torch.Tensor:
     return (torch.arange(tokens * k) % experts).view(tokens, k)
 
 
-def route_balanced(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> expert.Routing:
-    """Expert parallel's own dispatch plan for balanced routing of `top_k_index`'s tokens, on real tensors."""
+def route_balanced(copies: torch.Tensor, experts: int, group: dist.ProcessGroup) -> expert.Routing:
+    """Expert parallel's own dispatch plan for balanced routing of the routed copies (`route`'s input: each copy's
+    expert, flattened token-major, so copy t·k + j goes to expert (t·k + j) mod E), on real tensors."""
     with outside_fake_mode():
-        return _route(balanced_top_k(top_k_index.shape[0], top_k_index.shape[1], experts), experts, group)
+        return _route(balanced_top_k(copies.numel(), 1, experts).reshape(-1), experts, group)
 
 
 _route = expert.route
