@@ -118,6 +118,10 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     biased_1, biased_2 = (moe_run(tmp_path, checkpoint, f"bias-ep{ep}", ep, bias) for ep in (1, 2))
     biased_grown = moe_run(tmp_path, checkpoint, "bias-1to2", 2, bias,
                            f"checkpoint.resume_from={tmp_path / 'runs' / 'bias-ep1'}")
+    # the GPU default (bf16) at ep 2 with both: a capacity that drops and router biases (zero at step 1, so its first
+    # loss is the fp32 capped run's to bf16 precision)
+    bf16_capped_biased = moe_run(tmp_path, checkpoint, "ep2bf16capbias", 2, "train.precision=bf16",
+                                 "train.expert_capacity_factor=1.0", bias)
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
@@ -131,7 +135,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 2},
                          {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1},
                          {**capped_1, "steps": 2}, {**capped_2, "steps": 2}, {**biased_1, "steps": 3, "save_at": 2},
-                         {**biased_2, "steps": 3}, {**biased_grown, "steps": 1}])
+                         {**biased_2, "steps": 3}, {**biased_grown, "steps": 1}, {**bf16_capped_biased, "steps": 2}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
                              ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
@@ -173,6 +177,11 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert [r["loss"] for r in biased[2]] == pytest.approx([biased[0][2]["loss"]], rel=1e-5)
     assert biased[0][0]["loss"] == pytest.approx(at_1[0], rel=1e-6)  # the biases start at zero
     assert biased[0][1]["expert_tokens"] != loads[0][1]  # then steer the choice
+    both = json.loads(Path(bf16_capped_biased["out"]).read_text())
+    print(f"ep 2, bf16, capacity 1.0 and router biases: losses {[r['loss'] for r in both]}, dropped "
+          f"{[r['expert_dropped'] for r in both]} (fp32 capped ep 1: {[r['loss'] for r in capped[0]]})")
+    assert both[0]["loss"] == pytest.approx(capped[0][0]["loss"], rel=2e-2)
+    assert all(r["expert_dropped"] > 0 for r in both)
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
     lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
     print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "

@@ -26,24 +26,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
 from shardline.model.families import EXPERT_COUNT_FIELDS
-
-
-class DocumentSpans(Protocol):
-    """The documents of a batch (`shardline.data.spans.DocumentSpans`, which imports model.flops, so only its
-    shape here): span lengths over the flattened rows and which spans are real (not a row's padding tail)."""
-
-    lengths: tuple[int, ...]
-    real: tuple[bool, ...]
-
-
 
 
 def num_experts(config: Any) -> int:

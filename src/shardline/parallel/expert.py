@@ -111,12 +111,12 @@ class Routing:
     dropped: int
 
 
-def route(top_k_index: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routing:
-    """The dispatch plan of one MoE layer (`top_k_index`: each copy's expert, `experts` for a copy dropped over
-    capacity, as `within_capacity` gives them): one count all-to-all and one host read."""
+def route(copies: torch.Tensor, experts: int, group: dist.ProcessGroup) -> Routing:
+    """The dispatch plan of one MoE layer (`copies`: each routed copy's expert, flattened token-major, `experts` for
+    a copy dropped over capacity, as `within_capacity` gives them): one count all-to-all and one host read."""
     ranks = dist.get_world_size(group)
     local = experts // ranks
-    flat = top_k_index.reshape(-1)
+    flat = copies.reshape(-1)
     counts = torch.bincount(flat, minlength=experts + 1)  # [ranks × local]: what this rank sends each expert; dropped
     received = torch.empty_like(counts[:experts])
     dist.all_to_all_single(received, counts[:experts], group=group)  # [source rank × local]: what each rank sends mine
