@@ -64,6 +64,35 @@ def test_the_headroom_for_unbalanced_routing_is_where_the_plan_stops_fitting():
     assert imbalance_headroom(load_spec("qwen3-30b-a3b"), h100, 8.0) == 8.0
 
 
+def test_a_capacity_factor_bounds_the_routed_copies_the_plan_sizes_and_the_plan_says_so(capsys, monkeypatch):
+    """With `train.expert_capacity_factor` f an EP rank computes at most E·C copies (C = ceil(N·k/E·f), the
+    trainer's `expert_capacity`), whatever the routing: the plan is the unbalanced plan at that share, below the
+    balanced one for f < 1, and past the headroom for imbalance it stops fitting; the plan's text names the bound."""
+    from shardline.model.moe import expert_capacity
+
+    sets = ["launch.nnodes=2", "parallel.activation_checkpointing=selective"]
+    spec, h100 = load_spec("qwen3-30b-a3b", sets), get_device("h100")
+    headroom = imbalance_headroom(spec, h100, 8.0)
+    n, e, k = spec.train.micro_batch_size * spec.train.seq_len, 128, 8
+    for factor in (0.5, 1.25, headroom + 0.1):
+        capped = load_spec("qwen3-30b-a3b", [*sets, f"train.expert_capacity_factor={factor}"])
+        share = e * expert_capacity(n, k, e, factor) / (n * k)
+        planned = plan_memory(capped, h100)
+        assert planned.total_bytes == plan_memory(spec, h100, imbalance=share).total_bytes, factor
+        assert planned.fits == (share <= headroom)  # the bound is planned, not balanced routing
+    half = plan_memory(load_spec("qwen3-30b-a3b", [*sets, "train.expert_capacity_factor=0.5"]), h100)
+    assert half.total_bytes < plan_memory(spec, h100).total_bytes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["plan", "qwen3-30b-a3b", "--set", "train.expert_capacity_factor=1.25"]) == 0
+    out = capsys.readouterr().out
+    # 2 × 4096 tokens × top-8 / 128 experts × 1.25 = 640 copies per expert; 128 × 640 = 81,920 per EP rank
+    assert "capacity factor 1.25 (train.expert_capacity_factor): each expert takes at most 640 routed copies" in out
+    assert "computes at most 81,920 (1.25× the balanced 65,536); this plan sizes" in out
+    assert "assume balanced routing" not in out
+    # send 1× and receive 1.25× of 65,536 copies of 2048 bf16 values
+    assert "all-to-all buffers 576 MiB" in out
+
+
 def test_no_qlora_is_suggested_for_a_mixture_and_dense_layers_are_named(tmp_path):
     spec = load_spec("qwen3-30b-a3b-lora", ["parallel.activation_checkpointing=none"])
     found = fixes(spec, "h100")

@@ -4,6 +4,8 @@ would take (`shardline.planning.fixes`, `.offload`, `.cost`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardline.model.flops import FORMULA, flops_per_token, table_peak_tflops
@@ -11,7 +13,7 @@ from shardline.planning.cost import devices, estimate_step
 from shardline.planning.devices import Device, planned_precision
 from shardline.planning.fixes import Suggestion
 from shardline.planning.memory import MemoryPlan, gib, model_shape, plan_memory
-from shardline.planning.moe import all_to_all_bytes, expert_shards, mlp_saved_bytes
+from shardline.planning.moe import all_to_all_bytes, capacity_share, expert_shards, mlp_saved_bytes
 from shardline.planning.offload import offload_cost
 from shardline.planning.step_time import planned_counts
 from shardline.spec import JobSpec
@@ -65,7 +67,8 @@ def imbalance_headroom(spec: JobSpec, device: Device, most: float) -> float:
 
 def mixture_lines(spec: JobSpec, plan: MemoryPlan, device: Device) -> list[str]:
     """A mixture of experts' lines: total and active parameters, the FLOPs per token (MFU's numerator) with its
-    formula, how the experts are split, and the routing the plan assumes with the headroom left for imbalance."""
+    formula, how the experts are split, and the routing the plan assumes with the headroom left for imbalance
+    (with a capacity factor: the bound the capacity puts on a rank's routed copies, which the plan is sized at)."""
     shape, p, t = model_shape(spec.model), spec.parallel, spec.train
     e, counts = shape.moe, planned_counts(spec)
     experts = counts.experts_trainable + counts.experts_frozen
@@ -77,13 +80,24 @@ def mixture_lines(spec: JobSpec, plan: MemoryPlan, device: Device) -> list[str]:
              f"(MFU's numerator): {FORMULA}",
              expert_shards(shape, p.ep, plan.dp_shard)]
     n, c = t.micro_batch_size * t.seq_len, 2 if planned_precision(t.precision, device) == "bf16" else 4
+    factor = t.expert_capacity_factor
+    share = capacity_share(shape, n, p.ep, factor) if factor else 1.0
     router = (c + 4) * e.count * n
-    routed = mlp_saved_bytes(shape, c, not spec.model.lora.enabled) * n - router
+    routed = mlp_saved_bytes(shape, c, not spec.model.lora.enabled, share) * n - router
     lines.append(f"per MoE layer and micro-batch of {n:,} tokens: router logits and probabilities "
                  f"{router / 2**20:,.0f} MiB, the routed copies' saved activations {routed / 2**30:.2f} GiB (every "
                  f"layer without AC, one with full AC), all-to-all buffers "
-                 f"{all_to_all_bytes(shape, c, p.ep) * n / 2**20:,.0f} MiB while it runs backward")
-    copies = t.micro_batch_size * t.seq_len * e.top_k
+                 f"{all_to_all_bytes(shape, c, p.ep, share) * n / 2**20:,.0f} MiB while it runs backward")
+    copies = n * e.top_k
+    if factor:
+        capacity = math.ceil(n * e.top_k / e.count * factor)
+        lines.append(f"routing: capacity factor {factor:g} (train.expert_capacity_factor): each expert takes at most "
+                     f"{capacity:,} routed copies of a rank's micro-batch, so each "
+                     f"{'EP rank' if p.ep > 1 else 'rank'} computes at most {round(share * copies):,} "
+                     f"({share:.2f}× the balanced {copies:,}); this plan sizes the routed copies' activations and "
+                     "all-to-all buffers at that bound, whatever the routing (copies over it are dropped: the "
+                     "step's expert_dropped metric)")
+        return lines
     if p.ep == 1:
         lines.append(f"routing: no expert parallel, every rank computes its own {copies:,} routed copies per "
                      "micro-batch, whatever the routing (balanced or not, the same memory)")

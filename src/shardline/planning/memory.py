@@ -502,7 +502,8 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
                 imbalance: float = 1.0) -> MemoryPlan:
     """Estimate the per-device peak of `spec` on `device` (a `Device`, a table name, or None: this machine);
     `runtime_bytes`: a CPU run's own runtime, measured at startup (`cpu_runtime.resident_bytes`); `imbalance`: for a
-    mixture of experts under expert parallel, the routed copies this rank computes against a balanced share."""
+    mixture of experts under expert parallel, the routed copies this rank computes against a balanced share (with
+    `train.expert_capacity_factor` the capacity's bound instead, `moe.capacity_share`)."""
     dev = as_device(device)
     check_float8_gpu(spec.train.float8, dev)
     shape = model_shape(spec.model)
@@ -515,6 +516,8 @@ def plan_memory(spec: JobSpec, device: Device | str | None = None, runtime_bytes
     c = 2 if planned_precision(t.precision, dev) == "bf16" else 4
     n = t.micro_batch_size * t.seq_len // p.cp  # context parallel: this rank's tokens
     d = shape.hidden
+    if shape.moe and t.expert_capacity_factor:  # the capacity bounds what a rank computes, whatever the routing
+        imbalance = moe.capacity_share(shape, n, p.ep, t.expert_capacity_factor)
 
     # fp32 masters of what trains; frozen weights (a LoRA base) in the compute dtype (parallel.fsdp); a QLoRA base's
     # NF4 weights whole on every rank (not sharded) at torchao's storage per weight

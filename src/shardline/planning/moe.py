@@ -22,10 +22,16 @@ size, I_s a shared expert's, ep = parallel.ep, efsdp = dp_shard / ep.
 - imbalance: the dry run and this plan assume balanced routing (each EP rank receives k·N copies). A rank whose
   experts are chosen by f times its share receives f·k·N copies: its receive-side activations and buffers grow by
   that factor; `imbalance_headroom` is the largest f at which the plan still fits.
+- capacity (`train.expert_capacity_factor` f): each expert takes at most C = ceil(N·k/E·f) copies of a rank's
+  micro-batch of N tokens (`model.moe.expert_capacity`), so an EP rank's E/ep experts receive at most E·C copies
+  from the ep ranks of their group, E·C/(k·N) ≈ f times the balanced share (and at most its group's every copy, ep
+  times): `capacity_share`. With a factor the plan sizes the receive side at that bound, whatever the routing, and
+  needs no headroom; the send side stays every copy (a bound, not the kept copies).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,6 +148,14 @@ def all_to_all_bytes(s: ModelShape, c: int, ep: int, imbalance: float = 1.0) -> 
     if ep == 1 or not s.moe:
         return 0.0
     return (1 + imbalance) * c * s.moe.top_k * s.hidden
+
+
+def capacity_share(s: ModelShape, tokens: int, ep: int, factor: float) -> float:
+    """The most routed copies an EP rank computes per micro-batch of `tokens` tokens under capacity `factor`,
+    against its balanced share (k·tokens): E·ceil(tokens·k/E·factor)/(k·tokens), at most ep (its group's every
+    copy)."""
+    e = s.moe
+    return min(e.count * math.ceil(tokens * e.top_k / e.count * factor) / (tokens * e.top_k), float(ep))
 
 
 def expert_shards(s: ModelShape, ep: int, dp_shard: int) -> str:
