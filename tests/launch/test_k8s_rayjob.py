@@ -3,19 +3,15 @@ can reach, with Ray's token authentication (issue 19, items 3 and 14)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from shardline.engines.ray.backend import rayjob_manifests
 from shardline.errors import SpecError
 from shardline.spec.resolve import load_spec
-from tests.k8s_schemas import validate
+from tests.k8s_schemas import load_crd, validate
 
-CRDS = Path(__file__).resolve().parents[1] / "crds"
 BASE = ["run.id=ray-20261122-000000", "launch.image=registry.example/shardline:1", "launch.nnodes=2",
         "parallel.nproc_per_node=8", "train.global_batch_size=16", "train.micro_batch_size=1",
         "launch.kubernetes.storage.kind=gcsfuse", "launch.kubernetes.storage.bucket=my-bucket",
@@ -62,7 +58,7 @@ def test_the_head_has_token_auth_and_a_network_policy_that_admits_only_its_run()
     assert [o["kind"] for o in objs] == ["ConfigMap", "NetworkPolicy", "RayJob"]  # closed before the head starts
     rayjob = objs[-1]
     assert rayjob["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
-    crd = yaml.safe_load((CRDS / "ray.io_rayjobs.yaml").read_text())
+    crd = load_crd("ray.io_rayjobs")
     schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
     jsonschema.validate(rayjob, schema)
     validate(rayjob)

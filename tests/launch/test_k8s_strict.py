@@ -4,7 +4,6 @@ validation. The real `kubernetes` client against tests/launch/k8s_apiserver.py, 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -15,24 +14,20 @@ from shardline.engines.kubernetes.trainer_api import trainer_version
 from shardline.engines.registry import get_backend
 from shardline.errors import ClusterError
 from shardline.spec.resolve import load_spec
+from tests.k8s_schemas import load_crd
 from tests.launch.k8s_apiserver import CRD_PATH, ApiServerStub, forbidden, kubeconfig
 
-CRDS = Path(__file__).resolve().parents[1] / "crds"
 NAME, NS = "strict-20261122-000000", "ml"
 SPEC = load_spec("tiny", [f"run.id={NAME}", "launch.image=registry.example/shardline:1", "launch.nnodes=1",
                           f"launch.kubernetes.namespace={NS}"])
 TRAINJOBS = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS}/trainjobs"
 
 
-def _crd(name: str) -> dict:
-    return yaml.safe_load((CRDS / f"{name}.yaml").read_text())
-
-
 def trainjob_crd(release: str) -> dict:
     """The pinned TrainJob CRD (kubeflow/trainer manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml, a 2.3+
     release) reshaped as an older release served it: 2.2 had runtimePatches without a grace period in the pod
     patch, 2.1 `podTemplateOverrides`, 2.0 `podSpecOverrides` (kubeflow/trainer CHANGELOG.md)."""
-    crd = copy.deepcopy(_crd("trainer.kubeflow.org_trainjobs"))
+    crd = load_crd("trainer.kubeflow.org_trainjobs")
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     if release == "2.2":
         node = spec["runtimePatches"]["items"]
@@ -99,7 +94,7 @@ def test_without_rbac_to_read_the_crd_the_strict_create_still_refuses_unknown_fi
 def test_every_create_of_every_target_asks_for_strict_field_validation(tmp_path, target):
     """Every object of every target passes the served schemas strictly (the pinned JobSet, Trainer and KubeRay
     CRDs); no create goes without fieldValidation=Strict."""
-    crds = [_crd("jobset.x-k8s.io_jobsets"), _crd("trainer.kubeflow.org_trainjobs"), _crd("ray.io_rayjobs")]
+    crds = [load_crd("jobset.x-k8s.io_jobsets"), load_crd("trainer.kubeflow.org_trainjobs"), load_crd("ray.io_rayjobs")]
     with ApiServerStub(crds=crds) as stub:
         record = _submit(stub, target, tmp_path)
     posts = [q for (method, _), q in zip(stub.requests, stub.queries, strict=True) if method == "POST"]

@@ -21,9 +21,8 @@ from shardline.errors import ShardlineError, SpecError
 from shardline.run_status import read_status
 from shardline.spec.resolve import load_spec
 from tests.conftest import read_metrics, small_overrides
+from tests.k8s_schemas import load_crd
 from tests.launch.ray_cluster import submit_until_committed
-
-CRDS = Path(__file__).resolve().parents[1] / "crds"
 
 
 def _strict(schema: dict) -> dict:
@@ -40,7 +39,7 @@ def _strict(schema: dict) -> dict:
 
 @functools.cache
 def _rayjob_validator() -> jsonschema.Draft7Validator:
-    crd = yaml.load((CRDS / "ray.io_rayjobs.yaml").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    crd = load_crd("ray.io_rayjobs")
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
 

@@ -15,18 +15,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.k8s_schemas import CRD_DIR, _strict
+from tests.k8s_schemas import _strict, load_crd
 from tests.launch.http_json import Served, send_json
 
 
 def _trainer_status_schema() -> dict:
-    crd = yaml.safe_load((CRD_DIR / "trainer.kubeflow.org_trainjobs.yaml").read_text())
+    crd = load_crd("trainer.kubeflow.org_trainjobs")
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["trainerStatus"]
     return {"type": "object", "properties": {"trainerStatus": _strict(status)}, "required": ["trainerStatus"],

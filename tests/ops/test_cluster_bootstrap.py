@@ -12,9 +12,8 @@ from shardline.cli import main
 from shardline.errors import SpecError
 from shardline.ops.cluster.bootstrap import KUEUE_API, BootstrapOptions, bootstrap_objects
 from shardline.spec.resolve import load_spec
-from tests.k8s_schemas import validate
+from tests.k8s_schemas import load_crd, validate
 
-CRDS = Path(__file__).resolve().parents[1] / "crds"  # pinned upstream copies, sources in SOURCES.txt
 A4 = ["launch.profile=a4", "launch.nnodes=2"]
 
 
@@ -70,7 +69,7 @@ def test_tpu_slices_get_a_chip_quota_and_flavors_for_their_accelerator_and_topol
 
 
 def test_kueue_objects_use_a_version_the_pinned_crds_serve():
-    served = {v["name"] for v in yaml.safe_load((CRDS / "kueue.x-k8s.io_clusterqueues.yaml").read_text())["spec"]
+    served = {v["name"] for v in load_crd("kueue.x-k8s.io_clusterqueues")["spec"]
               ["versions"] if v["served"]}
     assert KUEUE_API.split("/")[1] in served
     objs = bootstrap_objects(spec_with(*A4), BootstrapOptions(dws=True, priority_classes=True))
@@ -250,7 +249,7 @@ def _rbac_requests(tmp_path: Path) -> set[tuple[str, str, str]]:
     from shardline.engines.registry import get_backend
     from tests.launch.k8s_apiserver import ApiServerStub, kubeconfig
 
-    crds = [yaml.safe_load((CRDS / f).read_text()) for f in ("trainer.kubeflow.org_trainjobs.yaml",)]
+    crds = [load_crd("trainer.kubeflow.org_trainjobs")]
     spec = spec_with("run.id=rbac-20261122-000000", "launch.image=img:1", "launch.kubernetes.namespace=ml")
     seen = set()
     for target in ("k8s-job", "jobset", "trainjob", "rayjob"):
