@@ -114,7 +114,7 @@ LAUNCH = (
     "tests/train/test_dry_run.py::test_tensor_parallel_shards",
     "tests/train/test_dry_run.py::test_tiny_simulated",
     "tests/train/test_grpo_end_to_end.py",
-    "tests/train/test_expert_parallel.py::test_a_transformers_mixtral_trains_from_the_cli_at_ep_2",
+    "tests/train/test_expert_parallel.py::test_a_transformers_mixture_trains_from_the_cli_at_ep_2",
     "tests/train/test_expert_parallel.py::test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks",
     "tests/train/test_expert_parallel.py::test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch",
     "tests/train/test_hang.py::test_a_rank_stuck_in_its_own_code_is_named_and_without_restarts_the_run_fails_with_exit_76",

@@ -17,9 +17,9 @@ trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep
 capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies;
 with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, and ep 1's checkpoint
 resumes at ep 2 with its biases and ep 1's next loss. A tiny
-Mixtral saved by transformers trains from `shardline train --set parallel.ep=2` on 2 ranks, is killed with SIGKILL
-and retrains the lost step bit-exact, and exports with the input's keys a model transformers loads with the run's
-validation loss.
+Mixtral and a tiny Qwen3-MoE saved by transformers each train from `shardline train --set parallel.ep=2` on 2 ranks,
+record the tokens per expert, are killed with SIGKILL and retrain the lost step bit-exact, and export with the input's
+keys a model transformers loads with the run's validation loss.
 """
 
 from __future__ import annotations
@@ -194,10 +194,12 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert bf16 == pytest.approx(lora_at_1[:2], rel=2e-2) and bf16[1] < bf16[0]
 
 
-def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_step_bit_exact_and_exports(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_transformers_mixture_trains_from_the_cli_at_ep_2_retrains_a_killed_step_bit_exact_and_exports(
+        tmp_path, capsys, family):
     examples = generate_splits(5, 300, 10, 10)["train"]
     tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
-    checkpoint = write_checkpoint("mixtral", tok, tmp_path / "mixtral")  # 8 experts, top-2, per-expert keys
+    checkpoint = write_checkpoint(family, tok, tmp_path / family)  # 8 experts, top-2, per-expert keys
     runs = tmp_path / "runs"
     sets = [*small_overrides(runs), f"model.path={checkpoint}", "parallel.nproc_per_node=2", "parallel.ep=2",
             "train.max_steps=4", "train.warmup_steps=0", "train.micro_batch_size=2", "train.global_batch_size=4",
@@ -212,7 +214,8 @@ def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_st
     setup = next(e for e in read_metrics(run, "event") if e["event"] == "setup")
     trained = read_metrics(run, "train")
     print(f"mesh {setup['mesh']}; losses {[(r['step'], r['loss']) for r in trained]}")
-    assert setup["family"] == "Mixtral" and setup["expert_parallel_layers"] == 2  # both layers dispatch
+    assert setup["family"] == {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[family]
+    assert setup["expert_parallel_layers"] == 2  # both layers dispatch
     assert [r["step"] for r in trained] == [1, 2, 3, 3, 4]
     assert [e["step"] for e in read_metrics(run, "event") if e["event"] == "resume"] == [2]
     assert trained[3]["loss"] == trained[2]["loss"] and trained[3]["grad_norm"] == trained[2]["grad_norm"]
@@ -222,15 +225,18 @@ def test_a_transformers_mixtral_trains_from_the_cli_at_ep_2_retrains_a_killed_st
 
     from shardline.cli import main  # in this process: its imports are paid already, a process would pay them again
 
+    capsys.readouterr()
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert "router biases" not in capsys.readouterr().out  # none trained: no warning
     with safe_open(checkpoint / "model.safetensors", "pt") as f, safe_open(tmp_path / "hf" / "model.safetensors",
                                                                               "pt") as g:
-        assert set(g.keys()) == set(f.keys())  # per expert: block_sparse_moe.experts.7.w3.weight
+        # per expert: block_sparse_moe.experts.7.w3.weight (Mixtral), mlp.experts.7.gate_proj.weight (Qwen3-MoE)
+        assert set(g.keys()) == set(f.keys())
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     val = [r["val_loss"] for r in read_metrics(run, "eval") if "val_loss" in r][-1]
     with torch.no_grad():
         theirs = unpacked_loss(model, prepared_of_run(run))
-    print(f"validation loss of the run {val}, of its export in transformers {theirs}")
+    print(f"{family}: validation loss of the run {val}, of its export in transformers {theirs}")
     assert theirs == pytest.approx(val, rel=1e-5)
 
 
