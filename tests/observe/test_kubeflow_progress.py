@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -45,17 +46,20 @@ def _serve(tmp_path, monkeypatch, delay_s: float = 0.0, code: int | None = None)
     stand_in = TrainerStatusServer(tmp_path, "default", "shardline")
     checked = stand_in.server.RequestHandlerClass
     arrivals: list[tuple[float, dict]] = []
+    taken_down = threading.Event()  # leaving `with stand_in` drops a delayed answer instead of waiting it out
+    shutdown = stand_in.server.shutdown
+    stand_in.server.shutdown = lambda: (taken_down.set(), shutdown())
 
     class Handler(checked):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if code is not None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 arrivals.append((time.monotonic(), body))
-                time.sleep(delay_s)
+                taken_down.wait(delay_s)
                 send_json(self, code, {"message": "status endpoint unavailable"})
                 return
             arrivals.append((time.monotonic(), {}))
-            time.sleep(delay_s)
+            taken_down.wait(delay_s)
             with contextlib.suppress(OSError):  # the SDK gave up waiting and closed the connection
                 super().do_POST()
 
@@ -90,6 +94,8 @@ def _wait_for(condition: Callable[[], object], timeout_s: float = 10.0) -> None:
 
 
 def test_a_slow_endpoint_never_holds_a_training_step(tmp_path, monkeypatch, update_trainjob_status):
+    # close waits its whole bound here (the poster is still in the SDK's first request): 2 s of it prove the bound
+    monkeypatch.setattr(kubeflow_progress, "FINAL_WAIT_S", 2.0)
     stand_in, arrivals = _serve(tmp_path, monkeypatch, delay_s=SERVER_DELAY_S)
     with stand_in:
         sink = KubeflowProgressSink(update_trainjob_status, max_steps=6, world=2, run_dir=tmp_path)
