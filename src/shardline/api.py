@@ -431,12 +431,13 @@ class Run:
         return write_report(self.dir)
 
     def export(self, out: str | Path, step: int | None = None, merge_lora: bool = False,
-               dtype: str = "auto") -> Path:
+               dtype: str = "auto", say: Callable[[str], None] = lambda line: None) -> Path:
         """A Hugging Face directory (or LoRA adapter) from a committed checkpoint (default: the latest), its weights
-        in `dtype` (bf16, fp32, fp16; default auto: the checkpoint's own, fp32 for an adapter)."""
+        in `dtype` (bf16, fp32, fp16; default auto: the checkpoint's own, fp32 for an adapter); `say` gets its
+        warnings (router biases the export leaves out)."""
         from shardline.export import export_run
 
-        return export_run(self.dir, Path(out), step=step, merge_lora=merge_lora, dtype=dtype)
+        return export_run(self.dir, Path(out), step=step, merge_lora=merge_lora, dtype=dtype, say=say)
 
 
 def runs(directory: str | Path = "runs") -> list[RunStatus]:

@@ -157,7 +157,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardline.api import Run
 
-    out = Run.open(args.run_dir).export(args.out, step=args.step, merge_lora=args.merge_lora, dtype=args.dtype)
+    out = Run.open(args.run_dir).export(args.out, step=args.step, merge_lora=args.merge_lora, dtype=args.dtype,
+                                        say=lambda m: console.print(m, highlight=False, markup=False))
     console.print(f"exported to {out}", highlight=False)
     return EXIT_OK
 

@@ -14,7 +14,9 @@ directory and renamed into place, so `out` is either complete or absent.
 
 A mixture of experts is written in its input checkpoint's layout: one tensor per expert and projection as the hub
 keeps them (transformers' `save_pretrained` reverts its fused experts), or fused where `model.path` stored them
-fused (`input_layout_is_fused`).
+fused (`input_layout_is_fused`). Router biases (`train.router_bias_update_rate`) have no slot in these families'
+transformers routers: the export leaves them out, and says so when the checkpoint's are not zero
+(`router_bias_warning`).
 """
 
 from __future__ import annotations
@@ -167,9 +169,9 @@ def export_dtype(spec: JobSpec, requested: str, full: bool) -> torch.dtype:
 
 
 def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bool = False,
-               dtype: str = "auto") -> Path:
+               dtype: str = "auto", say: Callable[[str], None] = lambda line: None) -> Path:
     """Write a consolidated Hugging Face directory for a run's committed checkpoint (latest, or `step`), its weights
-    in `dtype` (`auto`: the checkpoint's own, see `export_dtype`)."""
+    in `dtype` (`auto`: the checkpoint's own, see `export_dtype`); `say` gets the warnings a person should see."""
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "spec.yaml").is_file():
         raise ShardlineError(str(run_dir), "is not a run directory (no spec.yaml)",
@@ -189,6 +191,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         raise ShardlineError(str(out), "exists and is not empty", "choose a new --out directory or remove this one")
     full = not lora or merge_lora
     weights_dtype = export_dtype(spec, dtype, full)
+    if warning := router_bias_warning(store, step):
+        say(f"warning: {warning}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -216,6 +220,27 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def router_bias_warning(store: CheckpointStore, step: int) -> str | None:
+    """What an export of the checkpoint of `step` loses when it holds nonzero router biases (the Trainer's
+    `train.router_bias` entry, [layers, E]); None when it holds none or only zeros."""
+    saved = store.reader(step).read_metadata().state_dict_metadata.get("train.router_bias")
+    if saved is None:
+        return None
+    state = {"train": {"router_bias": torch.zeros(saved.size, dtype=saved.properties.dtype)}}
+    with warnings.catch_warnings():  # dcp warns on every no_dist load, even when asked for one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=store.reader(step), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    bias = state["train"]["router_bias"]
+    if not bias.any():
+        return None
+    layers, experts = bias.shape
+    return (f"the checkpoint of step {step} routes with router biases (train.router_bias_update_rate: max |bias| "
+            f"{bias.abs().max().item():.4g}, mean |bias| {bias.abs().mean().item():.4g}, over {layers} layers × "
+            f"{experts} experts) that the export leaves out: transformers' routers of this family have no bias, so "
+            "the exported model sends each token to the plain top-k of its router's probabilities, not to the "
+            "experts the run chose; its outputs can differ from the run's (evaluate the export before serving it)")
 
 
 def _merged(model: nn.Module) -> nn.Module:

@@ -15,8 +15,10 @@ as at ep 1 (and counts the same tokens per expert), its ep 2
 checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
 trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss; with a
 capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies;
-with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, and ep 1's checkpoint
-resumes at ep 2 with its biases and ep 1's next loss. A tiny
+with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, ep 1's checkpoint
+resumes at ep 2 with its biases and ep 1's next loss, and its `shardline export` warns that the biases are left out;
+in bf16 with a capacity factor, router biases and the router z-loss, ep 2 trains the same run's fp32 losses to bf16
+precision. A tiny
 Mixtral and a tiny Qwen3-MoE saved by transformers each train from `shardline train --set parallel.ep=2` on 2 ranks,
 record the tokens per expert, are killed with SIGKILL and retrain the lost step bit-exact, and export with the input's
 keys a model transformers loads with the run's validation loss.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +93,8 @@ def moe_run(root: Path, checkpoint: Path, name: str, ep: int, *extra: str) -> di
     return {"spec": str(root / f"{name}.json"), "out": str(root / f"{name}-losses.json")}
 
 
-def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2_trains_and_resumes_at_ep_1(tmp_path):
+def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2_trains_and_resumes_at_ep_1(
+        tmp_path, capsys):
     examples = generate_splits(5, 300, 10, 10)["train"]
     tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
     checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
@@ -118,10 +122,12 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     biased_1, biased_2 = (moe_run(tmp_path, checkpoint, f"bias-ep{ep}", ep, bias) for ep in (1, 2))
     biased_grown = moe_run(tmp_path, checkpoint, "bias-1to2", 2, bias,
                            f"checkpoint.resume_from={tmp_path / 'runs' / 'bias-ep1'}")
-    # the GPU default (bf16) at ep 2 with both: a capacity that drops and router biases (zero at step 1, so its first
-    # loss is the fp32 capped run's to bf16 precision)
-    bf16_capped_biased = moe_run(tmp_path, checkpoint, "ep2bf16capbias", 2, "train.precision=bf16",
-                                 "train.expert_capacity_factor=1.0", bias)
+    # the GPU default (bf16) at ep 2 with all three: a capacity that drops, router biases and the router z-loss
+    # (coefficient 0.1: it adds ~25 % to the loss, far beyond bf16's tolerance), beside the same run in fp32
+    capped_biased_z = ("train.expert_capacity_factor=1.0", bias, "train.router_z_loss_coef=0.1")
+    bf16_capped_biased, fp32_capped_biased = (moe_run(tmp_path, checkpoint, f"ep2{precision}capbiasz", 2,
+                                                      f"train.precision={precision}", *capped_biased_z)
+                                              for precision in ("bf16", "fp32"))
     launch(tmp_path, 2, [{"oracle": 1, "out": str(tmp_path / "ep1.out")},
                          {"oracle": 2, "out": str(tmp_path / "ep2.out")},
                          {"oracle": 2, "aux": True, "out": str(tmp_path / "ep2aux.out")},
@@ -135,7 +141,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
                          {**resumed, "steps": 1}, {**grown, "steps": 1}, {**bf16_lora, "steps": 2},
                          {**lora_1, "steps": 3, "save_at": 2}, {**lora_2, "steps": 3}, {**lora_grown, "steps": 1},
                          {**capped_1, "steps": 2}, {**capped_2, "steps": 2}, {**biased_1, "steps": 3, "save_at": 2},
-                         {**biased_2, "steps": 3}, {**biased_grown, "steps": 1}, {**bf16_capped_biased, "steps": 2}])
+                         {**biased_2, "steps": 3}, {**biased_grown, "steps": 1}, {**bf16_capped_biased, "steps": 2},
+                         {**fp32_capped_biased, "steps": 2}])
     for case, placements in (("ep1", ["S(0)"]), ("ep2", ["S(1)", "S(0)"]), ("ep2aux", ["S(1)", "S(0)"]),
                              ("mixtral-ep2z", ["S(1)", "S(0)"]), ("ep2lora", ["S(1)", "S(0)"]),
                              ("qwen2_moe-ep2aux", ["S(1)", "S(0)"])):
@@ -177,11 +184,26 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert [r["loss"] for r in biased[2]] == pytest.approx([biased[0][2]["loss"]], rel=1e-5)
     assert biased[0][0]["loss"] == pytest.approx(at_1[0], rel=1e-6)  # the biases start at zero
     assert biased[0][1]["expert_tokens"] != loads[0][1]  # then steer the choice
-    both = json.loads(Path(bf16_capped_biased["out"]).read_text())
-    print(f"ep 2, bf16, capacity 1.0 and router biases: losses {[r['loss'] for r in both]}, dropped "
-          f"{[r['expert_dropped'] for r in both]} (fp32 capped ep 1: {[r['loss'] for r in capped[0]]})")
-    assert both[0]["loss"] == pytest.approx(capped[0][0]["loss"], rel=2e-2)
-    assert all(r["expert_dropped"] > 0 for r in both)
+    # transformers' routers have no bias: `shardline export` of ep 1's step-2 checkpoint says what it leaves out
+    from shardline.cli import main  # in this process: its imports are paid already
+
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "runs" / "bias-ep1"), "--out", str(tmp_path / "bias-hf")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    print(said)
+    found = re.search(r"warning: the checkpoint of step 2 routes with router biases \(train.router_bias_update_rate: "
+                      r"max \|bias\| ([0-9.e-]+), .* over 2 layers × 8 experts\) that the export leaves out", said)
+    # two updates of at most 0.05 · (1 + 7/8) each (a sign, centred over the 8 experts)
+    assert found and 0 < float(found[1]) <= 2 * 0.05 * (1 + 7 / 8), said
+    assert "plain top-k" in said
+    every, every_fp32 = (json.loads(Path(job["out"]).read_text()) for job in (bf16_capped_biased, fp32_capped_biased))
+    print(f"ep 2, capacity 1.0, router biases and z-loss 0.1: bf16 losses {[r['loss'] for r in every]}, dropped "
+          f"{[r['expert_dropped'] for r in every]}; fp32 {[r['loss'] for r in every_fp32]} (fp32 capped without the "
+          f"z-loss: {[r['loss'] for r in capped[0]]})")
+    assert [r["loss"] for r in every] == pytest.approx([r["loss"] for r in every_fp32], rel=2e-2)
+    assert all(r["expert_dropped"] > 0 for r in every)
+    # the biases are zero at step 1: the z-loss alone is what separates it from the capped run, beyond bf16's tolerance
+    assert every_fp32[0]["loss"] - capped[0][0]["loss"] > 2e-2 * capped[0][0]["loss"]
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
     lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
     print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "
