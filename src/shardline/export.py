@@ -57,6 +57,12 @@ from shardline.model.expert_lora import (
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.moe import EXPERT_WEIGHTS
 from shardline.model.nf4 import dequantize_base
+from shardline.model.router_lora import (
+    adapted_routers,
+    merge_router_adapters,
+    peft_router_weights,
+    router_target_parameters,
+)
 from shardline.model.sharded_load import materialize
 from shardline.rundir import checkpoint_location, read_manifest
 from shardline.spec import JobSpec
@@ -244,9 +250,10 @@ def router_bias_warning(store: CheckpointStore, step: int) -> str | None:
 
 
 def _merged(model: nn.Module) -> nn.Module:
-    """The LoRA model's base with every adapter folded in: peft's layers, and the routed experts' own."""
+    """The LoRA model's base with every adapter folded in: peft's layers, the routed experts' and the routers'."""
     base = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
     merge_expert_adapters(base)
+    merge_router_adapters(base)
     return base
 
 
@@ -316,8 +323,8 @@ def _save_adapter(model: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[st
         # peft takes the name from the model's config; a multimodal checkpoint's text config carries none
         model.peft_config["default"].base_model_name_or_path = spec.model.path
         model.save_pretrained(out, safe_serialization=True)
-    if has_expert_adapters(causal_lm(model)):
-        _add_expert_adapters(causal_lm(model), spec, vocab_size, ids, out)
+    if has_expert_adapters(causal_lm(model)) or adapted_routers(causal_lm(model)):
+        _add_parameter_adapters(causal_lm(model), spec, vocab_size, ids, out)
     if rename is not None:
         config = LoraConfig.from_pretrained(out)
         # Exact module paths: the attention names alone would also match the vision tower's q/k/v projections.
@@ -330,19 +337,23 @@ def _save_adapter(model: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[st
     return base
 
 
-def _add_expert_adapters(trained: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[str, int], out: Path) -> None:
-    """Add the routed experts' adapters (`shardline.model.expert_lora`) to the adapter in `out` as peft writes them:
-    `target_parameters` naming both fused projections, the weights in peft's layout under the keys of its nested
-    `ParamWrapper`s (found on a meta-device base with that config), in place of the per-expert tensors peft's own
-    save picked up by their `lora_` names."""
+def _add_parameter_adapters(trained: nn.Module, spec: JobSpec, vocab_size: int, ids: dict[str, int],
+                            out: Path) -> None:
+    """Add the routed experts' adapters (`shardline.model.expert_lora`) and the routers' (`.router_lora`) to the
+    adapter in `out` as peft writes them: `target_parameters` naming both fused projections and the routers' weight,
+    the weights in peft's layout under the keys of its `ParamWrapper`s (found on a meta-device base with that
+    config), in place of the tensors peft's own save picked up by their `lora_` names."""
     config = LoraConfig.from_pretrained(out)
-    config.target_parameters = expert_target_parameters(trained)
+    config.target_parameters = ((expert_target_parameters(trained) if has_expert_adapters(trained) else [])
+                                + router_target_parameters(trained))
     config.save_pretrained(out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         probe = get_peft_model(_base_skeleton(spec, vocab_size, ids), config, low_cpu_mem_usage=True)
-    weights = {k: v for k, v in load_file(out / ADAPTER_WEIGHTS).items() if not k.endswith(EXPERT_WEIGHTS)}
+    ours = (*EXPERT_WEIGHTS, ".lora_A", ".lora_B")  # per-expert adapters, a router's
+    weights = {k: v for k, v in load_file(out / ADAPTER_WEIGHTS).items() if not k.endswith(ours)}
     weights.update(peft_expert_weights(trained, probe))
+    weights.update(peft_router_weights(trained, probe))
     save_file({k: v.contiguous() for k, v in weights.items()}, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
 
 

@@ -43,6 +43,7 @@ from shardline.model.families import family_of
 from shardline.model.flops import flops_per_token
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.router_bias import router_bias
+from shardline.model.router_lora import router_adapters_off
 from shardline.model.sharded_load import _checkpoint_files, _read
 from shardline.parallel.context import check_context_parallel
 from shardline.parallel.tensor import check_tensor_parallel
@@ -573,7 +574,7 @@ def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoin
 
     model = build_model(ModelSpec(path=str(path)), 0, {}, device="meta")
     for targets in (["gate_up_proj"], ["q_proj", "down_proj"], ["gate"]):
-        with pytest.raises(SpecError, match="router, or on the experts' projections one by one") as e:
+        with pytest.raises(SpecError, match="experts' projections one by one is not supported, and the router") as e:
             apply_lora(model, LoraSpec(enabled=True, target_modules=targets))
         assert e.value.where == "model.lora.target_modules" and "add experts" in e.value.fix
     with pytest.raises(SpecError, match="is 0.1 with experts in model.lora.target_modules") as e:
@@ -632,6 +633,62 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     print(f"trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; vs the merged export's "
           f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter {(ours_ - peft_logits).abs().max():.2e}")
     assert (ours_ - base).abs().max() > 1e-2  # the adapters moved the logits
+    torch.testing.assert_close(off, base, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_logits, ours_, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(peft_logits, ours_, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "targets"), [("qwen3_moe", ["q_proj", "v_proj", "router"]),
+                                               ("mixtral", ["router", "experts"])])
+def test_lora_on_the_router_trains_adapters_only_and_exports_merged_and_as_peft_with_the_trained_logits(
+        ctx, checkpoints, tmp_path, name, targets):
+    """`router` among the targets (opt-in: the router is frozen without it): every router gets `lora_A [r, H]` and
+    `lora_B [E, r]`; after two steps only adapters changed (the routers' weights not), the planner counts the
+    trainer's trainable parameters, the merged export (transformers' model of it) and the adapter export (peft's
+    `target_parameters` on `mlp.gate.weight`, loaded by `PeftModel.from_pretrained` onto transformers' model of the
+    input) compute the trained model's logits, and with the adapters off (DPO's reference) the model is the base."""
+    from peft import PeftModel
+
+    from shardline.export import export_run
+    from shardline.planning.step_time import planned_counts
+
+    path = checkpoints[name]
+    spec, run_dir = create_run(small_spec(tmp_path, f"model.path={path}", f"run.id=moe-router-lora-{name}", *STEP,
+                                          "train.max_steps=2", "model.lora.enabled=true", "model.lora.r=4",
+                                          f"model.lora.target_modules=[{','.join(targets)}]", "train.lr=5e-2"))
+    trainer = Trainer(spec, ctx, prepare(spec), run_dir, Console(quiet=True))
+    before = {k: _full(p) for k, p in trainer.model.named_parameters()}
+    trainable = sorted(k for k, p in trainer.model.named_parameters() if p.requires_grad)
+    routers = [k for k in trainable if ".mlp.gate.lora_" in k]
+    assert all(".lora_" in k for k in trainable) and len(routers) == 2 * 2  # 2 layers × (A, B)
+    assert dict(trainer.model.named_parameters())[routers[0]].shape in ((4, 64), (EXPERTS, 4))
+    assert planned_counts(spec).trainable == trainer.params.trainable
+    trainer.train_step(), trainer.train_step()
+    changed = sorted(k for k, p in trainer.model.named_parameters() if not torch.equal(_full(p), before[k]))
+    assert set(changed) == set(trainable), sorted(set(trainable) - set(changed))
+    trainer.save_checkpoint()
+
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
+    model = trainer.model.eval()
+    with torch.no_grad():
+        ours_ = model(input_ids=ids).logits
+        base = reference(path)(input_ids=ids).logits
+        with adapters_off(model):
+            off = model(input_ids=ids).logits
+        with router_adapters_off(model):  # the other adapters on: what the routers' adapters add
+            unrouted = model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
+                                                      dtype=torch.float32)
+        assert stored_keys(tmp_path / "merged") == stored_keys(path)
+        merged_logits = merged(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(reference(path), export_run(run_dir, tmp_path / "adapter")).eval()
+        peft_logits = peft(input_ids=ids).logits
+    model.train()
+    print(f"{name}, LoRA on {targets}: trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; "
+          f"vs the routers' adapters off {(ours_ - unrouted).abs().max():.2e}; vs the merged export's "
+          f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter "
+          f"{(ours_ - peft_logits).abs().max():.2e}")
+    assert (ours_ - base).abs().max() > 1e-2 and (ours_ - unrouted).abs().max() > 1e-2
     torch.testing.assert_close(off, base, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_logits, ours_, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(peft_logits, ours_, atol=1e-5, rtol=1e-5)

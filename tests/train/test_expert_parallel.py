@@ -12,8 +12,9 @@ fails that oracle; the router aux loss, from expert
 counts all-reduced over the ranks, equals transformers' on the whole batch; and the Trainer of a checkpoint saved by
 transformers takes the same 3 steps at ep 2 (with activation checkpointing: the dispatch runs again in backward)
 as at ep 1 (and counts the same tokens per expert), its ep 2
-checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention and the routed experts
-trains the same losses at ep 2 as at ep 1, and its ep 1 checkpoint resumes at ep 2 with ep 1's next loss; with a
+checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention, the routed experts and
+the routers trains the same losses at ep 2 as at ep 1 (and in bf16 to bf16 precision), and its ep 1 checkpoint
+resumes at ep 2 with ep 1's next loss; with a
 capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies;
 with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, ep 1's checkpoint
 resumes at ep 2 with its biases and ep 1's next loss, and its `shardline export` warns that the biases are left out;
@@ -101,9 +102,10 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     ep1 = moe_run(tmp_path, checkpoint, "ep1", 1)
     ep2 = moe_run(tmp_path, checkpoint, "ep2", 2, "parallel.activation_checkpointing=full")  # the dispatch recomputed
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
-    # LoRA on the attention and the routed experts (adapters per expert, sharded with their experts under ep 2)
-    expert_lora = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,experts]",
-                   "train.lr=1e-2")
+    # LoRA on the attention, the routed experts (adapters per expert, sharded with their experts under ep 2) and the
+    # routers
+    expert_lora = ("model.lora.enabled=true", "model.lora.r=4",
+                   "model.lora.target_modules=[q_proj,v_proj,experts,router]", "train.lr=1e-2")
     # the GPU default (bf16) with that LoRA at ep 2 (frozen experts in bf16, their adapters fp32 in the same FSDP
     # group): two steps, the fp32 run's losses to bf16 precision (adapters start at zero: the first is the base's)
     bf16_lora = moe_run(tmp_path, checkpoint, "ep2bf16lora", 2, "train.precision=bf16", *expert_lora)
@@ -206,13 +208,13 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     assert every_fp32[0]["loss"] - capped[0][0]["loss"] > 2e-2 * capped[0][0]["loss"]
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
     lora_then_2 = [r["loss"] for r in json.loads(Path(lora_grown["out"]).read_text())]
-    print(f"LoRA on the attention and the experts, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 resumed at "
-          f"ep 2: {lora_then_2}")
+    print(f"LoRA on the attention, the experts and the routers, ep 1: {lora_at_1}; ep 2: {lora_at_2}; ep 1's step 2 "
+          f"resumed at ep 2: {lora_then_2}")
     assert lora_at_2 == pytest.approx(lora_at_1, rel=1e-5) and lora_at_1[0] == pytest.approx(at_1[0], rel=1e-6)
     assert lora_then_2 == pytest.approx(lora_at_1[2:], rel=1e-5)
     assert lora_at_1[2] < lora_at_1[1] < lora_at_1[0]
     bf16 = [r["loss"] for r in json.loads(Path(bf16_lora["out"]).read_text())]
-    print(f"ep 2, bf16, LoRA on the attention and the experts: losses {bf16} (fp32 ep 1: {lora_at_1[:2]})")
+    print(f"ep 2, bf16, LoRA on the attention, the experts and the routers: losses {bf16} (fp32 ep 1: {lora_at_1[:2]})")
     assert bf16 == pytest.approx(lora_at_1[:2], rel=2e-2) and bf16[1] < bf16[0]
 
 

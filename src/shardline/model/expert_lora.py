@@ -100,6 +100,8 @@ def peft_expert_weights(model: nn.Module, peft_base: nn.Module) -> dict[str, tor
         module_path = path.removeprefix("base_model.model.")
         while module_path.endswith(".base_layer"):
             module_path = module_path.removesuffix(".base_layer")
+        if module_path not in ours:  # a router's (`shardline.model.router_lora`)
+            continue
         module = ours[module_path]
         a, b = peft_layout(module.lora_A[wrapper.parameter_name], module.lora_B[wrapper.parameter_name])
         found[f"{path}.lora_A.weight"], found[f"{path}.lora_B.weight"] = a, b

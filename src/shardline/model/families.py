@@ -68,6 +68,9 @@ planner)."""
 EXPERTS_TARGET = "experts"
 """The name in `model.lora.target_modules` that adapts the routed experts (the module transformers calls so;
 `shardline.model.expert_lora`, the planner)."""
+ROUTER_TARGET = "router"
+"""The name in `model.lora.target_modules` that adapts every MoE layer's router (opt-in: frozen by default;
+`shardline.model.router_lora`, the planner)."""
 _EXPERT_FIELDS = (*EXPERT_COUNT_FIELDS, "n_routed_experts", "moe_num_experts")
 TRAINED_EXPERTS = ", ".join(f.name for f in FAMILIES if f.experts)
 REFUSED_EXPERTS = {

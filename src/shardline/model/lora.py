@@ -2,8 +2,9 @@
 
 A mixture of experts trains LoRA on attention (and other linear layers outside the MoE block) and, with `experts`
 among the targets, on the routed experts' fused projections (`shardline.model.expert_lora`: adapters per expert),
-the router frozen; adapters on the router or on the MLP projections by name (which would reach a shared expert but
-silently skip the routed ones), and QLoRA's NF4 base, are named errors for now."""
+and with `router`, on every MoE layer's router (`shardline.model.router_lora`; frozen without it); adapters on the
+MoE block's modules by name (`gate`, the MLP projections, which would reach a shared expert but silently skip the
+routed ones), and QLoRA's NF4 base, are named errors."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ from torch import nn
 
 from shardline.errors import SpecError
 from shardline.model.expert_lora import add_expert_adapters, check_expert_dropout
-from shardline.model.families import EXPERTS_TARGET, family_of
+from shardline.model.families import EXPERTS_TARGET, ROUTER_TARGET, family_of
 from shardline.model.moe import is_moe
 from shardline.model.nf4 import QuantizedBase, quantize_base_on_meta
+from shardline.model.router_lora import add_router_adapters
 from shardline.spec import LoraSpec, Precision
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     targets = list(spec.target_modules or family_of(model.config).lora_targets)
     check_expert_targets(model.config, targets)
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | ({ROUTER_TARGET} if is_moe(model.config)
+                                                                             else set())
     missing = [m for m in targets if m not in names]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -30,7 +33,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     experts = EXPERTS_TARGET in targets
     if experts:
         check_expert_dropout(spec.dropout)
-    linear = [t for t in targets if t != EXPERTS_TARGET]
+    linear = [t for t in targets if t not in (EXPERTS_TARGET, ROUTER_TARGET)]
     if linear:
         from peft import LoraConfig, get_peft_model  # here: ~0.5 s of imports every worker without LoRA skips
 
@@ -41,25 +44,28 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         model.requires_grad_(False)
     if experts:
         add_expert_adapters(model, spec.r, spec.alpha)
+    if ROUTER_TARGET in targets:
+        add_router_adapters(model.get_base_model() if linear else model, spec.r, spec.alpha)
     return model
 
 
 EXPERT_TARGETS = ("gate", "gate_up_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 """Module names of a MoE block (router, expert projections) LoRA does not take: the routed experts are adapted
-whole by `experts`."""
+whole by `experts`, the routers by `router`."""
 
 
 def check_expert_targets(config, targets: list[str]) -> None:
     """A SpecError for LoRA targets inside a mixture of experts' MoE blocks other than `experts`: peft's modules adapt
     `nn.Linear`s, and the routed experts are fused 3-D parameters (`mlp.experts.gate_up_proj`) it would leave without
-    adapters; the router stays frozen."""
+    adapters, the routers a weight their own forward reads."""
     refused = [t for t in targets if t in EXPERT_TARGETS]
     if is_moe(config) and refused:
         raise SpecError("model.lora.target_modules", f"{refused} would adapt a mixture of experts' MoE block by "
-                        "projection name: LoRA on the router, or on the experts' projections one by one, is not "
-                        "supported yet",
-                        f"add {EXPERTS_TARGET} to adapt both projections of every routed expert (e.g. [q_proj, "
-                        f"k_proj, v_proj, o_proj, {EXPERTS_TARGET}]), or train the experts with a full fine-tune")
+                        "module name: LoRA on the experts' projections one by one is not supported, and the router "
+                        f"is adapted as {ROUTER_TARGET}",
+                        f"add {EXPERTS_TARGET} to adapt both projections of every routed expert and {ROUTER_TARGET} "
+                        f"to adapt the routers (e.g. [q_proj, k_proj, v_proj, o_proj, {EXPERTS_TARGET}, "
+                        f"{ROUTER_TARGET}]), or train the experts with a full fine-tune")
 
 
 def quantize_frozen_base(model: nn.Module, spec: LoraSpec, precision: Precision) -> QuantizedBase | None:

@@ -106,6 +106,20 @@ def routers(lm: nn.Module) -> list[nn.Module]:
     return [m for m in lm.modules() if isinstance(m, recorder.target_class)]
 
 
+def choose_top_k(router: nn.Module, logits: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) of a router of the four families from its `logits`: the top-k of softmax(logits) (+ `bias`
+    for the choice only, `model.router_bias`), weighted by their plain probabilities, normalised over the k as the
+    family does (its `norm_topk_prob`; Mixtral's router, which has no flag, always)."""
+    probabilities = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float)
+    scored = probabilities if bias is None else probabilities + bias
+    chosen = torch.topk(scored, router.top_k, dim=-1).indices
+    weights = probabilities.gather(-1, chosen)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
 @contextlib.contextmanager
 def router_logits(lm: nn.Module, record: bool) -> Iterator[list[torch.Tensor]]:
     """The router logits ([tokens, E], one per MoE layer in order) of the forwards run inside, when `record`:

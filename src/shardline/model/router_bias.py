@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shardline.errors import SpecError
-from shardline.model.moe import is_moe, num_experts, routers
+from shardline.model.moe import choose_top_k, is_moe, num_experts, routers
 
 RATE_FIELD = "train.router_bias_update_rate"
 
@@ -41,11 +41,7 @@ class RouterBias:
     def _choose(self, layer: int):
         def choose(router: nn.Module, _args, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             logits, scores, _ = out
-            probabilities = torch.nn.functional.softmax(logits, dim=-1, dtype=torch.float)
-            chosen = torch.topk(probabilities + self.bias[layer], router.top_k, dim=-1).indices
-            weights = probabilities.gather(-1, chosen)
-            if getattr(router, "norm_topk_prob", True):  # Mixtral's router always normalises (it has no flag)
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights, chosen = choose_top_k(router, logits, self.bias[layer])
             return logits, weights.to(scores.dtype), chosen
 
         return choose

@@ -54,6 +54,7 @@ from shardline.model.families import (
     EXPERTS_TARGET,
     LLAMA,
     MULTIMODAL_LANGUAGE_MODELS,
+    ROUTER_TARGET,
     Family,
     family_of,
     language_model_config,
@@ -244,7 +245,7 @@ def lora_targets(shape: ModelShape, lora: LoraSpec) -> list[str]:
     if not lora.enabled:
         return []
     targets = list(lora.target_modules or shape.family.lora_targets)
-    known = set(linear_dims(shape)) | ({EXPERTS_TARGET} if shape.moe else set())
+    known = set(linear_dims(shape)) | ({EXPERTS_TARGET, ROUTER_TARGET} if shape.moe else set())
     unknown = [m for m in targets if m not in known]
     if unknown:
         raise SpecError("model.lora.target_modules", f"{unknown} are not modules of this model",
@@ -283,9 +284,10 @@ def param_budget(s: ModelShape, lora: LoraSpec) -> ParamBudget:
     block += (s.heads + 2 * s.kv_heads) * s.hd if s.family.qkv_bias else 0
     root = (s.vocab + (0 if s.tie else s.head_vocab)) * s.hidden + s.hidden
     targets = lora_targets(s, lora)
-    adapters = {m: lora.r * sum(dims[m]) for m in targets if m != EXPERTS_TARGET}
+    adapters = {m: lora.r * sum(dims[m]) for m in targets if m not in (EXPERTS_TARGET, ROUTER_TARGET)}
     block_lora = sum(n for m, n in adapters.items() if m in block_linears(s))
     block_lora += moe.expert_adapter_params(s, lora.r) if EXPERTS_TARGET in targets else 0
+    block_lora += lora.r * (s.hidden + s.moe.count) if ROUTER_TARGET in targets else 0  # A [r, d], B [E, r]
     root_lora = adapters.get("lm_head", 0)
     if lora.enabled:
         return ParamBudget(block + block_lora, block_lora, root + root_lora, root_lora, s.layers)

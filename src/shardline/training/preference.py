@@ -28,6 +28,7 @@ from torch import nn
 from shardline.data.loader import IGNORE_INDEX, Batch, eval_batches
 from shardline.data.packing import PackedRows
 from shardline.model.expert_lora import expert_adapters_off
+from shardline.model.router_lora import router_adapters_off
 from shardline.spec import DpoSpec
 from shardline.training.loss import token_losses
 
@@ -82,11 +83,11 @@ def pair_logps(model: nn.Module, batch: Batch, chunk_tokens: int | None) -> Pair
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The LoRA model as its base: peft's adapters, and the routed experts' (`shardline.model.expert_lora`),
-    disabled for the block, the trainable parameters unchanged."""
+    """The LoRA model as its base: peft's adapters, the routed experts' (`shardline.model.expert_lora`) and the
+    routers' (`shardline.model.router_lora`), disabled for the block, the trainable parameters unchanged."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     peft_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-    with peft_off, expert_adapters_off(model):  # type: ignore[operator]
+    with peft_off, expert_adapters_off(model), router_adapters_off(model):  # type: ignore[operator]
         # peft also clears requires_grad on the adapter weights, and sets it on exit on whichever copies the modules
         # hold then. Under FSDP2 both would harm: it fixes a block's gradient dtypes at the model's first forward
         # from the parameters that require grad (were that this one, as in DPO's step-0 validation, the bf16
