@@ -7,16 +7,25 @@
 #
 # Plan for the next window (15 minutes of device time, machine start included, ~2-3 min; at most 8 min a call, a
 # timeout that leaves time to rerun; minutes expected on an H100, an H200 is faster), in this order:
-#   call 1  protocol-b varlen   ~3 min (timeout 420 s)  never run on a GPU: protocol B with selective checkpointing
+#   call 1  moe-a3b             ~4 min (timeout 480 s)  issue 55's first GPU check, never run: Qwen3-30B-A3B's layer
+#                               shapes at the layers that fit (10 on an H200), balanced and real routing, HF Trainer +
+#                               grouped_mm on the same rows; goals ≥ 277 model TFLOP/s per GPU (NeMo's formula), ≥ 2× HF
+#   call 2  protocol-b varlen   ~3 min (timeout 420 s)  never run on a GPU: protocol B with selective checkpointing
 #                               (the transformers-5.17 fallback) and the whole-step synchronisation test after its fix
-#   call 2  protocol-a-qwen     ~6.5 min (timeout 480 s)  Qwen2.5-7B's shapes against NeMo's 14,110 tok/s/GPU and HF
-#                               Trainer + peft on the same rows; start-up by part of a 7B LoRA spec
-#   give the machine back (~12.5 min used; the slack reruns call 1 if it failed fast)
-# The window after: qlora-8b (~6 min: QLoRA NF4 beside the bf16 base, whose eager run reads off the 8B LoRA start-up
-# against the 15 s goal), then fp8 (~7 min; first check `python3 -c "import torchao.float8"` in the image), then
-# profile-a (~5 min: where protocol A's compiled step goes, for 15,000 tok/s/GPU).
+#   give the machine back (~10 min used with the start; the slack reruns call 1 once if it failed fast)
+# The window after: protocol-a-qwen (~6.5 min, timeout 480 s: Qwen2.5-7B's shapes against NeMo's 14,110 tok/s/GPU and
+# HF Trainer + peft on the same rows), qlora-8b (~6 min: QLoRA NF4 beside the bf16 base, whose eager run reads off the
+# 8B LoRA start-up against the 15 s goal), then fp8 (~7 min; first check `python3 -c "import torchao.float8"` in the
+# image), then profile-a (~5 min: where protocol A's compiled step goes, for 15,000 tok/s/GPU).
 #
 # Phases not yet run on a GPU:
+#   moe-a3b     NeMo AutoModel's Qwen3-30B-A3B benchmark scaled to one GPU (bench/moe_a3b.py): its layer shapes with
+#               the most layers whose planned peak is within 90 % of the GPU (printed first: 10 of 48 on an H200, 4 on
+#               an H100), random init, seq 4096, micro-batch 4 × 2, whole-block checkpointing, full-parameter AdamW;
+#               shardline with balanced routing forced, then real routing, then HF Trainer + grouped_mm experts (bf16
+#               weights) on the real run's rows (its own limit 210 s); model TFLOP/s per GPU from active parameters
+#               (NeMo's qwen3_flops and shardline's formula), tok/s, peak memory, imbalance, shardline / HF (~4 min:
+#               ~65 s a shardline run, 40 s of it start-up; step limit 420 s)
 #   protocol-a-qwen  protocol A at Qwen2.5-7B's shapes (transformers' Qwen2 from a config.json, random weights:
 #               `bench/protocols.py A --shapes qwen2.5-7b`), per-block compile (protocol A's best), and HF Trainer +
 #               peft with gradient checkpointing on the same rows (~6.5 min)
@@ -162,6 +171,11 @@ profile-a)
     --out "$out/profile-a"
   # where the compiled step's time went (protocol-A.json's profile_breakdown), on the call's own output
   grep -h "^profile, \|^profile breakdown failed" "$log" | tail -n 1
+  ;;
+moe-a3b)
+  step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
+  step moe-a3b 420 python3 bench/moe_a3b.py --out "$out/moe-a3b"
+  grep -h "^layers: \|^shardline, \|^HF Trainer + grouped_mm\|^goals" "$log" | tail -n 5
   ;;
 protocol-b)
   step protocol-b-16-layers 200 python3 bench/protocols.py B --set model.arch.num_layers=16 --out "$out/protocol-b-16"

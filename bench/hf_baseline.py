@@ -1,12 +1,15 @@
-"""The same-machine baseline of bench/protocols.py: HF `Trainer` (+ peft's LoRA for protocol A) on a protocol run's
-model, initial weights and rows, in the run's step order, one process; prints one JSON line (tok/s over the steps
-after the warm-up, the first loss, the peak memory).
+"""The same-machine baseline of bench/protocols.py and bench/moe_a3b.py: HF `Trainer` (+ peft's LoRA for protocol A)
+on a protocol run's model, initial weights and rows, in the run's step order, one process; prints one JSON line
+(tok/s over the steps after the warm-up, the first loss, the peak memory).
 
-    python bench/hf_baseline.py RUN_DIR A|B [--warmup-steps 5] [--checkpointing]
+    python bench/hf_baseline.py RUN_DIR A|B|M [--warmup-steps 5] [--checkpointing]
 
 RUN_DIR is the shardline run's directory (its spec.yaml and manifest name the model and the prepared rows).
 `--checkpointing`: whole-block gradient checkpointing (HF has no selective checkpointing); protocol B also compiles
-the whole model (`torch_compile`).
+the whole model (`torch_compile`). M is a mixture of experts' full training (bench/moe_a3b.py): transformers'
+`grouped_mm` experts (`set_experts_implementation`), and in bf16 the weights in bf16 (AdamW's moments with them),
+as transformers 5 loads a hub checkpoint (`dtype="auto"`): its grouped_mm casts the tokens to the weights' dtype and
+torch's grouped kernel on CUDA takes bf16 only, so fp32 weights under autocast would not run it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def train_hf(run: Path, protocol: str, checkpointing: bool, warmup_steps: int) -
     labels = torch.where(torch.from_numpy(np.asarray(rows.loss_mask[index], dtype=bool)), tokens, IGNORE_INDEX)
     positions = torch.from_numpy(np.asarray(rows.position_ids[index], dtype=np.int64))
     model = build_model(spec.model, data.meta["vocab_size"], special_ids(data.tokenizer(), data.meta["pad_id"]))
+    if protocol == "M":
+        model.set_experts_implementation("grouped_mm")
+        if t.precision == "bf16":
+            model.to(torch.bfloat16)
     if protocol == "A":
         lora = spec.model.lora
         model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -77,7 +84,7 @@ def train_hf(run: Path, protocol: str, checkpointing: bool, warmup_steps: int) -
     wall = stamps[-1] - stamps[warmup_steps - 1]
     timed = int(tokens[warmup_steps * t.global_batch_size:].numel())
     return {"tokens_per_s_per_device": round(timed / wall, 1), "first_loss": losses[0],
-            "gradient_checkpointing": checkpointing,
+            "gradient_checkpointing": checkpointing, "weights_dtype": str(next(model.parameters()).dtype),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available()
             else None}
 
@@ -85,7 +92,7 @@ def train_hf(run: Path, protocol: str, checkpointing: bool, warmup_steps: int) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="the protocol run's directory")
-    parser.add_argument("protocol", choices=["A", "B"])
+    parser.add_argument("protocol", choices=["A", "B", "M"])
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--checkpointing", action="store_true")
     args = parser.parse_args(argv)

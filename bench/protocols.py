@@ -111,12 +111,13 @@ def _kill_marked(mark: str) -> None:
                 pass
 
 
-def run_until_last_step(cmd: list[str], log: Path, runs: Path, steps: int) -> int:
-    """Run the trainer (its output into `log`) until it exits or has recorded step `steps`; then stop it."""
+def run_until_last_step(cmd: list[str], log: Path, runs: Path, steps: int, env: dict[str, str] | None = None) -> int:
+    """Run the trainer (its output into `log`, `env` added to its environment) until it exits or has recorded step
+    `steps`; then stop it."""
     mark = f"{os.getpid()}-{time.monotonic_ns()}"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**child_env(), RUN_MARK: mark})
+                                env={**child_env(), **(env or {}), RUN_MARK: mark})
         while proc.poll() is None:
             if _last_step(runs) >= steps:
                 _kill_marked(mark)
@@ -161,16 +162,31 @@ def config_only_model(shapes: str, size: str, where: Path) -> Path:
     (random-token rows only draw ids), no weights: the trainer random-initialises it (`model.random_init`)."""
     from transformers import Qwen2Config
 
+    if shapes != "qwen2.5-7b":
+        raise ValueError(f"no config-only model for {shapes!r}: {SHAPES[0]} is built from model.arch")
+    return write_config_only(Qwen2Config(**(QWEN2_5_7B if size == "full" else SMALL_QWEN2)), where)
+
+
+def write_config_only(config, where: Path) -> Path:
+    """`config` (a transformers config) saved in `where` with a byte-level BPE of its vocabulary size, no weights."""
     from shardline.data.prepare import BPE_SEED_TEXT
     from shardline.data.tokenizer import train_bpe
 
-    if shapes != "qwen2.5-7b":
-        raise ValueError(f"no config-only model for {shapes!r}: {SHAPES[0]} is built from model.arch")
-    config = QWEN2_5_7B if size == "full" else SMALL_QWEN2
     where.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**config).save_pretrained(where)
-    train_bpe([BPE_SEED_TEXT], config["vocab_size"]).save_pretrained(where)
+    config.save_pretrained(where)
+    train_bpe([BPE_SEED_TEXT], config.vocab_size).save_pretrained(where)
     return where
+
+
+def measured_run_sets(size: str, nproc: int, seq: int) -> dict[str, object]:
+    """What every protocol run sets beside its model and batch: random-token rows of `seq` tokens, STEPS steps each
+    logged, no evaluation, checkpoint, metrics port or report; bf16 at full size, fp32 at small (the same numbers on
+    every CPU class)."""
+    return {"data.task": "random_tokens", "data.validation_size": 1, "train.seq_len": seq,
+            "train.max_steps": STEPS, "train.warmup_steps": 0, "train.log_every": 1, "train.eval_every": 10_000,
+            "train.eval_examples": 0, "train.sample_generations": 0, "parallel.nproc_per_node": nproc,
+            "checkpoint.every_steps": 10_000, "observe.metrics_port": "null", "observe.report": "false",
+            "train.precision": "bf16" if size == "full" else "fp32"}
 
 
 def protocol_sets(protocol: str, size: str, nproc: int, model: str | None,
@@ -181,11 +197,7 @@ def protocol_sets(protocol: str, size: str, nproc: int, model: str | None,
     sets: dict[str, object] = dict(SMALL if size == "small" else LLAMA_3_1_8B)
     if model:
         sets = {"model.path": model} | ({"model.random_init": "true"} if random_init else {})
-    sets |= {"data.task": "random_tokens", "data.validation_size": 1, "train.seq_len": seq,
-             "train.max_steps": STEPS, "train.warmup_steps": 0, "train.log_every": 1, "train.eval_every": 10_000,
-             "train.eval_examples": 0, "train.sample_generations": 0, "parallel.nproc_per_node": nproc,
-             "checkpoint.every_steps": 10_000, "observe.metrics_port": "null", "observe.report": "false"}
-    sets |= {"train.precision": "bf16" if size == "full" else "fp32"}  # small: the same numbers on every CPU class
+    sets |= measured_run_sets(size, nproc, seq)
     if protocol == "A":
         sets |= {"train.micro_batch_size": 2, "train.global_batch_size": 32, "model.lora.enabled": "true",
                  "model.lora.r": 16, "model.lora.alpha": 32, "model.lora.target_modules": EVERY_PROJ,
@@ -198,9 +210,12 @@ def protocol_sets(protocol: str, size: str, nproc: int, model: str | None,
 
 
 def torchtitan_flops_per_token(setup: dict, seq: int, layers: int, heads: int, head_dim: int) -> float:
-    """torchtitan's `get_num_flop_per_token`: 6·(parameters without embeddings) + 12·L·H·D·S."""
+    """torchtitan's `get_num_flop_per_token`: 6·(parameters without embeddings) + 12·L·H·D·S; of a mixture's routed
+    experts only the top-k of E a token runs through (torchtitan's active parameters)."""
     params = setup["params"]
-    return 6 * (params["trainable"] + params["frozen"]) + 12 * layers * heads * head_dim * seq
+    inactive = (1 - params.get("active_experts", 1.0)) * (params.get("experts_trainable", 0)
+                                                          + params.get("experts_frozen", 0))
+    return 6 * (params["trainable"] + params["frozen"] - inactive) + 12 * layers * heads * head_dim * seq
 
 
 CONFIG_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
@@ -311,19 +326,37 @@ def qlora_memory(run: Path, nf4: dict, bf16: dict) -> dict:
             "implied_transient_gib": round(saving - measured, 3)}
 
 
-def train(sets: dict, nproc: int, runs: Path, log: Path) -> tuple[int, Path | None, float]:
-    """One protocol run through `shardline train` (its run directory under `runs`, its output in `log`), stopped at
-    its last step: (exit code, run directory, the command's start in epoch seconds)."""
+def train(sets: dict, nproc: int, runs: Path, log: Path,
+          env: dict[str, str] | None = None) -> tuple[int, Path | None, float]:
+    """One protocol run through `shardline train` (its run directory under `runs`, its output in `log`, `env` added
+    to its environment), stopped at its last step: (exit code, run directory, the command's start in epoch
+    seconds)."""
     overrides = {**sets, "run.dir": str(runs)}
     cmd = [sys.executable, "-m", "shardline.cli", "train", "--nproc", str(nproc),
            *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}"))]
     started = time.time()
     # The run's own output goes to its log as it comes: a run stopped at a time limit leaves it.
-    returncode = run_until_last_step(cmd, log, runs, int(sets["train.max_steps"]))
+    returncode = run_until_last_step(cmd, log, runs, int(sets["train.max_steps"]), env)
     if returncode != 0:
         print(log.read_text()[-8000:], file=sys.stderr)
         return returncode, None, started
     return 0, next(p for p in runs.iterdir() if (p / "metrics.jsonl").exists()), started
+
+
+def hf_trainer(run: Path, protocol: str, checkpointing: bool, timeout: float | None = None) -> dict:
+    """HF Trainer on the run's model, initial weights and rows (bench/hf_baseline.py, a process of its own): its
+    result, or `failed` with its last error line (out of memory, say, or `timeout` seconds passed)."""
+    cmd = [sys.executable, str(REPO / "bench" / "hf_baseline.py"), str(run), protocol,
+           "--warmup-steps", str(WARMUP_STEPS), *(["--checkpointing"] if checkpointing else [])]
+    try:
+        child = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"timed out after {timeout:.0f} s", "gradient_checkpointing": checkpointing}
+    if child.returncode != 0:
+        print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
+        failed = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1][:500]
+        return {"failed": failed, "gradient_checkpointing": checkpointing}
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -393,16 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      / base["tokens_per_s_per_device"], 3)
                 result["qlora_memory"] = qlora_memory(run, result, base)
         elif args.baseline:
-            hf_cmd = [sys.executable, str(REPO / "bench" / "hf_baseline.py"), str(run), args.protocol,
-                      "--warmup-steps", str(WARMUP_STEPS), *(["--checkpointing"] if checkpointing else [])]
-            child = subprocess.run(hf_cmd, cwd=REPO, capture_output=True, text=True, env=child_env())
-            if child.returncode != 0:
-                print(child.stdout[-4000:] + child.stderr[-4000:], file=sys.stderr)
-                failed = (child.stderr.strip().splitlines() or [f"exit {child.returncode}"])[-1][:500]
-                result["hf_trainer"] = {"failed": failed, "gradient_checkpointing": checkpointing}
-            else:
-                hf = json.loads(child.stdout.strip().splitlines()[-1])
-                result["hf_trainer"] = hf
+            result["hf_trainer"] = hf = hf_trainer(run, args.protocol, checkpointing)
+            failed = hf.get("failed")
+            if not failed:
                 result["ratio_vs_hf_trainer"] = round(result["tokens_per_s_per_device"]
                                                       / hf["tokens_per_s_per_device"], 3)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -9,8 +9,10 @@ command, and the baseline run in the same call: HF Trainer when the protocol ran
 base for a QLoRA run (with `qlora_memory`: both peaks and the planner's NF4 terms), else the bare layer stack on the
 same layers, rows and compile mode when the session measured it. A protocol's entry carries its start-up by part
 (`startup`: `to_first_step_s` is the command to the first step's start, the first step's warm-up apart), and a
-profiled run's entry where its steps' time went (`profile_breakdown`, bench/profile_breakdown.py). Entries
-already recorded (same date, device and command) are not added twice.
+profiled run's entry where its steps' time went (`profile_breakdown`, bench/profile_breakdown.py). The mixture of
+experts' phase (bench/moe_a3b.py) gives one entry per routing (balanced, real) with its model TFLOP/s per GPU by both
+formulas and its load imbalance, HF Trainer + grouped_mm as the baseline of each. Entries already recorded (same
+date, device and command) are not added twice.
 """
 
 from __future__ import annotations
@@ -91,6 +93,44 @@ def _protocol_entry(path: Path, command: str | None) -> dict:
     return entry
 
 
+def _moe_entries(path: Path, command: str | None) -> list[dict]:
+    """bench/moe_a3b.py's result: an entry per routing that ran, HF Trainer (real routing) the baseline of each."""
+    result = json.loads(path.read_text())
+    config, sets, hf = result["config"], result["overrides"], result.get("hf_trainer")
+    seq = int(sets["train.seq_len"])
+    shape = {"vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
+             "moe_intermediate_size": config["moe_intermediate_size"], "experts": config["num_experts"],
+             "experts_per_token": config["num_experts_per_tok"], "num_layers": result["layers"],
+             "num_heads": config["num_attention_heads"], "num_kv_heads": config["num_key_value_heads"],
+             "head_dim": config["head_dim"], "family": "qwen3_moe", "seq": seq,
+             "rows_per_step": int(sets["train.global_batch_size"])}
+    entries = []
+    for routing, run in result["runs"].items():
+        if "failed" in run:
+            continue
+        entry = {"measurement": f"Qwen3-30B-A3B, {result['layers']} of {result['layers_published']} layers "
+                                f"({result['size']}, {routing} routing)",
+                 "program": "bench/moe_a3b.py", "compiled": False, "shape": shape, "routing": routing,
+                 "activation_checkpointing": sets["parallel.activation_checkpointing"], "lora": False,
+                 "device": result["versions"]["device"], "torch": result["versions"]["torch"],
+                 "transformers": result["versions"]["transformers"],
+                 "tokens_per_s_per_gpu": run["tokens_per_s_per_device"], "mfu": run["mfu_shardline"],
+                 "model_tflops_per_gpu": run["model_tflops_per_gpu"], "flops_per_token": run["flops_per_token"],
+                 "expert_imbalance": run["expert_imbalance"], "peak_memory_gib": run["peak_memory_gib"],
+                 "planned_peak_gib": run["planned_peak_gib"], "startup_s": run["startup_s"],
+                 "startup": run["startup"], "command": command}
+        if hf:
+            entry["baseline"] = {"name": "HF Trainer + grouped_mm" + (" (gradient checkpointing)" if
+                                                                      hf.get("gradient_checkpointing") else ""),
+                                 "routing": "real", "tokens_per_s_per_gpu": hf.get("tokens_per_s_per_device"),
+                                 "failed": hf.get("failed"), "peak_memory_gib": hf.get("peak_memory_gib"),
+                                 "weights_dtype": hf.get("weights_dtype")}
+            if routing in result.get("ratio_vs_hf_trainer", {}):
+                entry["ratio_vs_baseline"] = result["ratio_vs_hf_trainer"][routing]
+        entries.append(entry)
+    return entries
+
+
 def _same_workload(bare: dict, entry: dict) -> bool:
     a, b = bare["shape"], entry["shape"]
     return (a["layers"], a["seq"], a["rows_per_step"], a["hidden"]) == (
@@ -109,7 +149,8 @@ def session_entries(out: Path, date: str) -> list[dict]:
             entry["baseline"] = {"name": best["measurement"], "tokens_per_s_per_gpu": best["tokens_per_s_per_gpu"]}
         if (base := entry.get("baseline")) and base.get("tokens_per_s_per_gpu"):
             entry["ratio_vs_baseline"] = round(entry["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
-    return [{"date": date, **e} for e in bare + trainer]
+    moe = [e for path in sorted(out.glob("*/moe-a3b.json")) for e in _moe_entries(path, commands.get(path.parent.name))]
+    return [{"date": date, **e} for e in bare + trainer + moe]
 
 
 def record(out: Path, date: str, results: Path) -> list[dict]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config
+from transformers import MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
 from shardline.errors import SpecError
 from shardline.model.build import build_model, llama_config
@@ -33,6 +33,22 @@ def test_a_config_only_qwen2_directory_trains_its_family_layout(tmp_path: Path):
     attention = model.model.layers[0].self_attn
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+    assert model(input_ids=torch.arange(16)[None]).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("config", [
+    Qwen3MoeConfig(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)], ids=["qwen3_moe", "mixtral"])
+def test_a_config_only_mixture_of_experts_draws_its_fused_experts_and_routers_as_transformers_does(tmp_path, config):
+    # transformers' _init_weights of these families: normal(0, initializer_range) for the fused experts [E, out, in]
+    # and the router; a router left at zero would send every token to the same top-k experts
+    config.save_pretrained(tmp_path)
+    model = build_model(ModelSpec(path=str(tmp_path), random_init=True), 0, IDS)
+    block = model.model.layers[0].mlp
+    for weight in (block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight):
+        assert weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
     assert model(input_ids=torch.arange(16)[None]).logits.isfinite().all()
 
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from shardline.errors import SpecError
 from shardline.model.expert_layout import StackedExperts, model_keys
 from shardline.model.families import is_multimodal_checkpoint, language_model_key
-from shardline.model.moe import is_moe
+from shardline.model.moe import EXPERT_WEIGHTS, is_moe
 from shardline.model.nf4 import is_nf4, to_nf4
 from shardline.spec import ModelSpec
 
@@ -200,7 +200,9 @@ def _init_of(p: _Param, std: float) -> Init:
         return _lora_a_init
     if "lora_B" in parts or parts[-1] == "bias":
         return 0.0
-    if isinstance(p.module, nn.Linear | nn.Embedding):
+    # a mixture's fused experts (`[E, out, in]` each) and its routers' weights: normal, as transformers' families do
+    fused_experts = parts[-1] in EXPERT_WEIGHTS and parts[-2] == "experts"
+    if isinstance(p.module, nn.Linear | nn.Embedding) or fused_experts or type(p.module).__name__.endswith("Router"):
         return lambda t, g: t.normal_(0.0, std, generator=g)
     if "Norm" in type(p.module).__name__:
         return 1.0

@@ -48,6 +48,7 @@ from shardline.model.flops import (
     probe_matmul_tflops,
     table_peak_tflops,
 )
+from shardline.model.forced_routing import balanced_routing_forced, force_balanced_routing
 from shardline.model.local_cache import staged_model_spec
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.moe import ExpertLoad, limit_expert_capacity, set_z_loss_coefficient
@@ -151,6 +152,8 @@ class Trainer:
         self.startup.lap("weights")
         # auxiliary-loss-free balancing (None: off): before ExpertLoad, whose hooks count the biased choice
         self.router_bias = router_bias(causal_lm(self.model), spec.train.router_bias_update_rate)
+        if balanced_routing_forced():  # SHARDLINE_BALANCED_ROUTING=1: a benchmark's balanced mode (bench/moe_a3b.py)
+            force_balanced_routing(causal_lm(self.model))
         self.expert_load = ExpertLoad(causal_lm(self.model))  # a mixture of experts: tokens per expert and layer
         self.rows = data.rows("train")
         run = objectives.Run(

@@ -19,14 +19,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from shardline.model.forced_routing import balanced_top_k
 from shardline.parallel import expert
 from shardline.planning.simulation.fake_world import outside_fake_mode
-
-
-def balanced_top_k(tokens: int, k: int, experts: int) -> torch.Tensor:
-    """[tokens, k] expert indices: token t's j-th choice is (t·k + j) mod `experts` (k distinct experts per token
-    when k ≤ experts)."""
-    return (torch.arange(tokens * k) % experts).view(tokens, k)
 
 
 def route_balanced(copies: torch.Tensor, experts: int, group: dist.ProcessGroup) -> expert.Routing:
