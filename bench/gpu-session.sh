@@ -174,7 +174,8 @@ profile-a)
   ;;
 moe-a3b)
   step versions 30 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv'
-  step moe-a3b 420 python3 bench/moe_a3b.py --out "$out/moe-a3b"
+  # MOE_LAYERS=N: train N layers, not the planner's count (the rerun if that count ran out of memory)
+  step moe-a3b 420 python3 bench/moe_a3b.py ${MOE_LAYERS:+--layers "$MOE_LAYERS"} --out "$out/moe-a3b"
   grep -h "^layers: \|^shardline, \|^HF Trainer + grouped_mm\|^goals" "$log" | tail -n 5
   ;;
 protocol-b)

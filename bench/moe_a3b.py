@@ -23,7 +23,9 @@ no causal halving). Load imbalance: a step's busiest expert over the mean expert
 (`expert_imbalance`), over the measured steps. `--size small`: the same path on a 4-layer model of 8 experts at 1/32
 of the sequence, in fp32, which a CPU runs in seconds (tests/bench/test_moe_a3b.py).
 
-    python bench/moe_a3b.py [--size full|small] [--out DIR]
+    python bench/moe_a3b.py [--size full|small] [--layers N] [--out DIR]
+
+`--layers N` trains N layers instead of the planner's count (still printed): the rerun when that count did not fit.
 """
 
 from __future__ import annotations
@@ -148,20 +150,23 @@ def summarize(run: Path, sets: dict, started: float, nemo_flops: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["full", "small"], default="full")
+    parser.add_argument("--layers", type=int, help="train this many layers, not the most the planner fits")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     config = QWEN3_30B_A3B if args.size == "full" else SMALL
     target = args.out / "moe-a3b.json"
     with tempfile.TemporaryDirectory(prefix="shardline-moe-") as tmp:
-        layers, plan = layers_that_fit(config, args.size, Path(tmp, "plan"))
-        print(f"layers: {layers} of {config['num_hidden_layers']} fit {plan.device.name} (planned "
+        planned, plan = layers_that_fit(config, args.size, Path(tmp, "plan"))
+        layers = args.layers or planned
+        print(f"layers: {planned} of {config['num_hidden_layers']} fit {plan.device.name} (planned "
               f"{plan.total_bytes / 2**30:.1f} of {plan.capacity_bytes / 2**30:.1f} GiB, within {FIT_SHARE:.0%}; "
-              f"{layers + 1} would not)", flush=True)
+              f"{planned + 1} would not){f'; training {layers} (--layers)' if args.layers else ''}", flush=True)
         model = protocols.write_config_only(qwen3_moe_config(config, layers), Path(tmp, "model"))
         sets = run_sets(model, args.size)
         nemo = nemo_flops_per_token(config, layers, int(sets["train.seq_len"]))
         result: dict = {"benchmark": "Qwen3-30B-A3B, one GPU", "size": args.size, "layers": layers,
+                        "layers_planned": planned,
                         "layers_published": config["num_hidden_layers"],
                         "fit": {"device": plan.device.name, "planned_gib": round(plan.total_bytes / 2**30, 2),
                                 "capacity_gib": round(plan.capacity_bytes / 2**30, 2), "share": FIT_SHARE},

@@ -62,7 +62,8 @@ def test_the_phase_runs_at_small_size_and_reports_every_field(ctx, tmp_path, mon
     result = json.loads((out / "moe-a3b.json").read_text())
     assert routings == ["balanced", "real"]
     # the small family fits whole on this CPU: all 4 of its layers, said before anything runs
-    assert result["layers"] == result["config"]["num_hidden_layers"] == 4 and stdout.startswith("layers: 4 of 4 fit")
+    assert result["layers"] == result["layers_planned"] == result["config"]["num_hidden_layers"] == 4
+    assert stdout.startswith("layers: 4 of 4 fit")
     sets = result["overrides"]
     assert (sets["train.seq_len"], sets["train.micro_batch_size"], sets["train.global_batch_size"]) == (128, 4, 8)
     assert sets["parallel.activation_checkpointing"] == "full" and sets["model.random_init"] == "true"
