@@ -121,8 +121,9 @@ def nemo_flops_per_token(config: dict, layers: int, seq: int) -> float:
 
 def train_shardline(sets: dict, runs: Path, log: Path, routing: str) -> tuple[int, Path | None, float]:
     """One shardline run (bench/protocols.py's `train`), balanced routing forced or the router's own."""
-    env = {"SHARDLINE_BALANCED_ROUTING": "1"} if routing == "balanced" else None
-    return protocols.train(sets, 1, runs, log, env)
+    from shardline.model.forced_routing import BALANCED_ROUTING_ENV
+
+    return protocols.train(sets, 1, runs, log, {BALANCED_ROUTING_ENV: "1"} if routing == "balanced" else None)
 
 
 def train_hf(run: Path) -> dict:
