@@ -14,7 +14,7 @@ import stat
 import subprocess
 import sys
 import tomllib
-from importlib.metadata import distribution, version
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 
 import pytest
@@ -228,25 +228,34 @@ def test_install_lines_put_torch_first_at_the_pin_and_build_flash_attn_last_agai
     assert old.returncode == 2 and "scripts/torch-version" in old.stderr and "TORCH_INDEX" in old.stderr
 
 
-def _linked_torch(into: Path) -> Path:
-    """This interpreter's torch (the version scripts/torch-version pins) and the distributions it requires, linked
-    into one directory by their top-level names. A fresh venv that lists the directory in a .pth file has torch
-    installed: pip's pinned torch line finds it satisfied instead of unpacking the wheel's 700 MB again (~45 s on 2
-    cores, pip's work, not the lines'); everything else the project requires installs into the venv from pip's
-    indexes, so a requirement pyproject.toml misses still fails here."""
+def _linked_requirements(extras: str, into: Path) -> Path:
+    """What the image's install asks for, as this interpreter has it: torch at the pinned version and the project's
+    requirements with `extras` (the Dockerfile's EXTRAS), each with what it requires in turn, linked into `into` by
+    their top-level names. A fresh venv that lists `into` in a .pth file finds them installed, so pip resolves every
+    line against the ranges and pins (a range this environment's version misses is fetched, and a torch other than
+    the pin fails the test) without unpacking ~2 GB of wheels again (~80 s on 2 cores: pip's work, not the lines').
+    Only the project's declared requirements are linked: a module it imports but does not declare is still missing;
+    one this environment lacks is installed from the indexes."""
     assert version("torch").split("+")[0] == TORCH_VERSION
     site = Path(distribution("torch").locate_file(""))
-    names, todo = set(), ["torch"]
+    wanted = {"", *extras.split(",")}
+    todo = [Requirement(f"torch=={TORCH_VERSION}"), *(r for r in map(Requirement, distribution("shardline").requires)
+                                                      if r.marker is None or any(r.marker.evaluate({"extra": e})
+                                                                                 for e in wanted))]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    into.mkdir(exist_ok=True)
     while todo:
-        dist = distribution(todo.pop())
-        if dist.metadata["Name"].lower() in names:
+        req = todo.pop()
+        if (key := (req.name.lower().replace("_", "-"), frozenset(req.extras))) in seen:
             continue
-        names.add(dist.metadata["Name"].lower())
-        todo += [r.name for r in map(Requirement, dist.requires or [])
-                 if r.marker is None or r.marker.evaluate({"extra": ""})]
-        tops = {Path(f).parts[0] for f in dist.files or []} - {"..", "__pycache__"}
-        into.mkdir(exist_ok=True)
-        for top in tops:
+        seen.add(key)
+        try:
+            dist = distribution(req.name)
+        except PackageNotFoundError:
+            continue  # not in this environment (kubeflow: the tests' copy is on sys.path): pip installs it
+        todo += [r for r in map(Requirement, dist.requires or [])
+                 if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in {"", *req.extras})]
+        for top in {Path(f).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
             if (site / top).exists() and not (into / top).exists():
                 (into / top).symlink_to(site / top)
     return into
@@ -256,7 +265,8 @@ def _linked_torch(into: Path) -> Path:
 def test_image_install_lines_in_a_fresh_venv_give_a_working_shardline(tmp_path):
     """What the build stage runs, from what the .dockerignore lets into the build context; TORCH_INDEX empty
     instead of the CUDA index: pip's own indexes, which hold the CPU wheel on the project's machines. The venv sees
-    this interpreter's torch at the pinned version (`_linked_torch`): the torch line is satisfied, not unpacked."""
+    this interpreter's copies of what the lines ask for (`_linked_requirements`): pip resolves them, installs the
+    project from the build context, and unpacks nothing it already has."""
     context = tmp_path / "context"
     for name in dockerignore_allowed():
         src = REPO / name
@@ -271,9 +281,9 @@ def test_image_install_lines_in_a_fresh_venv_give_a_working_shardline(tmp_path):
     env |= arg_defaults(build) | {"TORCH_INDEX": "", "PYTHON": sys.executable}  # RUN sees the ARGs as variables
     env["PIP_NO_COMPILE"] = "1"  # the lines are under test, not the .pyc files pip writes for torch's 20k modules
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)  # as the script would, then torch made visible
-    (next((venv / "lib").glob("python3*")) / "site-packages" / "pinned-torch.pth").write_text(
-        f"{_linked_torch(tmp_path / 'pinned-torch')}\n")
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)  # as the script would, then what it asks for
+    (next((venv / "lib").glob("python3*")) / "site-packages" / "requirements.pth").write_text(
+        f"{_linked_requirements(env['EXTRAS'], tmp_path / 'requirements')}\n")
     subprocess.run(["sh", "-c", run.replace("/opt/venv", str(venv))], cwd=context, env=env, check=True, timeout=840)
     out = subprocess.run([venv / "bin" / "shardline", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0 and "train" in out.stdout, out.stderr
