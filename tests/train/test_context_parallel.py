@@ -24,7 +24,8 @@ from tests.train.world_worker import created, run_world
 STEPS = 5
 COMMON = ["parallel.nproc_per_node=4", "train.precision=fp32", f"train.max_steps={STEPS}", "train.warmup_steps=0",
           "checkpoint.every_steps=2", "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=2",
-          "observe.report=false", "train.seq_len=256", "train.eval_examples=6"]
+          "observe.report=false", "train.seq_len=256", "train.eval_examples=6",
+          "train.eval_max_new_tokens=16"]  # a few steps' model does not stop by itself: 96 one-token steps a row
 
 
 def test_cp_rules_name_the_field_and_the_fix():
