@@ -584,6 +584,20 @@ def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoin
         quantize_frozen_base(model, LoraSpec(enabled=True, quantize_base="nf4"), "bf16")
 
 
+def _exported_logits(run_dir: Path, path: Path, ids: torch.Tensor, tmp_path: Path) -> tuple[torch.Tensor, ...]:
+    """The logits of the run's merged export (transformers' model of it, stored in the input's key layout) and of
+    its adapter export (peft's, loaded onto transformers' model of the input)."""
+    from peft import PeftModel
+
+    from shardline.export import export_run
+
+    merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
+                                                  dtype=torch.float32)
+    assert stored_keys(tmp_path / "merged") == stored_keys(path)
+    peft = PeftModel.from_pretrained(reference(path), export_run(run_dir, tmp_path / "adapter")).eval()
+    return merged(input_ids=ids).logits, peft(input_ids=ids).logits
+
+
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj", "experts"], ["experts"]])
 def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft_with_the_trained_logits(
         ctx, checkpoints, tmp_path, targets):
@@ -592,10 +606,6 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     the merged export (transformers' model of it) and the adapter export (peft's `target_parameters` layout, loaded
     with `PeftModel.from_pretrained` onto transformers' model of the input) compute the trained model's logits; with
     the adapters off (DPO's reference) the model computes the base's."""
-    from peft import PeftModel
-
-    from shardline.export import export_run
-
     path = checkpoints["mixtral"]
     spec, run_dir = create_run(small_spec(tmp_path, f"model.path={path}", "run.id=moe-expert-lora", *STEP,
                                           "train.max_steps=2", "model.lora.enabled=true", "model.lora.r=4",
@@ -623,12 +633,7 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
         base = reference(path)(input_ids=ids).logits
         with adapters_off(model):  # DPO's reference: the experts' adapters off too
             off = model(input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
-                                                      dtype=torch.float32)
-        assert stored_keys(tmp_path / "merged") == stored_keys(path)
-        merged_logits = merged(input_ids=ids).logits
-        peft = PeftModel.from_pretrained(reference(path), export_run(run_dir, tmp_path / "adapter")).eval()
-        peft_logits = peft(input_ids=ids).logits
+        merged_logits, peft_logits = _exported_logits(run_dir, path, ids, tmp_path)
     model.train()
     print(f"trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; vs the merged export's "
           f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter {(ours_ - peft_logits).abs().max():.2e}")
@@ -647,9 +652,6 @@ def test_lora_on_the_router_trains_adapters_only_and_exports_merged_and_as_peft_
     trainer's trainable parameters, the merged export (transformers' model of it) and the adapter export (peft's
     `target_parameters` on `mlp.gate.weight`, loaded by `PeftModel.from_pretrained` onto transformers' model of the
     input) compute the trained model's logits, and with the adapters off (DPO's reference) the model is the base."""
-    from peft import PeftModel
-
-    from shardline.export import export_run
     from shardline.planning.step_time import planned_counts
 
     path = checkpoints[name]
@@ -677,12 +679,7 @@ def test_lora_on_the_router_trains_adapters_only_and_exports_merged_and_as_peft_
             off = model(input_ids=ids).logits
         with router_adapters_off(model):  # the other adapters on: what the routers' adapters add
             unrouted = model(input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(export_run(run_dir, tmp_path / "merged", merge_lora=True),
-                                                      dtype=torch.float32)
-        assert stored_keys(tmp_path / "merged") == stored_keys(path)
-        merged_logits = merged(input_ids=ids).logits
-        peft = PeftModel.from_pretrained(reference(path), export_run(run_dir, tmp_path / "adapter")).eval()
-        peft_logits = peft(input_ids=ids).logits
+        merged_logits, peft_logits = _exported_logits(run_dir, path, ids, tmp_path)
     model.train()
     print(f"{name}, LoRA on {targets}: trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; "
           f"vs the routers' adapters off {(ours_ - unrouted).abs().max():.2e}; vs the merged export's "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardline.errors import SpecError
-from shardline.model.moe import EXPERT_WEIGHTS, SortedExpertsForward, expert_modules
+from shardline.model.moe import EXPERT_WEIGHTS, SortedExpertsForward, adapters_disabled, expert_modules
 
 
 def check_expert_dropout(dropout: float) -> None:
@@ -56,14 +56,8 @@ def has_expert_adapters(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def expert_adapters_off(model: nn.Module) -> Iterator[None]:
     """The experts compute with their base weights alone inside (as peft's `disable_adapter` does for its layers)."""
-    modules = [m for _, m in _adapted(model)]
-    for module in modules:
-        module.lora_disabled = True
-    try:
+    with adapters_disabled([m for _, m in _adapted(model)]):
         yield
-    finally:
-        for module in modules:
-            module.lora_disabled = False
 
 
 def merge_expert_adapters(model: nn.Module) -> None:

@@ -106,6 +106,19 @@ def routers(lm: nn.Module) -> list[nn.Module]:
     return [m for m in lm.modules() if isinstance(m, recorder.target_class)]
 
 
+@contextlib.contextmanager
+def adapters_disabled(modules: list[nn.Module]) -> Iterator[None]:
+    """Inside, each of `modules` (the experts' or the routers' adapted modules) computes with its base weights alone:
+    their `lora_disabled` flag, which their forwards read (as peft's `disable_adapter` does for its layers)."""
+    for module in modules:
+        module.lora_disabled = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.lora_disabled = False
+
+
 def choose_top_k(router: nn.Module, logits: torch.Tensor,
                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, chosen) of a router of the four families from its `logits`: the top-k of softmax(logits) (+ `bias`

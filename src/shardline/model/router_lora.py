@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shardline.model.moe import choose_top_k, routers
+from shardline.model.moe import adapters_disabled, choose_top_k, routers
 
 
 def add_router_adapters(lm: nn.Module, r: int, alpha: float) -> list[nn.Module]:
@@ -56,14 +56,8 @@ def adapted_routers(lm: nn.Module) -> list[tuple[str, nn.Module]]:
 @contextlib.contextmanager
 def router_adapters_off(lm: nn.Module) -> Iterator[None]:
     """The routers route with their base weights alone inside (DPO's reference, as peft's `disable_adapter`)."""
-    found = [m for _, m in adapted_routers(lm)]
-    for router in found:
-        router.lora_disabled = True
-    try:
+    with adapters_disabled([m for _, m in adapted_routers(lm)]):
         yield
-    finally:
-        for router in found:
-            router.lora_disabled = False
 
 
 def merge_router_adapters(lm: nn.Module) -> None:
