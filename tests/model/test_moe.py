@@ -39,7 +39,7 @@ from shardline.errors import SpecError
 from shardline.export import _save_full
 from shardline.model import moe
 from shardline.model.build import build_model
-from shardline.model.families import family_of
+from shardline.model.families import expert_capacity, family_of
 from shardline.model.flops import flops_per_token
 from shardline.model.lora import apply_lora, quantize_frozen_base
 from shardline.model.router_bias import router_bias
@@ -348,7 +348,7 @@ def test_a_capacity_factor_drops_the_lightest_copies_over_capacity_as_transforme
         counted = int(load.take()[-1])
         grads = {k: p.grad for k, p in theirs.named_parameters()}
         diffs = {k: (p.grad - grads[k]).abs().max().item() for k, p in model.named_parameters()}
-        print(f"capacity factor {factor}: capacity {moe.expert_capacity(96, TOP_K, EXPERTS, factor)}, copies dropped "
+        print(f"capacity factor {factor}: capacity {expert_capacity(96, TOP_K, EXPERTS, factor)}, copies dropped "
               f"{counted} (by hand, per layer: {dropped}); loss {loss.item():.6f} vs transformers' on the kept copies "
               f"{want.item():.6f}; every gradient: max abs diff {max(diffs.values()):.2e}")
         assert counted == sum(dropped) and (counted > 0) == drops

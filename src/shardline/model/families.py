@@ -8,6 +8,7 @@ outside Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE, encoder-decoders, vision towers
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,15 @@ planner)."""
 EXPERTS_TARGET = "experts"
 """The name in `model.lora.target_modules` that adapts the routed experts (the module transformers calls so;
 `shardline.model.expert_lora`, the planner)."""
+
+
+def expert_capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
+    """The most routed copies one expert takes of `tokens` tokens' top-k copies under `train.expert_capacity_factor`
+    (the trainer's `moe.within_capacity`, the planner's `capacity_share`): Megatron-Core's `get_capacity(tokens ·
+    top_k, experts, factor)`, ceil(tokens·k / E · factor)."""
+    return math.ceil(tokens * top_k / experts * factor)
+
+
 ROUTER_TARGET = "router"
 """The name in `model.lora.target_modules` that adapts every MoE layer's router (opt-in: frozen by default;
 `shardline.model.router_lora`, the planner)."""

@@ -24,7 +24,6 @@ any dispatch, and counted (`ExpertLoad`, the step's `expert_dropped`).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +33,7 @@ from torch import nn
 
 from shardline.data.spans import DocumentSpans
 from shardline.errors import SpecError
-from shardline.model.families import EXPERT_COUNT_FIELDS
+from shardline.model.families import EXPERT_COUNT_FIELDS, expert_capacity
 
 
 def num_experts(config: Any) -> int:
@@ -279,12 +278,6 @@ def limit_expert_capacity(model: nn.Module, factor: float | None) -> None:
         module.capacity_factor, module.dropped_copies = float(factor), None
         if "forward" not in vars(module):  # transformers' own forward drops nothing; LoRA's is ours already
             module.forward = SortedExpertsForward(module)
-
-
-def expert_capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
-    """The most routed copies one expert takes of `tokens` tokens' top-k copies: Megatron-Core's
-    `get_capacity(tokens · top_k, experts, factor)`, ceil(tokens·k / E · factor)."""
-    return math.ceil(tokens * top_k / experts * factor)
 
 
 def within_capacity(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,

@@ -23,7 +23,7 @@ size, I_s a shared expert's, ep = parallel.ep, efsdp = dp_shard / ep.
   experts are chosen by f times its share receives f·k·N copies: its receive-side activations and buffers grow by
   that factor; `imbalance_headroom` is the largest f at which the plan still fits.
 - capacity (`train.expert_capacity_factor` f): each expert takes at most C = ceil(N·k/E·f) copies of a rank's
-  micro-batch of N tokens (`model.moe.expert_capacity`), so an EP rank's E/ep experts receive at most E·C copies
+  micro-batch of N tokens (`model.families.expert_capacity`), so an EP rank's E/ep experts receive at most E·C copies
   from the ep ranks of their group, E·C/(k·N) ≈ f times the balanced share (and at most its group's every copy, ep
   times): `capacity_share`. With a factor the plan sizes the receive side at that bound, whatever the routing, and
   needs no headroom; the send side stays every copy (a bound, not the kept copies).
@@ -31,12 +31,11 @@ size, I_s a shared expert's, ep = parallel.ep, efsdp = dp_shard / ep.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
 from shardline.errors import SpecError
-from shardline.model.families import EXPERT_COUNT_FIELDS
+from shardline.model.families import EXPERT_COUNT_FIELDS, expert_capacity
 
 
 @dataclass(frozen=True)
@@ -155,7 +154,7 @@ def capacity_share(s: ModelShape, tokens: int, ep: int, factor: float) -> float:
     against its balanced share (k·tokens): E·ceil(tokens·k/E·factor)/(k·tokens), at most ep (its group's every
     copy)."""
     e = s.moe
-    return min(e.count * math.ceil(tokens * e.top_k / e.count * factor) / (tokens * e.top_k), float(ep))
+    return min(e.count * expert_capacity(tokens, e.top_k, e.count, factor) / (tokens * e.top_k), float(ep))
 
 
 def expert_shards(s: ModelShape, ep: int, dp_shard: int) -> str:
