@@ -116,6 +116,7 @@ def test_exported_model_reproduces_logits(full_run, full_export):
     assert info["dataset_version"] == t.data.version and (info["lora"], info["merged"]) == (False, False)
     # a model.arch base trained with train.precision=fp32 keeps fp32: the run's own dtype
     assert info["dtype"] == "float32" and _stored_dtypes(out / "model.safetensors") == {"F32"}
+    assert info["warnings"] == []  # a dense run: nothing left out
 
 
 def test_checkpoint_without_tokenizer_falls_back_to_prepared_data(full_run, full_export, tmp_path):

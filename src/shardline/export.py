@@ -16,7 +16,7 @@ A mixture of experts is written in its input checkpoint's layout: one tensor per
 keeps them (transformers' `save_pretrained` reverts its fused experts), or fused where `model.path` stored them
 fused (`input_layout_is_fused`). Router biases (`train.router_bias_update_rate`) have no slot in these families'
 transformers routers: the export leaves them out, and says so when the checkpoint's are not zero
-(`router_bias_warning`).
+(`router_bias_warning`), on the console and in `shardline_export.json`'s `warnings`.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         raise ShardlineError(str(out), "exists and is not empty", "choose a new --out directory or remove this one")
     full = not lora or merge_lora
     weights_dtype = export_dtype(spec, dtype, full)
-    if warning := router_bias_warning(store, step):
+    warned = [warning] if (warning := router_bias_warning(store, step)) else []
+    for warning in warned:
         say(f"warning: {warning}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,7 +220,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         tok.save_pretrained(tmp)
         info = {"run_id": spec.run.id, "step": step, "checkpoint": store.path(step), "spec_hash": spec_hash(spec),
                 "dataset_version": dataset_version, "lora": lora, "merged": lora and merge_lora,
-                "format": "full" if full else "peft_adapter", "dtype": str(weights_dtype).removeprefix("torch.")}
+                "format": "full" if full else "peft_adapter", "dtype": str(weights_dtype).removeprefix("torch."),
+                "warnings": warned}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private
         os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory

@@ -198,6 +198,8 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # two updates of at most 0.05 · (1 + 7/8) each (a sign, centred over the 8 experts)
     assert found and 0 < float(found[1]) <= 2 * 0.05 * (1 + 7 / 8), said
     assert "plain top-k" in said
+    recorded = json.loads((tmp_path / "bias-hf" / "shardline_export.json").read_text())["warnings"]
+    assert len(recorded) == 1 and f"warning: {' '.join(recorded[0].split())}" in said, recorded  # kept with it
     every, every_fp32 = (json.loads(Path(job["out"]).read_text()) for job in (bf16_capped_biased, fp32_capped_biased))
     print(f"ep 2, capacity 1.0, router biases and z-loss 0.1: bf16 losses {[r['loss'] for r in every]}, dropped "
           f"{[r['expert_dropped'] for r in every]}; fp32 {[r['loss'] for r in every_fp32]} (fp32 capped without the "
