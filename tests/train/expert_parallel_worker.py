@@ -38,7 +38,7 @@ from shardline.data.prepare import prepare
 from shardline.model import moe
 from shardline.model.expert_lora import add_expert_adapters
 from shardline.parallel import expert
-from shardline.parallel.fsdp import device_mesh, parallelize
+from shardline.parallel.fsdp import block_wrapping, device_mesh, parallelize
 from shardline.parallel.mesh import distributed
 from shardline.rundir import run_path
 from shardline.spec import JobSpec, ParallelSpec
@@ -180,7 +180,8 @@ def main(jobs_file: str) -> None:
                 if ctx.is_main and job.get("out"):
                     Path(job["out"]).write_text(json.dumps([{"loss": r.loss, "expert_tokens": r.expert_tokens,
                                                              "expert_imbalance": r.expert_imbalance,
-                                                             "expert_dropped": r.expert_dropped}
+                                                             "expert_dropped": r.expert_dropped,
+                                                             "blocks": block_wrapping(trainer.model)}
                                                             for r in records]))
                 if job.get("save"):
                     trainer.save_checkpoint(blocking=True)

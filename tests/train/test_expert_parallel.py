@@ -15,7 +15,8 @@ as at ep 1 (and counts the same tokens per expert), its ep 2
 checkpoint resumes at ep 1 and ep 1's at ep 2 with ep 1's next loss; LoRA on the attention, the routed experts and
 the routers trains the same losses at ep 2 as at ep 1 (and in bf16 to bf16 precision), and its ep 1 checkpoint
 resumes at ep 2 with ep 1's next loss; with a
-capacity factor that drops (`train.expert_capacity_factor`), ep 2 trains ep 1's losses and drops the same copies;
+capacity factor that drops (`train.expert_capacity_factor`), ep 2 with selective activation checkpointing trains ep
+1's losses and drops the same copies;
 with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, ep 1's checkpoint
 resumes at ep 2 with its biases and ep 1's next loss, and its `shardline export` warns that the biases are left out;
 in bf16 with a capacity factor, router biases and the router z-loss, ep 2 trains the same run's fp32 losses to bf16
@@ -115,9 +116,11 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # ep 1's step-3 checkpoint resumed at ep 2 (its experts resharded from FSDP's dim 0 to ep's)
     grown = moe_run(tmp_path, checkpoint, "ep1to2", 2, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep1'}")
     # a capacity factor that drops (1.0: an expert busier than the mean loses copies) at ep 1 and at ep 2, where the
-    # copies are dropped before the dispatch (and activation checkpointing's recomputation must not count them again)
+    # copies are dropped before the dispatch (and selective activation checkpointing's recomputation, which saves the
+    # matmuls and runs the dispatch again, must not count them again)
     capped_1, capped_2 = (moe_run(tmp_path, checkpoint, f"capacity-ep{ep}", ep, "train.expert_capacity_factor=1.0",
-                                  *extra) for ep, extra in ((1, ()), (2, ("parallel.activation_checkpointing=full",))))
+                                  *extra)
+                          for ep, extra in ((1, ()), (2, ("parallel.activation_checkpointing=selective",))))
     # auxiliary-loss-free balancing (router biases, 0.05 a step: large enough to move the choice at once) at ep 1 and
     # 2, and ep 1's step-2 checkpoint (its biases in it) resumed at ep 2
     bias = "train.router_bias_update_rate=0.05"
@@ -177,6 +180,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     # the routers' choice counted, dropped copies too: every routed copy of the global batch
     assert all(sum(r["expert_tokens"]) == 2 * 2 * 4 * 128 for r in capped[0] + capped[1])
     assert abs(capped[0][0]["loss"] - at_1[0]) > 1e-4  # the dropped copies changed the loss
+    assert capped[1][0]["blocks"]["selective"] == capped[1][0]["blocks"]["blocks"] == 2, capped[1][0]["blocks"]
     biased = [json.loads(Path(job["out"]).read_text()) for job in (biased_1, biased_2, biased_grown)]
     print(f"router biases (rate 0.05), ep 1: losses {[r['loss'] for r in biased[0]]}, imbalance "
           f"{[round(r['expert_imbalance'], 3) for r in biased[0]]}; ep 2: {[r['loss'] for r in biased[1]]}; ep 1's "
