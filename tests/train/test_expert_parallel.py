@@ -20,10 +20,10 @@ capacity factor that drops (`train.expert_capacity_factor`), ep 2 with selective
 with router biases (`train.router_bias_update_rate`) ep 2 trains ep 1's losses and loads, ep 1's checkpoint
 resumes at ep 2 with its biases and ep 1's next loss, and its `shardline export` warns that the biases are left out;
 in bf16 with a capacity factor, router biases and the router z-loss, ep 2 trains the same run's fp32 losses to bf16
-precision. A tiny
-Mixtral and a tiny Qwen3-MoE saved by transformers each train from `shardline train --set parallel.ep=2` on 2 ranks,
-record the tokens per expert, are killed with SIGKILL and retrain the lost step bit-exact, and export with the input's
-keys a model transformers loads with the run's validation loss.
+precision; on 4 ranks, with a capacity factor and router biases, FSDP 2 × EP 2 trains FSDP 4's losses, loads and drops.
+A tiny Mixtral and a tiny Qwen3-MoE saved by transformers each train from `shardline train --set parallel.ep=2` on 2
+ranks, record the tokens per expert, are killed with SIGKILL and retrain the lost step bit-exact, and export with the
+input's keys a model transformers loads with the run's validation loss.
 """
 
 from __future__ import annotations
@@ -271,15 +271,30 @@ def test_a_transformers_mixture_trains_from_the_cli_at_ep_2_retrains_a_killed_st
 
 
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+    checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
+    # a capacity that drops and router biases, one micro-batch row a rank: FSDP 4 (ep 1) and FSDP 2 × EP 2
+    dropping = ("parallel.nproc_per_node=4", "train.micro_batch_size=1", "train.expert_capacity_factor=1.0",
+                "train.router_bias_update_rate=0.05")
+    capped = [{**moe_run(tmp_path, checkpoint, f"capbias-ep{ep}", ep, *dropping), "steps": 3} for ep in (1, 2)]
     launch(tmp_path, 4, [{"oracle": 2, "out": str(tmp_path / "fsdp2xep2.out")},
                          {"oracle": 2, "aux": True, "z": True, "out": str(tmp_path / "fsdp2xep2aux.out")},
                          {"oracle": 2, "replicate": 2, "out": str(tmp_path / "hsdp2xep2.out")},
-                         {"oracle": 2, "lora": True, "out": str(tmp_path / "fsdp2xep2lora.out")}])
+                         {"oracle": 2, "lora": True, "out": str(tmp_path / "fsdp2xep2lora.out")}, *capped])
     for case, placements in (("fsdp2xep2", ["S(1)", "S(0)"]), ("fsdp2xep2aux", ["S(1)", "S(0)"]),
                              ("hsdp2xep2", ["R", "S(1)", "S(0)"]), ("fsdp2xep2lora", ["S(1)", "S(0)"])):
         loss, grad, placed = oracle_result(tmp_path / f"{case}.out")
         print(f"{case}: |loss - transformers'| {loss:.2e}, largest gradient difference {grad:.2e}")
         assert loss < LOSS_TOL and grad < GRAD_TOL and placed == placements, (case, placed)
+    at_1, at_2 = (json.loads(Path(job["out"]).read_text()) for job in capped)
+    print(f"capacity 1.0 and router biases on 4 ranks, FSDP 4: losses {[r['loss'] for r in at_1]}, dropped "
+          f"{[r['expert_dropped'] for r in at_1]}; FSDP 2 × EP 2: {[r['loss'] for r in at_2]}, dropped "
+          f"{[r['expert_dropped'] for r in at_2]}")
+    assert [r["loss"] for r in at_2] == pytest.approx([r["loss"] for r in at_1], rel=1e-5)
+    for field in ("expert_dropped", "expert_tokens"):  # the biases steer the same choice, the same copies dropped
+        assert [r[field] for r in at_2] == [r[field] for r in at_1], field
+    assert all(r["expert_dropped"] > 0 for r in at_1)
 
 
 def test_what_expert_parallel_does_not_compose_with_is_a_named_error(tmp_path):
