@@ -175,7 +175,7 @@ class DryRun:
         """(what, simulated, planned for the simulated kernels, planned for the device) per rank, in bytes."""
         shards, cpu, dev = self.result["sharding"], self.result["planned_cpu_kernels"], self.result["planned"]
         rows = [(label, shards[key], cpu[key], dev[key]) for key, label in (
-            ("params", "parameters (fp32, padded)"), ("grads", "gradients (fp32)"), ("optimizer", "AdamW state"),
+            ("params", "parameters (padded)"), ("grads", "gradients (fp32)"), ("optimizer", "AdamW state"),
             ("gather_buffers", "gather buffers"))]
         if (step := self.result.get("step")) is not None:
             rows.append(("step peak", step["peak_bytes"], cpu["step_peak"], dev["step_peak"]))

@@ -175,6 +175,10 @@ def test_sharded_state_per_rank_is_the_planners_exactly(results, preset, world):
         # each, where the planner counts 16/S (beyond 16 shards, ranks hold one row of padding)
         extra = 4 * 128 * 4096 * (-(-16 // world) - 16 / world)
         assert (s["params"], s["grads"]) == (plan["params"] + extra, plan["grads"] + extra)
+        # the bf16 base frozen at 2 bytes a weight (Llama 3.1 8B's 8,030,261,248), the adapters' fp32 masters at 4:
+        # r 16 × (4 A of 4096 columns + B of q, k, v, o's 4096 + 1024 + 1024 + 4096 rows) × 32 blocks
+        adapters = 16 * (4 * 4096 + 4096 + 1024 + 1024 + 4096) * 32
+        assert s["params"] == (2 * 8_030_261_248 + 4 * adapters) / world + extra
         assert bool(s["notes"]) == (world > 16)
         assert all("lora_A" in note for note in s["notes"])
 

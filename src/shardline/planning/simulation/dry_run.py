@@ -101,8 +101,9 @@ def sharding(model: nn.Module, compute_bytes: int) -> Sharding:
         for fp in group.fsdp_params:
             padded, shards = fp.padded_sharded_param_size.numel(), group.mesh_info.shard_mesh_size
             real = fp.sharded_size.numel()
-            params += 4 * padded
-            padding += 4 * (padded - real)
+            held = fp.sharded_param.element_size()  # fp32 masters; a LoRA base frozen in the compute dtype
+            params += held * padded
+            padding += held * (padded - real)
             grads += 4 * padded if fp.sharded_param.requires_grad else 0
             gathered += compute_bytes * padded * shards
             rows = fp._orig_size[0]
@@ -147,7 +148,7 @@ def _planned(spec: JobSpec, device: Device, compute_bytes: int) -> dict:
     training = {name: b for name, b in plan.moment_bytes.items() if name != "GRPO sampling"}
     return {"device": plan.device.name, "step_peak": max(training.values()),
             "sampling_peak": plan.moment_bytes.get("GRPO sampling"),
-            "params": 4 * (pb.total - pb.layers * sum(nf4)) / shard,
+            "params": (4 * pb.trainable + compute_bytes * (pb.total - pb.trainable - pb.layers * sum(nf4))) / shard,
             "grads": 4 * pb.trainable / shard, "optimizer": 8 * pb.trainable / shard,
             "gather_buffers": compute_bytes * (pb.root + 2 * (gathered_block(shape, pb.block, spec.parallel.ep)
                                                               - sum(nf4))),
