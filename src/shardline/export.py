@@ -197,8 +197,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         raise ShardlineError(str(out), "exists and is not empty", "choose a new --out directory or remove this one")
     full = not lora or merge_lora
     weights_dtype = export_dtype(spec, dtype, full)
-    warned = [warning] if (warning := router_bias_warning(store, step)) else []
-    for warning in warned:
+    warning = router_bias_warning(store, step)
+    if warning:
         say(f"warning: {warning}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +221,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, merge_lora: bo
         info = {"run_id": spec.run.id, "step": step, "checkpoint": store.path(step), "spec_hash": spec_hash(spec),
                 "dataset_version": dataset_version, "lora": lora, "merged": lora and merge_lora,
                 "format": "full" if full else "peft_adapter", "dtype": str(weights_dtype).removeprefix("torch."),
-                "warnings": warned}
+                "warnings": [warning] if warning else []}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private
         os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty directory

@@ -584,6 +584,25 @@ def test_lora_trains_attention_with_the_experts_and_router_frozen(ctx, checkpoin
         quantize_frozen_base(model, LoraSpec(enabled=True, quantize_base="nf4"), "bf16")
 
 
+@torch.no_grad()
+def _trained_logits(model: torch.nn.Module, path: Path, run_dir: Path, tmp_path: Path,
+                    *switches) -> tuple[torch.Tensor, ...]:
+    """Logits of one batch: the trained model's, the input checkpoint's (transformers), the model's with every adapter
+    off (DPO's reference: the experts' and routers' too) and inside each of `switches`, then the run's merged and
+    adapter exports' (`_exported_logits`)."""
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    try:
+        switched = []
+        for switch in (adapters_off, *switches):
+            with switch(model):
+                switched.append(model(input_ids=ids).logits)
+        return (model(input_ids=ids).logits, reference(path)(input_ids=ids).logits, *switched,
+                *_exported_logits(run_dir, path, ids, tmp_path))
+    finally:
+        model.train()
+
+
 def _exported_logits(run_dir: Path, path: Path, ids: torch.Tensor, tmp_path: Path) -> tuple[torch.Tensor, ...]:
     """The logits of the run's merged export (transformers' model of it, stored in the input's key layout) and of
     its adapter export (peft's, loaded onto transformers' model of the input)."""
@@ -626,15 +645,7 @@ def test_lora_on_the_experts_trains_adapters_only_and_exports_merged_and_as_peft
     print(f"LoRA on {targets}: losses {first.loss:.5f}, {second.loss:.5f}; {len(changed)} adapter tensors changed")
     trainer.save_checkpoint()
 
-    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
-    model = trainer.model.eval()
-    with torch.no_grad():
-        ours_ = model(input_ids=ids).logits
-        base = reference(path)(input_ids=ids).logits
-        with adapters_off(model):  # DPO's reference: the experts' adapters off too
-            off = model(input_ids=ids).logits
-        merged_logits, peft_logits = _exported_logits(run_dir, path, ids, tmp_path)
-    model.train()
+    ours_, base, off, merged_logits, peft_logits = _trained_logits(trainer.model, path, run_dir, tmp_path)
     print(f"trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; vs the merged export's "
           f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter {(ours_ - peft_logits).abs().max():.2e}")
     assert (ours_ - base).abs().max() > 1e-2  # the adapters moved the logits
@@ -670,17 +681,9 @@ def test_lora_on_the_router_trains_adapters_only_and_exports_merged_and_as_peft_
     assert set(changed) == set(trainable), sorted(set(trainable) - set(changed))
     trainer.save_checkpoint()
 
-    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(3))
-    model = trainer.model.eval()
-    with torch.no_grad():
-        ours_ = model(input_ids=ids).logits
-        base = reference(path)(input_ids=ids).logits
-        with adapters_off(model):
-            off = model(input_ids=ids).logits
-        with router_adapters_off(model):  # the other adapters on: what the routers' adapters add
-            unrouted = model(input_ids=ids).logits
-        merged_logits, peft_logits = _exported_logits(run_dir, path, ids, tmp_path)
-    model.train()
+    # with the routers' adapters off (the other adapters on): what the routers' adapters add
+    ours_, base, off, unrouted, merged_logits, peft_logits = _trained_logits(trainer.model, path, run_dir, tmp_path,
+                                                                             router_adapters_off)
     print(f"{name}, LoRA on {targets}: trained logits vs the base's: max abs diff {(ours_ - base).abs().max():.2e}; "
           f"vs the routers' adapters off {(ours_ - unrouted).abs().max():.2e}; vs the merged export's "
           f"{(ours_ - merged_logits).abs().max():.2e}; vs peft's adapter "

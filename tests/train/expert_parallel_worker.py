@@ -178,10 +178,10 @@ def main(jobs_file: str) -> None:
                     if step == job.get("save_at"):
                         trainer.save_checkpoint(blocking=True)
                 if ctx.is_main and job.get("out"):
+                    blocks = block_wrapping(trainer.model)  # how parallelize wrapped them: the job's AC
                     Path(job["out"]).write_text(json.dumps([{"loss": r.loss, "expert_tokens": r.expert_tokens,
                                                              "expert_imbalance": r.expert_imbalance,
-                                                             "expert_dropped": r.expert_dropped,
-                                                             "blocks": block_wrapping(trainer.model)}
+                                                             "expert_dropped": r.expert_dropped, "blocks": blocks}
                                                             for r in records]))
                 if job.get("save"):
                     trainer.save_checkpoint(blocking=True)

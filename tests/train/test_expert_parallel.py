@@ -84,6 +84,13 @@ def oracle_result(path: Path) -> tuple[float, float, float]:
     return abs(found["loss"] - found["reference_loss"]), max(found["grad_diff"].values()), weight
 
 
+def qwen3_moe_checkpoint(root: Path) -> Path:
+    """A tiny Qwen3-MoE saved by transformers under `root`, with a tokenizer trained on the generated SQL data."""
+    examples = generate_splits(5, 300, 10, 10)["train"]
+    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
+    return write_family_checkpoint("qwen3_moe", tok, root / "qwen3_moe")
+
+
 def moe_run(root: Path, checkpoint: Path, name: str, ep: int, *extra: str) -> dict:
     """The job of a created run of the MoE checkpoint at `ep` (4 steps planned; the job says how many it takes)."""
     spec, _ = create_run(load_spec("tiny", [
@@ -97,9 +104,7 @@ def moe_run(root: Path, checkpoint: Path, name: str, ep: int, *extra: str) -> di
 
 def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2_trains_and_resumes_at_ep_1(
         tmp_path, capsys):
-    examples = generate_splits(5, 300, 10, 10)["train"]
-    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
-    checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
+    checkpoint = qwen3_moe_checkpoint(tmp_path)
     ep1 = moe_run(tmp_path, checkpoint, "ep1", 1)
     ep2 = moe_run(tmp_path, checkpoint, "ep2", 2, "parallel.activation_checkpointing=full")  # the dispatch recomputed
     resumed = moe_run(tmp_path, checkpoint, "ep2to1", 1, f"checkpoint.resume_from={tmp_path / 'runs' / 'ep2'}")
@@ -128,8 +133,10 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
     biased_grown = moe_run(tmp_path, checkpoint, "bias-1to2", 2, bias,
                            f"checkpoint.resume_from={tmp_path / 'runs' / 'bias-ep1'}")
     # the GPU default (bf16) at ep 2 with all three: a capacity that drops, router biases and the router z-loss
-    # (coefficient 0.1: it adds ~25 % to the loss, far beyond bf16's tolerance), beside the same run in fp32
-    capped_biased_z = ("train.expert_capacity_factor=1.0", bias, "train.router_z_loss_coef=0.1")
+    # (coefficient 0.1: it adds ~25 % to the loss, far beyond bf16's tolerance), under selective activation
+    # checkpointing, beside the same run in fp32
+    capped_biased_z = ("train.expert_capacity_factor=1.0", bias, "train.router_z_loss_coef=0.1",
+                       "parallel.activation_checkpointing=selective")
     bf16_capped_biased, fp32_capped_biased = (moe_run(tmp_path, checkpoint, f"ep2{precision}capbiasz", 2,
                                                       f"train.precision={precision}", *capped_biased_z)
                                               for precision in ("bf16", "fp32"))
@@ -209,7 +216,7 @@ def test_two_ranks_ep_1_and_2_equal_transformers_a_broken_dispatch_does_not_ep_2
           f"{[r['expert_dropped'] for r in every]}; fp32 {[r['loss'] for r in every_fp32]} (fp32 capped without the "
           f"z-loss: {[r['loss'] for r in capped[0]]})")
     assert [r["loss"] for r in every] == pytest.approx([r["loss"] for r in every_fp32], rel=2e-2)
-    assert all(r["expert_dropped"] > 0 for r in every)
+    assert all(r["expert_dropped"] > 0 for r in every) and every[0]["blocks"]["selective"] == 2
     # the biases are zero at step 1: the z-loss alone is what separates it from the capped run, beyond bf16's tolerance
     assert every_fp32[0]["loss"] - capped[0][0]["loss"] > 2e-2 * capped[0][0]["loss"]
     lora_at_1, lora_at_2 = ([r["loss"] for r in json.loads(Path(job["out"]).read_text())] for job in (lora_1, lora_2))
@@ -271,9 +278,7 @@ def test_a_transformers_mixture_trains_from_the_cli_at_ep_2_retrains_a_killed_st
 
 
 def test_fsdp_2_x_ep_2_and_hsdp_2_x_ep_2_on_four_ranks_equal_transformers(tmp_path):
-    examples = generate_splits(5, 300, 10, 10)["train"]
-    tok = train_bpe([t for e in examples for t in (e.question, e.context, e.answer)], 400)
-    checkpoint = write_family_checkpoint("qwen3_moe", tok, tmp_path / "qwen3_moe")
+    checkpoint = qwen3_moe_checkpoint(tmp_path)
     # a capacity that drops and router biases, one micro-batch row a rank: FSDP 4 (ep 1) and FSDP 2 × EP 2
     dropping = ("parallel.nproc_per_node=4", "train.micro_batch_size=1", "train.expert_capacity_factor=1.0",
                 "train.router_bias_update_rate=0.05")
